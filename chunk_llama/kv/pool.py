@@ -1,0 +1,122 @@
+"""Chunk pool: preallocated K/V storage for every layer, addressed by chunk id.
+
+A chunk id is one row in every layer's K and V tensor at once, so the prefix tree
+(shared by all layers) allocates a chunk once and every layer writes into its row.
+Memory is allocated up front and never returned to the OS while the pool lives;
+running out is reported with `KVCacheFull`, which callers turn into an admission
+decision instead of a crash.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCacheFull(RuntimeError):
+    """Raised when the pool has too few free chunks for an operation.
+
+    The operation that raised it left the pool and the tree unchanged.
+    """
+
+
+class ChunkPool:
+    """Fixed-capacity pool of KV chunks with a free list and reference counts.
+
+    Storage: `k`, `v`: [num_layers, capacity, num_kv_heads, chunk_size, head_dim].
+    `k[layer]` is a contiguous [capacity, num_kv_heads, chunk_size, head_dim] view,
+    which is the layout the attention kernels read.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        chunk_size: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("chunk_size", chunk_size),
+            ("capacity", capacity),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.chunk_size = chunk_size
+        self.capacity = capacity
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_layers, capacity, num_kv_heads, chunk_size, head_dim)
+        # torch.empty: pages are committed on first write, so an unused budget costs no RSS.
+        self.k = torch.empty(shape, dtype=dtype, device=self.device)
+        self.v = torch.empty(shape, dtype=dtype, device=self.device)
+        # Pop from the end: low ids first, which keeps the touched memory compact.
+        self._free: list[int] = list(range(capacity - 1, -1, -1))
+        self.ref_counts: list[int] = [0] * capacity
+        self.peak_used = 0
+
+    @staticmethod
+    def bytes_per_chunk_for(
+        num_layers: int, num_kv_heads: int, head_dim: int, chunk_size: int, dtype: torch.dtype
+    ) -> int:
+        """Bytes one chunk takes across all layers, K and V together."""
+        element_size = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * chunk_size * head_dim * element_size
+
+    @property
+    def bytes_per_chunk(self) -> int:
+        return self.bytes_per_chunk_for(
+            self.num_layers, self.num_kv_heads, self.head_dim, self.chunk_size, self.dtype
+        )
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.capacity - len(self._free)
+
+    def can_allocate(self, num_chunks: int) -> bool:
+        return num_chunks <= len(self._free)
+
+    def allocate(self) -> int:
+        """Take one free chunk; its reference count starts at 1."""
+        if not self._free:
+            raise KVCacheFull(f"KV cache is full: all {self.capacity} chunks are in use")
+        chunk_id = self._free.pop()
+        self.ref_counts[chunk_id] = 1
+        self.peak_used = max(self.peak_used, self.num_used)
+        return chunk_id
+
+    def incref(self, chunk_id: int) -> None:
+        if self.ref_counts[chunk_id] <= 0:
+            raise RuntimeError(f"incref of free chunk {chunk_id}")
+        self.ref_counts[chunk_id] += 1
+
+    def decref(self, chunk_id: int) -> bool:
+        """Drop one reference; returns True when the chunk became free."""
+        count = self.ref_counts[chunk_id]
+        if count <= 0:
+            raise RuntimeError(f"decref of free chunk {chunk_id}")
+        self.ref_counts[chunk_id] = count - 1
+        if count == 1:
+            self._free.append(chunk_id)
+            return True
+        return False
+
+    def is_free(self, chunk_id: int) -> bool:
+        return self.ref_counts[chunk_id] == 0
+
+    def copy_tokens(self, src_chunk: int, dst_chunk: int, num_tokens: int) -> None:
+        """Copy the first `num_tokens` token slots of a chunk to another, in every layer."""
+        self.k[:, dst_chunk, :, :num_tokens] = self.k[:, src_chunk, :, :num_tokens]
+        self.v[:, dst_chunk, :, :num_tokens] = self.v[:, src_chunk, :, :num_tokens]

@@ -1,0 +1,67 @@
+"""Shared helpers for tests: random prefix trees and dense attention oracles."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.nn.functional as F
+
+from chunk_llama.kv import ChunkPool, PrefixTree
+
+
+def random_token_lists(rng: random.Random, num_seqs: int, max_len: int, vocab: int = 50) -> list[list[int]]:
+    """Sequences that branch off one another at random points (a random tree)."""
+    seqs: list[list[int]] = []
+    for _ in range(num_seqs):
+        length = rng.randint(1, max_len)
+        if seqs and rng.random() < 0.8:
+            parent = rng.choice(seqs)
+            keep = rng.randint(0, min(len(parent), length))
+            seq = parent[:keep] + [rng.randrange(vocab) for _ in range(length - keep)]
+        else:
+            seq = [rng.randrange(vocab) for _ in range(length)]
+        seqs.append(seq)
+    return seqs
+
+
+def make_tree(
+    token_lists: list[list[int]],
+    *,
+    chunk_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float32,
+    num_layers: int = 1,
+    seed: int = 0,
+) -> tuple[ChunkPool, PrefixTree]:
+    """A tree holding `token_lists` as sequences 0..n-1, pool filled with random K/V."""
+    capacity = sum(-(-len(t) // chunk_size) for t in token_lists) + 1
+    pool = ChunkPool(
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        chunk_size=chunk_size,
+        capacity=capacity,
+        dtype=dtype,
+    )
+    generator = torch.Generator().manual_seed(seed)
+    pool.k.copy_(torch.randn(pool.k.shape, generator=generator).to(dtype))
+    pool.v.copy_(torch.randn(pool.v.shape, generator=generator).to(dtype))
+    tree = PrefixTree(pool)
+    for seq_id, tokens in enumerate(token_lists):
+        tree.insert(seq_id, tokens)
+    tree.take_pending_copies()  # values are random anyway; the oracle reads the same slots
+    return pool, tree
+
+
+def dense_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [num_heads, head_dim]; k, v: [num_kv_heads, length, head_dim] -> [num_heads, head_dim]."""
+    out = F.scaled_dot_product_attention(
+        q.float()[None, :, None, :],
+        k.float()[None],
+        v.float()[None],
+        scale=scale,
+        enable_gqa=k.shape[0] != q.shape[0],
+    )
+    return out[0, :, 0, :]
