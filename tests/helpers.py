@@ -65,3 +65,27 @@ def dense_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
         enable_gqa=k.shape[0] != q.shape[0],
     )
     return out[0, :, 0, :]
+
+
+def tiny_llama(*, num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, seed=0, init=0.2, **overrides):
+    """A 2-layer random Llama whose logits are far from ties (large init), so greedy
+    decoding is stable under float reordering."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=num_heads * head_dim,
+        head_dim=head_dim,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=512,
+        initializer_range=init,
+        eos_token_id=5,
+        bos_token_id=1,
+        pad_token_id=0,
+        **overrides,
+    )
+    return LlamaForCausalLM(config).to(dtype).eval()

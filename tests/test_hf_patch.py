@@ -1,0 +1,136 @@
+"""A patched model against stock transformers on the same weights and tokens."""
+
+import copy
+import random
+
+import pytest
+import torch
+from transformers import GenerationConfig, LlamaConfig, MistralConfig, MistralForCausalLM
+
+from chunk_llama import ChunkCache, patch_model
+from helpers import tiny_llama
+
+GQA_SHAPES = [(4, 4, 16), (6, 2, 64), (2, 1, 128)]  # (heads, kv heads, head dim): MHA, GQA, MQA
+LOGIT_TOL = {torch.float32: 1e-4, torch.bfloat16: 0.1, torch.float16: 2e-2}
+
+
+def stock_and_patched(**kwargs):
+    stock = tiny_llama(**kwargs)
+    return stock, patch_model(copy.deepcopy(stock))
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", GQA_SHAPES)
+def test_teacher_forced_logits_through_prefill_and_decode(heads, kv_heads, head_dim):
+    """Sequences of different lengths sharing prefixes: every decode step's logits
+    equal stock logits on the full sequence."""
+    # init 0.1: logits up to ~8, and stock's own incremental decode differs from its
+    # full forward by ~1.5e-5, so 1e-4 is a real bound (at init 0.2 stock itself is off by 1.4e-4)
+    stock, patched = stock_and_patched(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, init=0.1)
+    rng = random.Random(0)
+    system = [rng.randrange(6, 96) for _ in range(37)]
+    seqs = [system + [rng.randrange(6, 96) for _ in range(n)] for n in (3, 17, 1, 40)]
+    seqs.append([rng.randrange(6, 96) for _ in range(23)])  # unrelated: its own tree
+    num_decode = 20
+    full = [s + [rng.randrange(6, 96) for _ in range(num_decode)] for s in seqs]
+    with torch.no_grad():
+        expected = [stock(input_ids=torch.tensor([f])).logits[0] for f in full]
+    cache = ChunkCache(patched, chunk_size=16, kv_cache_bytes=1 << 22)
+    starts = [cache.add_sequence(i, s) for i, s in enumerate(seqs)]
+    assert starts[0] == 0 and starts[1] >= 32  # the system prompt is computed once
+    input_ids, position_ids, last = cache.begin_prefill(list(range(len(seqs))), starts)
+    with torch.no_grad():
+        logits = patched(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, logits_to_keep=last).logits[0]
+    for i, s in enumerate(seqs):
+        assert (logits[i] - expected[i][len(s) - 1]).abs().max() <= 1e-4
+    for step in range(num_decode):
+        order = cache.begin_decode({i: full[i][len(seqs[i]) + step] for i in range(len(seqs))})
+        ids = torch.tensor([[full[i][len(seqs[i]) + step]] for i in order])
+        pos = torch.tensor([[len(seqs[i]) + step] for i in order])
+        with torch.no_grad():
+            out = patched(input_ids=ids, position_ids=pos, past_key_values=cache).logits[:, -1]
+        for row, i in enumerate(order):
+            assert (out[row] - expected[i][len(seqs[i]) + step]).abs().max() <= 1e-4
+    assert cache.num_plan_rebuilds < num_decode  # lengths advance in place between rebuilds
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_forward_logits_on_shared_prefix_batch(dtype):
+    stock, patched = stock_and_patched(num_heads=6, num_kv_heads=2, head_dim=64, dtype=dtype, init=0.1)
+    ids = torch.randint(6, 96, (1, 45)).repeat(3, 1)
+    ids[1, 20:] = torch.randint(6, 96, (25,))
+    with torch.no_grad():
+        expected = stock(input_ids=ids).logits.float()
+        cache = ChunkCache(patched, chunk_size=16, kv_cache_bytes=1 << 22)
+        got = patched(input_ids=ids, past_key_values=cache).logits.float()
+        plain = patched(input_ids=ids).logits.float()  # no ChunkCache: stock SDPA path
+    assert (got - expected).abs().max() <= LOGIT_TOL[dtype]
+    assert torch.equal(plain, expected)
+    assert cache.pool.num_used < 3 * 3  # rows 0 and 2 share all full chunks
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", GQA_SHAPES)
+def test_stock_generate_with_chunk_cache_matches(heads, kv_heads, head_dim):
+    stock, patched = stock_and_patched(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
+    ids = torch.randint(6, 96, (1, 50)).repeat(3, 1)
+    ids[2, 30:] = torch.randint(6, 96, (20,))
+    config = GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        expected = stock.generate(ids, generation_config=config)
+        got = patched.generate(ids, generation_config=config, past_key_values=ChunkCache(patched, chunk_size=16))
+    assert torch.equal(got, expected)
+
+
+def test_num_return_sequences_share_the_prompt():
+    stock, patched = stock_and_patched()
+    ids = torch.randint(6, 96, (1, 70))
+    config = GenerationConfig(max_new_tokens=20, do_sample=True, top_k=0, num_return_sequences=4, pad_token_id=0)
+    with torch.no_grad():
+        torch.manual_seed(3)
+        expected = stock.generate(ids, generation_config=config)
+        cache = ChunkCache(patched, chunk_size=16, kv_cache_bytes=1 << 22)
+        torch.manual_seed(3)
+        got = patched.generate(ids, generation_config=config, past_key_values=cache)
+    assert torch.equal(got, expected)
+    assert len({tuple(r) for r in got[:, 70:].tolist()}) > 1  # the children really diverged
+    # 4 full prompt chunks shared once; each child holds only its own tail (at most 2 chunks)
+    assert cache.pool.peak_used <= 4 + 4 * 2
+
+
+def test_padded_batch_raises_instead_of_wrong_text():
+    _, patched = stock_and_patched()
+    ids = torch.randint(6, 96, (2, 10))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with pytest.raises(ValueError, match="padded"):
+        patched.generate(ids, attention_mask=mask, max_new_tokens=3, past_key_values=ChunkCache(patched))
+
+
+def test_beam_search_raises():
+    _, patched = stock_and_patched()
+    with pytest.raises((NotImplementedError, ValueError)):
+        patched.generate(torch.randint(6, 96, (1, 8)), num_beams=2, max_new_tokens=3, past_key_values=ChunkCache(patched))
+
+
+def test_unsupported_architecture_and_settings():
+    mistral = MistralForCausalLM(
+        MistralConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, sliding_window=16)
+    )
+    with pytest.raises(ValueError, match="Llama"):
+        patch_model(mistral)
+    config = LlamaConfig(vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+    config.sliding_window = 8
+    with pytest.raises(ValueError, match="sliding"):
+        ChunkCache(config)
+    with pytest.raises(ValueError, match="chunk_size"):
+        patch_model(tiny_llama(), chunk_size=0)
+    with pytest.raises(ValueError, match="too small"):
+        ChunkCache(tiny_llama(), kv_cache_bytes=100)
+    with pytest.raises(ValueError, match="dtype"):
+        patch_model(tiny_llama(dtype=torch.float64))
+
+
+def test_patch_is_idempotent():
+    model = tiny_llama()
+    assert patch_model(patch_model(model)) is model
+    assert len(model._forward_pre_hooks) == 1

@@ -1,0 +1,79 @@
+"""Two-phase partition attention vs dense SDPA on each sequence's own K/V."""
+
+import random
+
+import pytest
+import torch
+
+from chunk_llama.kv import build_decode_plan
+from chunk_llama.ops import gather_dense, prefill_attention, tpp_decode_attention
+from helpers import dense_decode_reference, make_tree, random_token_lists
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def check_against_dense(pool, tree, num_heads, head_dim, dtype, seed=0):
+    plan = build_decode_plan(tree, tree.seq_ids)
+    q = torch.randn(plan.num_seqs, num_heads, head_dim, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    scale = head_dim**-0.5
+    out = tpp_decode_attention(q, pool.k[0], pool.v[0], plan, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    worst = 0.0
+    for row, seq_id in enumerate(plan.seq_ids):
+        ids = torch.tensor(tree.chunk_ids(seq_id))
+        length = tree.seq_len(seq_id)
+        expected = dense_decode_reference(
+            q[row], gather_dense(pool.k[0], ids, length), gather_dense(pool.v[0], ids, length), scale
+        )
+        worst = max(worst, (out[row].float() - expected).abs().max().item())
+    assert worst <= TOLERANCE[dtype], worst
+    return plan
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_random_trees(dtype, head_dim, group, chunk_size):
+    rng = random.Random(hash((head_dim, group, chunk_size)) % 1000)
+    num_kv_heads = 2
+    for trial in range(3):
+        tokens = random_token_lists(rng, rng.choice([1, 5, 17]), rng.choice([37, 123, 300]), vocab=3)
+        pool, tree = make_tree(
+            tokens, chunk_size=chunk_size, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, seed=trial
+        )
+        check_against_dense(pool, tree, num_kv_heads * group, head_dim, dtype, seed=trial)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 17, 37])
+def test_everything_shared_and_nothing_shared(num_seqs):
+    shared = [[7] * 123 + [i] for i in range(num_seqs)]  # one long common prefix
+    pool, tree = make_tree(shared, chunk_size=16, num_kv_heads=3, head_dim=64)
+    plan = check_against_dense(pool, tree, 9, 64, torch.float32)
+    if num_seqs > 1:
+        assert plan.num_shared == 123 // 16 and plan.max_rows_per_shared == num_seqs
+    distinct = [[i, *range(5 + i)] for i in range(num_seqs)]
+    pool, tree = make_tree(distinct, chunk_size=16, num_kv_heads=3, head_dim=64)
+    plan = check_against_dense(pool, tree, 9, 64, torch.float32)
+    assert plan.num_shared == 0
+
+
+def test_sequences_ending_on_a_shared_chunk_boundary():
+    # sequence 0 ends exactly where sequence 1 continues: all of 0 is in shared chunks
+    pool, tree = make_tree([[1] * 32, [1] * 32 + [2, 3]], chunk_size=16, num_kv_heads=1, head_dim=64)
+    plan = check_against_dense(pool, tree, 4, 64, torch.float32)
+    assert plan.num_shared == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_start,num_new", [(0, 17), (37, 1), (40, 23)])
+def test_prefill_attention_is_causal_with_offset(dtype, q_start, num_new):
+    pool, tree = make_tree([list(range(q_start + num_new))], chunk_size=16, num_kv_heads=2, head_dim=64, dtype=dtype)
+    ids = torch.tensor(tree.chunk_ids(0))
+    q = torch.randn(num_new, 6, 64).to(dtype)
+    out = prefill_attention(q, pool.k[0], pool.v[0], ids, q_start, 0.125)
+    k = gather_dense(pool.k[0], ids, q_start + num_new)
+    v = gather_dense(pool.v[0], ids, q_start + num_new)
+    for i in range(num_new):
+        expected = dense_decode_reference(q[i], k[:, : q_start + i + 1], v[:, : q_start + i + 1], 0.125)
+        assert (out[i].float() - expected).abs().max().item() <= TOLERANCE[dtype]
