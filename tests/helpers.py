@@ -67,7 +67,7 @@ def dense_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     return out[0, :, 0, :]
 
 
-def tiny_llama(*, num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, seed=0, init=0.2, **overrides):
+def tiny_llama(*, num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, seed=0, init=0.2, eos=5, **overrides):
     """A 2-layer random Llama whose logits are far from ties (large init), so greedy
     decoding is stable under float reordering."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -83,7 +83,7 @@ def tiny_llama(*, num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=512,
         initializer_range=init,
-        eos_token_id=5,
+        eos_token_id=eos,
         bos_token_id=1,
         pad_token_id=0,
         **overrides,

@@ -179,7 +179,9 @@ class ChunkLlamaEngine:
         generator = None
         if config.do_sample and seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(int(seed))
-        eos = config.eos_token_id
+        eos = config.eos_token_id  # unset falls back like `generate`: model config, then tokenizer
+        if eos is None:
+            eos = self.model.generation_config.eos_token_id
         if eos is None and self.tokenizer is not None:
             eos = self.tokenizer.eos_token_id
         eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
@@ -216,6 +218,7 @@ class ChunkLlamaEngine:
         """One iteration: admit and prefill, then decode everyone; returns the finished."""
         finished: list[Sequence] = []
         admitted = self.scheduler.admit()
+        self._peak_batch_size = max(self._peak_batch_size, len(self.scheduler.running))
         if admitted:
             finished += self._prefill(admitted)
         if self.scheduler.running:
@@ -248,7 +251,6 @@ class ChunkLlamaEngine:
         seqs = [by_id[i] for i in order]
         input_ids = torch.tensor([[s.output_ids[-1]] for s in seqs], device=self.device)
         position_ids = torch.tensor([[len(s.all_ids) - 1] for s in seqs], device=self.device)
-        self._peak_batch_size = max(self._peak_batch_size, len(seqs))
         chunk_size = self.cache.chunk_size
         unshared = sum(-(-len(s.all_ids) // chunk_size) for s in seqs)
         self._peak_unshared_chunks = max(self._peak_unshared_chunks, unshared)

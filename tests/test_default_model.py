@@ -1,0 +1,76 @@
+"""The real default model (SmolLM2-135M-Instruct): engine vs stock, and KV held."""
+
+import os
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+import chunk_llama
+from chunk_llama import ChunkLlamaEngine
+from chunk_llama.cli import DEFAULT_SYSTEM, main
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    model, tokenizer = chunk_llama.load_default_model(torch.float32)
+    return model, tokenizer
+
+
+def system_prompt(tokenizer, num_tokens):
+    with open(DEFAULT_SYSTEM, encoding="utf-8") as f:
+        ids = tokenizer(f.read())["input_ids"][:num_tokens]
+    return tokenizer.decode(ids)
+
+
+def unique_chunks(token_lists, chunk_size):
+    """Chunks a prefix tree needs: distinct full-chunk prefixes plus one partial chunk per sequence."""
+    full = {tuple(t[: k * chunk_size]) for t in token_lists for k in range(1, len(t) // chunk_size + 1)}
+    return len(full) + sum(1 for t in token_lists if len(t) % chunk_size)
+
+
+def test_default_model_geometry(default_model):
+    config = default_model[0].config
+    assert (config.num_attention_heads, config.num_key_value_heads, config.num_hidden_layers) == (9, 3, 30)
+    assert config.hidden_size // config.num_attention_heads == 64 and config.vocab_size == 49152
+
+
+def test_shared_system_prompt_greedy_equals_stock_and_kv_is_deduplicated(default_model):
+    model, tokenizer = default_model
+    system = system_prompt(tokenizer, 1000)
+    questions = ["How many flights left BOS on 2022-01-02?", "What is the elevation of DEN?",
+                 "Which carrier flew most from JFK?", "What was the delay of DL 10?"]
+    chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in questions]
+    config = GenerationConfig(max_new_tokens=8, do_sample=False)
+    engine = ChunkLlamaEngine(model, tokenizer, max_batch_size=8, chunk_size=64)
+    outputs = engine.generate(chats, config)
+    chunk_size = 64
+    for out in outputs:
+        prompt = out.prompt_token_ids
+        assert len(prompt) > 1000
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([prompt]), generation_config=config)[0, len(prompt):].tolist()
+        assert out.token_ids == expected
+        assert out.text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert all(o.finish_reason == "length" for o in outputs)
+    # peak: the last decode step, every prompt plus its first 7 generated tokens cached
+    cached = [o.prompt_token_ids + o.token_ids[:-1] for o in outputs]
+    stats = engine.stats
+    assert stats["peak_chunks_used"] == unique_chunks(cached, chunk_size)
+    assert stats["peak_kv_bytes"] == stats["peak_chunks_used"] * stats["bytes_per_chunk"]
+    one_copy_each = sum(-(-len(t) // chunk_size) for t in cached) * stats["bytes_per_chunk"]
+    assert stats["peak_kv_bytes"] < 0.4 * one_copy_each
+    assert stats["prefill_tokens_reused"] >= 3 * 960  # the system prompt was computed once
+
+
+def test_cli_generate_writes_jsonl_and_summary(default_model, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(chunk_llama, "load_model", lambda *a, **k: default_model)
+    questions = tmp_path / "questions.txt"
+    questions.write_text("How many flights left BOS?\nWhat is the elevation of DEN?\n")
+    output = tmp_path / "out.jsonl"
+    assert main(["generate", "--prompts", str(questions), "--max-new-tokens", "4", "--output", str(output)]) == 0
+    lines = output.read_text().splitlines()
+    assert len(lines) == 2 and '"finish_reason"' in lines[0]
+    summary = capsys.readouterr().out
+    assert "sharing ratio" in summary and "one copy per request" in summary
+    assert os.path.exists(DEFAULT_SYSTEM)
