@@ -34,6 +34,7 @@ def make_tree(
     dtype: torch.dtype = torch.float32,
     num_layers: int = 1,
     seed: int = 0,
+    device: str = "cpu",
 ) -> tuple[ChunkPool, PrefixTree]:
     """A tree holding `token_lists` as sequences 0..n-1, pool filled with random K/V."""
     capacity = sum(-(-len(t) // chunk_size) for t in token_lists) + 1
@@ -44,6 +45,7 @@ def make_tree(
         chunk_size=chunk_size,
         capacity=capacity,
         dtype=dtype,
+        device=device,
     )
     generator = torch.Generator().manual_seed(seed)
     pool.k.copy_(torch.randn(pool.k.shape, generator=generator).to(dtype))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from chunk_llama.kv import build_decode_plan
-from chunk_llama.ops import gather_dense, prefill_attention, tpp_decode_attention
+from chunk_llama.ops.reference import gather_dense, prefill_attention, tpp_decode_attention
 from helpers import dense_decode_reference, make_tree, random_token_lists
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}

@@ -47,19 +47,22 @@ def test_append_grows_private_chunks_and_fills_index():
     pool, tree = make()
     tree.insert(0, [1, 2, 3])
     tree.insert(1, [1, 2, 3, 4, 5])
-    version = tree.version
+    version = tree.structure_version
+    tree.take_chunk_events()
     chunk_ids, offsets = tree.append([0, 1], [4, 6])
     assert offsets == [3, 1]
     assert chunk_ids == [tree.chunk_ids(0)[0], tree.chunk_ids(1)[1]]
-    assert tree.version == version  # no chunk added: the plan stays valid
+    assert tree.structure_version == version and tree.take_chunk_events() == []  # the plan stays valid
     # both first chunks now hold [1, 2, 3, 4]; the first to fill (sequence 1's) is the
     # one indexed for sharing, and a newcomer shares it
     assert tree.root.full_children[(1, 2, 3, 4)].chunk_id == tree.chunk_ids(1)[0]
     assert tree.insert(2, [1, 2, 3, 4, 9]) == 4 and tree.chunk_ids(2)[0] == tree.chunk_ids(1)[0]
     tree.remove(2)
-    version = tree.version
+    version = tree.structure_version
     tree.append([0], [7])
-    assert tree.version == version + 1 and len(tree.chunk_ids(0)) == 2
+    # a new private chunk: reported as an event, the structure (and plan order) is unchanged
+    assert tree.structure_version == version and len(tree.chunk_ids(0)) == 2
+    assert tree.take_chunk_events() == [(0, tree.chunk_ids(0)[1])]
 
 
 def test_remove_frees_only_unshared_chunks_and_pool_returns_to_full():
@@ -132,3 +135,22 @@ def test_invalid_pool_arguments():
         ChunkPool(num_layers=1, num_kv_heads=1, head_dim=2, chunk_size=0, capacity=1, dtype=torch.float32)
     with pytest.raises(ValueError, match="capacity"):
         ChunkPool(num_layers=1, num_kv_heads=1, head_dim=2, chunk_size=4, capacity=-1, dtype=torch.float32)
+
+
+def test_plan_updates_in_place_match_a_fresh_build():
+    pool, tree = make(capacity=64)
+    for seq_id, tokens in enumerate([[1] * 8 + [2], [1] * 8 + [3, 3, 3], [4] * 3]):
+        tree.insert(seq_id, tokens)
+    plan = build_decode_plan(tree, [0, 1, 2])
+    for step in range(9):
+        tree.append([0, 1, 2], [10 + step] * 3)
+        events = tree.take_chunk_events()
+        if events:
+            plan.add_private_chunks(events)
+        plan.advance()
+        fresh = build_decode_plan(tree, [0, 1, 2])
+        assert plan.seq_ids == fresh.seq_ids
+        assert torch.equal(plan.seq_lens, fresh.seq_lens)
+        width = fresh.private_chunk_ids.shape[1]
+        assert torch.equal(plan.private_chunk_ids[:, :width], fresh.private_chunk_ids)
+        assert not plan.private_chunk_ids[:, width:].any()

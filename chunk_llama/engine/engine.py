@@ -104,6 +104,7 @@ class ChunkLlamaEngine:
             peak_unshared_kv_bytes=self._peak_unshared_chunks * pool.bytes_per_chunk,
             peak_batch_size=self._peak_batch_size,
             plan_rebuilds=self.cache.num_plan_rebuilds,
+            plan_updates=self.cache.num_plan_updates,
             preemptions=self.scheduler.num_preemptions,
             chunks_in_use=pool.num_used,
             kv_capacity_chunks=pool.capacity,

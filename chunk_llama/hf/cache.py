@@ -15,7 +15,7 @@ from transformers.cache_utils import Cache
 
 from chunk_llama.hf.step import ForwardStep, Segment
 from chunk_llama.kv import ChunkPool, KVCacheFull, PrefixTree, build_decode_plan
-from chunk_llama.kv.plan import DecodePlan
+from chunk_llama.kv.plan import DecodePlan, to_device
 from chunk_llama.models import check_supported, default_kv_cache_bytes, kv_geometry
 from chunk_llama.ops import prefill_attention, tpp_decode_attention
 
@@ -70,6 +70,8 @@ class ChunkCache(Cache):
         )
         self.tree = PrefixTree(self.pool)
         self.num_plan_rebuilds = 0
+        self.num_plan_updates = 0
+        self._group = config.num_attention_heads // num_kv_heads
         self._plan: DecodePlan | None = None
         self._step: ForwardStep | None = None
         self._row_seq_ids: list[int] = []  # generate mode: sequence of each batch row
@@ -127,10 +129,13 @@ class ChunkCache(Cache):
         slot = dict(zip(seq_ids, zip(chunk_ids, offsets)))
         plan = self._decode_plan(seq_ids)
         device = self.pool.device
+        write_chunk, write_offset = to_device(
+            [[slot[s][0] for s in plan.seq_ids], [slot[s][1] for s in plan.seq_ids]], torch.long, device
+        )
         self._step = ForwardStep(
             write_token_index=torch.arange(len(seq_ids), device=device),
-            write_chunk=torch.tensor([slot[s][0] for s in plan.seq_ids], device=device),
-            write_offset=torch.tensor([slot[s][1] for s in plan.seq_ids], device=device),
+            write_chunk=write_chunk,
+            write_offset=write_offset,
             plan=plan,
         )
         return plan.seq_ids
@@ -219,11 +224,21 @@ class ChunkCache(Cache):
         )
 
     def _decode_plan(self, seq_ids: list[int]) -> DecodePlan:
+        """The plan for this decode step: rebuilt after joins and leaves, else updated."""
+        events = self.tree.take_chunk_events()
         plan = self._plan
-        if plan is not None and plan.tree_version == self.tree.version and plan.num_seqs == len(seq_ids):
+        if (
+            plan is not None
+            and plan.structure_version == self.tree.structure_version
+            and len(seq_ids) == plan.num_seqs
+            and all(s in plan.row_of for s in seq_ids)
+        ):
+            if events:
+                plan.add_private_chunks(events)
+                self.num_plan_updates += 1
             plan.advance()
             return plan
-        self._plan = build_decode_plan(self.tree, seq_ids, device=self.pool.device)
+        self._plan = build_decode_plan(self.tree, seq_ids, device=self.pool.device, group=self._group)
         self.num_plan_rebuilds += 1
         return self._plan
 

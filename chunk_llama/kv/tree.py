@@ -66,9 +66,11 @@ class PrefixTree:
         self.root = ChunkNode(-1, None)
         self._seqs: dict[int, _SeqPath] = {}
         self._pending_copies: list[PendingCopy] = []
-        # Bumped whenever a sequence joins or leaves or a chunk is added to a path:
-        # the plan built from the tree is stale when this changes.
-        self.version = 0
+        # Bumped when sequences join or leave or grow by several tokens at once: a
+        # plan built before is stale. A decode step's new chunks only extend one
+        # sequence's private list; they are reported by `take_chunk_events` instead.
+        self.structure_version = 0
+        self._chunk_events: list[tuple[int, int]] = []
 
     # ----------------------------------------------------------------- queries
     def __contains__(self, seq_id: int) -> bool:
@@ -105,6 +107,11 @@ class PrefixTree:
         c = self.chunk_size
         positions = range(start, end)
         return [nodes[p // c].chunk_id for p in positions], [p % c for p in positions]
+
+    def take_chunk_events(self) -> list[tuple[int, int]]:
+        """(seq_id, chunk_id) of chunks `append` added since the last call."""
+        events, self._chunk_events = self._chunk_events, []
+        return events
 
     def take_pending_copies(self) -> list[PendingCopy]:
         copies, self._pending_copies = self._pending_copies, []
@@ -162,7 +169,7 @@ class PrefixTree:
             self._pending_copies.append(PendingCopy(src.chunk_id, new.chunk_id, num_copied))
             matched += num_copied
         self._grow(seq, tokens[seq.length :])
-        self.version += 1
+        self.structure_version += 1
         return matched
 
     def append(self, seq_ids: list[int], tokens: list[int]) -> tuple[list[int], list[int]]:
@@ -181,10 +188,13 @@ class PrefixTree:
                 f"need {num_new_chunks} free chunks to decode, {self.pool.num_free} available"
             )
         chunk_ids, offsets = [], []
-        for seq, token in zip(seqs, tokens):
-            offsets.append(seq.length % c)
+        for seq_id, seq, token in zip(seq_ids, seqs, tokens):
+            offset = seq.length % c
             self._grow(seq, [token])
             chunk_ids.append(seq.nodes[-1].chunk_id)
+            offsets.append(offset)
+            if offset == 0:
+                self._chunk_events.append((seq_id, seq.nodes[-1].chunk_id))
         return chunk_ids, offsets
 
     def extend(self, seq_id: int, tokens: list[int]) -> None:
@@ -199,6 +209,7 @@ class PrefixTree:
                 f"{self.pool.num_free} available"
             )
         self._grow(seq, tokens)
+        self.structure_version += 1
 
     def remove(self, seq_id: int) -> None:
         """Release a sequence: chunks no other sequence goes through are freed."""
@@ -206,7 +217,7 @@ class PrefixTree:
         for node in reversed(seq.nodes):
             if self.pool.decref(node.chunk_id):
                 self._detach(node)
-        self.version += 1
+        self.structure_version += 1
 
     # ---------------------------------------------------------------- helpers
     @staticmethod
@@ -249,7 +260,6 @@ class PrefixTree:
             if seq.length % c == 0:
                 parent = seq.nodes[-1] if seq.nodes else self.root
                 seq.nodes.append(self._new_node(parent, []))
-                self.version += 1
             last = seq.nodes[-1]
             take = min(c - len(last.tokens), len(tokens) - i)
             last.tokens.extend(tokens[i : i + take])

@@ -1,0 +1,62 @@
+"""CUDA two-phase-partition decode attention (csrc/cuda), built for the GPU at hand."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from chunk_llama.kv.plan import DecodePlan
+from chunk_llama.ops.jit import CSRC, load_extension
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_CHUNK_SIZES = (32, 64, 128)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _module():
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"{major}{minor}"
+    sources = [CSRC / "cuda" / f for f in ("tpp_kernels.cu", "tpp_torch.cpp", "bindings.cpp")]
+    return load_extension(
+        f"chunk_llama_cuda_sm{arch}",
+        sources,
+        cflags=["-O3", "-std=c++17"],
+        cuda_cflags=["-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "--use_fast_math"],
+    )
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the CUDA kernel handles these tensors (else use the reference)."""
+    return q.is_cuda and _supports(q.device.index, q.dtype, k_cache.dtype, q.shape[-1], k_cache.shape[2])
+
+
+@functools.lru_cache(maxsize=None)
+def _supports(device_index, dtype, cache_dtype, head_dim: int, chunk_size: int) -> bool:
+    return (
+        dtype in SUPPORTED_DTYPES
+        and cache_dtype == dtype
+        and head_dim in SUPPORTED_HEAD_DIMS
+        and chunk_size in SUPPORTED_CHUNK_SIZES
+        and torch.cuda.get_device_capability(device_index)[0] >= 8
+        and _module() is not None
+    )
+
+
+def tpp_decode_attention_cuda(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float
+) -> torch.Tensor:
+    """Same contract as `reference.tpp_decode_attention`; `plan` built on the GPU with
+    `group = num_heads // num_kv_heads`.
+
+    q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [capacity, num_kv_heads, chunk_size, head_dim]
+    """
+    if plan.device_index is None:
+        raise ValueError("the plan was built for the CPU; build it on the CUDA device of the cache")
+    index = plan.device_index
+    return _module().tpp_decode(
+        q.contiguous(), k_cache, v_cache,
+        index["shared_chunk_ids"], index["shared_begin"], index["shared_end"], index["shared_row_offset"],
+        index["private_chunk_ids"], index["num_shared_tokens"], index["seq_lens"], index["seq_partial_ptr"],
+        index["seq_partial_rows"], plan.max_rows_per_shared, plan.num_partial_rows, float(scale),
+    )

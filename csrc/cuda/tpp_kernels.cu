@@ -1,0 +1,97 @@
+// Torch-free launchers of the two-phase-partition decode attention: raw pointers
+// and a cudaStream_t in, so this file builds with plain nvcc (scripts/check_cuda_build.py).
+#include "chunk_attn/chunk_first.cuh"
+#include "chunk_attn/params.h"
+#include "chunk_attn/seq_first.cuh"
+
+namespace chunk_attn {
+namespace {
+
+int max_dynamic_smem() {
+  int device = 0, value = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  return value;
+}
+
+template <typename T, int D, int C>
+cudaError_t launch_chunk_first(const TppParams& p, cudaStream_t stream) {
+  const int limit = max_dynamic_smem();
+  int num_warps = 4;  // 64 query rows per block when shared memory allows
+  while (num_warps > 1 && chunk_first_smem<T>(D, C, num_warps) > static_cast<size_t>(limit)) num_warps /= 2;
+  const size_t smem = chunk_first_smem<T>(D, C, num_warps);
+  if (smem > static_cast<size_t>(limit)) return cudaErrorInvalidConfiguration;
+  cudaError_t err = cudaFuncSetAttribute(chunk_first_kernel<T, D, C>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  const int group = p.num_heads / p.num_kv_heads;
+  const int tile_rows = 16 * num_warps;
+  const dim3 grid(p.num_shared, p.num_kv_heads, (p.max_rows_per_shared * group + tile_rows - 1) / tile_rows);
+  chunk_first_kernel<T, D, C><<<grid, 32 * num_warps, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T, int D, int MAX_G>
+cudaError_t launch_seq_first_g(const TppParams& p, cudaStream_t stream) {
+  constexpr size_t smem = seq_first_smem<D, MAX_G>();
+  cudaError_t err = cudaFuncSetAttribute(seq_first_kernel<T, D, MAX_G>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  seq_first_kernel<T, D, MAX_G><<<dim3(p.num_seqs, p.num_kv_heads), kSeqFirstWarps * 32, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T, int D>
+cudaError_t launch_seq_first(const TppParams& p, cudaStream_t stream) {
+  const int group = p.num_heads / p.num_kv_heads;
+  if (group <= 1) return launch_seq_first_g<T, D, 1>(p, stream);
+  if (group <= 2) return launch_seq_first_g<T, D, 2>(p, stream);
+  if (group <= 4) return launch_seq_first_g<T, D, 4>(p, stream);
+  return launch_seq_first_g<T, D, 8>(p, stream);  // larger groups: passes of 8 heads
+}
+
+template <typename T, int D, int C>
+cudaError_t launch_both(const TppParams& p, cudaStream_t stream) {
+  if (p.num_shared > 0) {
+    const cudaError_t err = launch_chunk_first<T, D, C>(p, stream);
+    if (err != cudaSuccess) return err;
+  }
+  return launch_seq_first<T, D>(p, stream);
+}
+
+template <typename T, int D>
+cudaError_t dispatch_chunk(const TppParams& p, cudaStream_t stream) {
+  switch (p.chunk_size) {
+    case 32: return launch_both<T, D, 32>(p, stream);
+    case 64: return launch_both<T, D, 64>(p, stream);
+    case 128: return launch_both<T, D, 128>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T>
+cudaError_t dispatch_head_dim(const TppParams& p, cudaStream_t stream) {
+  switch (p.head_dim) {
+    case 64: return dispatch_chunk<T, 64>(p, stream);
+    case 128: return dispatch_chunk<T, 128>(p, stream);
+    case 256: return dispatch_chunk<T, 256>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+bool tpp_supports(int head_dim, int chunk_size) {
+  return (head_dim == 64 || head_dim == 128 || head_dim == 256) &&
+         (chunk_size == 32 || chunk_size == 64 || chunk_size == 128);
+}
+
+cudaError_t tpp_decode(const TppParams& p, DType dtype, cudaStream_t stream) {
+  if (!tpp_supports(p.head_dim, p.chunk_size) || p.num_kv_heads <= 0 || p.num_heads % p.num_kv_heads) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.num_seqs == 0) return cudaSuccess;
+  return dtype == DType::kHalf ? dispatch_head_dim<half>(p, stream) : dispatch_head_dim<__nv_bfloat16>(p, stream);
+}
+
+}  // namespace chunk_attn

@@ -1,0 +1,52 @@
+// Torch-free parameters of the two-phase-partition decode attention.
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace chunk_attn {
+
+enum class DType { kHalf = 0, kBFloat16 = 1 };
+
+// One decode step: one query per sequence, sequences in depth-first plan order.
+// Partials of the chunk-first phase are laid out per KV head as rows
+// `row_offset[s] + local_seq * group + g`, each shared chunk's rows padded to 16,
+// so a 16-row tile of one chunk is 16 consecutive rows.
+struct TppParams {
+  const void* q;        // [num_seqs, num_heads, head_dim]
+  const void* k_cache;  // [capacity, num_kv_heads, chunk_size, head_dim]
+  const void* v_cache;  // [capacity, num_kv_heads, chunk_size, head_dim]
+  void* out;            // [num_seqs, num_heads, head_dim]
+  float* partial_o;     // [num_kv_heads, num_partial_rows, head_dim]  (unnormalised)
+  float* partial_m;     // [num_kv_heads, num_partial_rows]            (row max)
+  float* partial_n;     // [num_kv_heads, num_partial_rows]            (sum of exp)
+
+  const int* shared_chunk_ids;   // [num_shared]
+  const int* shared_begin;       // [num_shared] first plan row under the chunk
+  const int* shared_end;         // [num_shared] one past the last
+  const int* shared_row_offset;  // [num_shared] first partial row of the chunk
+  const int* private_chunk_ids;  // [num_seqs, max_private]
+  const int* num_shared_tokens;  // [num_seqs] tokens in shared chunks (a multiple of chunk_size)
+  const int* seq_lens;           // [num_seqs] context length including the new token
+  const int* seq_partial_ptr;    // [num_seqs + 1] CSR into seq_partial_rows
+  const int* seq_partial_rows;   // [num_pairs] partial row of (chunk, sequence) for group head 0
+
+  int num_seqs;
+  int num_heads;
+  int num_kv_heads;
+  int head_dim;
+  int chunk_size;
+  int num_shared;
+  int max_private;
+  int max_rows_per_shared;  // widest shared chunk, in sequences
+  int num_partial_rows;
+  float scale;
+};
+
+// Launches both phases on `stream`. Returns cudaErrorInvalidValue for an
+// unsupported head_dim / chunk_size, or the launch error.
+cudaError_t tpp_decode(const TppParams& params, DType dtype, cudaStream_t stream);
+
+// Whether (head_dim, chunk_size) has compiled kernels.
+bool tpp_supports(int head_dim, int chunk_size);
+
+}  // namespace chunk_attn

@@ -1,0 +1,252 @@
+"""Decode-attention kernel benchmark (the paper's section 4.1), baselines in the same run.
+
+    python scripts/bench_kernel.py --batch 32 --n-prompt 2048 --n-shared 2048 --device cuda
+    python scripts/bench_kernel.py --grid paper --device cuda --out docs/bench
+
+Workload: `batch` sequences of `n_prompt` context tokens, the first `n_shared` of
+them common to all, one new query token each. Implementations:
+  naive           matmul, softmax, matmul per sequence on its dense K/V (Python loop)
+  sdpa_dense      scaled_dot_product_attention on padded dense K/V (what stock HF runs)
+  paged_no_share  per-sequence attention over its own chunks, nothing shared (PagedAttention analogue)
+  tpp_reference   two-phase partition in PyTorch over the prefix tree
+  tpp_cuda        the CUDA two-phase kernels (on a GPU)
+`ms` is the median of `--repeat` timed runs; `gbps` counts the K/V bytes each
+implementation must read (unique K/V for the tree, every sequence's copy otherwise);
+`max_abs_err` is against sdpa_dense. Floors: unique K/V bytes / measured copy
+bandwidth, and FLOPs / measured matmul throughput, on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import platform
+import statistics
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from chunk_llama.kv import ChunkPool, PrefixTree, build_decode_plan  # noqa: E402
+from chunk_llama.ops import reference  # noqa: E402
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device, repeat: int) -> float:
+    fn()
+    sync(device)
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def machine_limits(device, dtype) -> tuple[float, float]:
+    """(copy bandwidth in GB/s counting read + write, matmul throughput in GFLOP/s)."""
+    n = 256 * 2**20 // 4 if device.type == "cuda" else 64 * 2**20 // 4
+    x = torch.ones(n, dtype=torch.float32, device=device)
+    y = torch.empty_like(x)
+    ms = timed(lambda: y.copy_(x), device, 10)
+    bandwidth = 2 * x.numel() * 4 / ms / 1e6
+    size = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    ms = timed(lambda: a @ a, device, 5)
+    return bandwidth, 2 * size**3 / ms / 1e6
+
+
+def build_tree(batch, n_prompt, n_shared, kv_heads, head_dim, chunk, dtype, device, share=True):
+    per_seq = -(-n_prompt // chunk)
+    capacity = (per_seq + 1) * batch + 1
+    pool = ChunkPool(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, chunk_size=chunk,
+                     capacity=capacity, dtype=dtype, device=device)
+    pool.k.normal_()
+    pool.v.normal_()
+    tree = PrefixTree(pool)
+    for s in range(batch):
+        prefix = list(range(n_shared)) if share else [10**7 * (s + 1) + t for t in range(n_shared)]
+        tree.insert(s, prefix + [10**6 * (s + 1) + t for t in range(n_prompt - n_shared)])
+    return pool, tree
+
+
+def run_one(args, device, dtype, batch, n_prompt, n_shared, limits) -> list[dict]:
+    heads, kv_heads, d, c = args.heads, args.kv_heads, args.head_dim, args.chunk_size
+    group = heads // kv_heads
+    scale = d**-0.5
+    pool, tree = build_tree(batch, n_prompt, n_shared, kv_heads, d, c, dtype, device)
+    plan = build_decode_plan(tree, tree.seq_ids, device=device, group=group)
+    q = torch.randn(batch, heads, d, device=device, dtype=dtype)
+    # dense K/V per sequence in plan order: [batch, kv_heads, n_prompt, d]
+    k_dense = torch.stack([reference.gather_dense(pool.k[0], torch.tensor(tree.chunk_ids(s), device=device), n_prompt)
+                           for s in plan.seq_ids])
+    v_dense = torch.stack([reference.gather_dense(pool.v[0], torch.tensor(tree.chunk_ids(s), device=device), n_prompt)
+                           for s in plan.seq_ids])
+
+    def sdpa_dense():
+        return F.scaled_dot_product_attention(q[:, :, None], k_dense, v_dense, scale=scale,
+                                              enable_gqa=group > 1)[:, :, 0]
+
+    def naive():
+        out = []
+        for i in range(batch):
+            k = k_dense[i].repeat_interleave(group, 0)
+            v = v_dense[i].repeat_interleave(group, 0)
+            w = torch.softmax((q[i, :, None].float() @ k.float().transpose(-1, -2)) * scale, -1)
+            out.append((w @ v.float())[:, 0].to(dtype))
+        return torch.stack(out)
+
+    # Nothing shared: every sequence holds its own copy of the same K/V values.
+    pool_ns, tree_ns = build_tree(batch, n_prompt, n_shared, kv_heads, d, c, dtype, device, share=False)
+    for s in range(batch):
+        src = torch.tensor(tree.chunk_ids(s), device=device)
+        dst = torch.tensor(tree_ns.chunk_ids(s), device=device)
+        pool_ns.k[0][dst] = pool.k[0][src]
+        pool_ns.v[0][dst] = pool.v[0][src]
+    plan_ns = build_decode_plan(tree_ns, tree_ns.seq_ids, device=device, group=group)
+    row = {s: r for r, s in enumerate(plan.seq_ids)}
+    to_ns = torch.tensor([row[s] for s in plan_ns.seq_ids], device=device)
+    q_ns = q[to_ns].contiguous()
+    from_ns = torch.argsort(to_ns)
+    impls = {
+        "naive": naive,
+        "sdpa_dense": sdpa_dense,
+        "tpp_reference": lambda: reference.tpp_decode_attention(q, pool.k[0], pool.v[0], plan, scale),
+    }
+    from chunk_llama.ops import decode_backend, tpp_decode_attention
+
+    backend = decode_backend(q, pool.k[0])
+    if backend != "reference":
+        impls[f"tpp_{backend}"] = lambda: tpp_decode_attention(q, pool.k[0], pool.v[0], plan, scale)
+    impls["paged_no_share"] = lambda: tpp_decode_attention(q_ns, pool_ns.k[0], pool_ns.v[0], plan_ns, scale)
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        plain = impls["sdpa_dense"]
+
+        def flash():
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+                return plain()
+
+        impls["sdpa_dense"] = flash
+    if args.impls:
+        impls = {k: v for k, v in impls.items() if k in args.impls or k == "sdpa_dense"}
+
+    element = torch.empty((), dtype=dtype).element_size()
+    per_token = 2 * kv_heads * d * element
+    unique_tokens = n_shared + batch * (n_prompt - n_shared) if batch > 1 else n_prompt
+    bytes_all = batch * n_prompt * per_token
+    bytes_unique = unique_tokens * per_token
+    flops = 4 * batch * heads * n_prompt * d
+    bandwidth, matmul = limits
+    expected = sdpa_dense().float()
+    rows = []
+    for name, fn in impls.items():
+        ms = timed(fn, device, args.repeat)
+        result = fn()[from_ns] if name == "paged_no_share" else fn()
+        moved = bytes_unique if name.startswith("tpp_") else bytes_all
+        rows.append(dict(
+            impl=name, batch=batch, n_prompt=n_prompt, n_shared=n_shared, heads=heads, kv_heads=kv_heads,
+            head_dim=d, chunk_size=c, dtype=str(dtype).replace("torch.", ""), device=device.type,
+            ms=ms, gbps=moved / ms / 1e6, max_abs_err=(result.float() - expected).abs().max().item(),
+            floor_bandwidth_ms=bytes_unique / bandwidth / 1e6, floor_flops_ms=flops / matmul / 1e6,
+        ))
+    base = next(r["ms"] for r in rows if r["impl"] == "sdpa_dense")
+    for r in rows:
+        r["speedup_vs_sdpa_dense"] = base / r["ms"]
+    return rows
+
+
+def paper_grid(args):
+    """Table 3, Figure 3 (decoding proceeds at n_s = 2048), Figure 4 (batch sizes), a GQA shape."""
+    points = []
+    for n_p in (1024, 2048, 4096):
+        for n_s in (0, n_p // 2, 3 * n_p // 4, n_p):
+            points.append(("table3", dict(batch=32, n_prompt=n_p, n_shared=n_s)))
+    for n_c in (0, 256, 512, 1024, 2048):
+        points.append(("figure3", dict(batch=32, n_prompt=2048 + n_c, n_shared=2048)))
+    for b in (8, 16, 32, 48, 64, 96):
+        points.append(("figure4", dict(batch=b, n_prompt=2048 + 64, n_shared=2048)))
+    return points
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--n-prompt", type=int, default=2048)
+    parser.add_argument("--n-shared", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=None)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--chunk-size", type=int, default=64)
+    parser.add_argument("--dtype", default=None, help="default: float16 on CUDA, float32 on the CPU")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--impls", nargs="*", help="only these implementations (sdpa_dense always runs)")
+    parser.add_argument("--grid", choices=["paper"])
+    parser.add_argument("--gqa", action="store_true", help="with --grid: add the default model's shape (9/3 heads, d=64)")
+    parser.add_argument("--out", default="docs/bench", help="with --grid: folder for the CSV and markdown")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("float16" if device.type == "cuda" else "float32"))
+    args.kv_heads = args.kv_heads or args.heads
+    limits = machine_limits(device, dtype)
+    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.processor()}), "
+          f"copy bandwidth {limits[0]:.0f} GB/s, matmul {limits[1]:.0f} GFLOP/s ({dtype})", flush=True)
+
+    rows = []
+    points = paper_grid(args) if args.grid else [("single", dict(batch=args.batch, n_prompt=args.n_prompt,
+                                                                 n_shared=args.n_shared))]
+    shapes = [(args.heads, args.kv_heads, args.head_dim)]
+    if args.grid and args.gqa:
+        shapes.append((9, 3, 64))
+    for heads, kv_heads, head_dim in shapes:
+        args.heads, args.kv_heads, args.head_dim = heads, kv_heads, head_dim
+        for experiment, point in points:
+            if (heads, kv_heads, head_dim) == (9, 3, 64) and experiment != "table3":
+                continue
+            for r in run_one(args, device, dtype, **point, limits=limits):
+                r["experiment"] = experiment if heads != 9 else "gqa_9_3_d64"
+                rows.append(r)
+                print(f"{r['experiment']:>12} b={r['batch']:3d} n_p={r['n_prompt']:5d} n_s={r['n_shared']:5d} "
+                      f"{r['impl']:>15} {r['ms']:9.3f} ms {r['gbps']:8.1f} GB/s x{r['speedup_vs_sdpa_dense']:6.2f} "
+                      f"err {r['max_abs_err']:.1e} floors {r['floor_bandwidth_ms']:.3f}/{r['floor_flops_ms']:.3f} ms",
+                      flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{k: r[k] for k in ("impl", "ms", "gbps", "max_abs_err")} | r for r in rows], f, indent=1)
+    if args.grid:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = f"kernel_{device.type}"
+        with open(out / f"{stem}.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        with open(out / f"{stem}.md", "w") as f:
+            name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+            f.write(f"Command: `python scripts/bench_kernel.py {' '.join(sys.argv[1:])}` on {name}, "
+                    f"torch {torch.__version__}, {date.today()}, {dtype}; copy bandwidth {limits[0]:.0f} GB/s, "
+                    f"matmul {limits[1]:.0f} GFLOP/s.\n\n")
+            f.write("| experiment | b | n_p | n_s | impl | ms | GB/s | vs sdpa_dense | max err | floor BW ms | floor FLOP ms |\n")
+            f.write("|---|---|---|---|---|---|---|---|---|---|---|\n")
+            for r in rows:
+                f.write(f"| {r['experiment']} | {r['batch']} | {r['n_prompt']} | {r['n_shared']} | {r['impl']} | "
+                        f"{r['ms']:.3f} | {r['gbps']:.0f} | {r['speedup_vs_sdpa_dense']:.2f}x | {r['max_abs_err']:.1e} | "
+                        f"{r['floor_bandwidth_ms']:.3f} | {r['floor_flops_ms']:.3f} |\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""CUDA kernels vs the PyTorch reference and dense SDPA (skipped without a GPU)."""
+
+import copy
+import random
+
+import pytest
+import torch
+
+from chunk_llama import ChunkCache, patch_model
+from chunk_llama.kv import build_decode_plan
+from chunk_llama.ops import decode_backend, tpp_decode_attention
+from chunk_llama.ops import reference
+from chunk_llama.ops.reference import gather_dense
+from helpers import dense_decode_reference, make_tree, random_token_lists, tiny_llama
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU and a CUDA build of torch"),
+]
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def run_case(tokens, *, chunk_size, num_kv_heads, group, head_dim, dtype, seed=0):
+    pool, tree = make_tree(tokens, chunk_size=chunk_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                           dtype=dtype, seed=seed, device="cuda")
+    plan = build_decode_plan(tree, tree.seq_ids, device="cuda", group=group)
+    num_heads = num_kv_heads * group
+    q = torch.randn(plan.num_seqs, num_heads, head_dim, generator=torch.Generator().manual_seed(seed)).to("cuda", dtype)
+    scale = head_dim**-0.5
+    assert decode_backend(q, pool.k[0]) == "cuda"
+    out = tpp_decode_attention(q, pool.k[0], pool.v[0], plan, scale)
+    ref = reference.tpp_decode_attention(q, pool.k[0], pool.v[0], plan, scale)
+    assert (out.float() - ref.float()).abs().max().item() <= TOLERANCE[dtype]
+    for row, seq_id in enumerate(plan.seq_ids):
+        ids = torch.tensor(tree.chunk_ids(seq_id), device="cuda")
+        length = tree.seq_len(seq_id)
+        dense = dense_decode_reference(q[row], gather_dense(pool.k[0], ids, length), gather_dense(pool.v[0], ids, length), scale)
+        assert (out[row].float() - dense).abs().max().item() <= TOLERANCE[dtype]
+    return plan
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("chunk_size", [32, 64, 128])
+@pytest.mark.parametrize("group", [1, 3, 4, 8, 12])
+def test_random_trees(dtype, head_dim, chunk_size, group):
+    rng = random.Random(head_dim * 1000 + chunk_size * 10 + group)
+    for trial in range(2):
+        tokens = random_token_lists(rng, rng.choice([1, 17, 37]), rng.choice([123, 300]), vocab=3)
+        run_case(tokens, chunk_size=chunk_size, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype, seed=trial)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 17, 37, 96])
+def test_everything_and_nothing_shared(num_seqs):
+    shared = [[7] * 1000 + [i, i] for i in range(num_seqs)]
+    plan = run_case(shared, chunk_size=64, num_kv_heads=4, group=8, head_dim=128, dtype=torch.float16)
+    if num_seqs > 1:
+        assert plan.num_shared == 1000 // 64
+    distinct = [[i] * 300 for i in range(num_seqs)]
+    plan = run_case(distinct, chunk_size=64, num_kv_heads=4, group=8, head_dim=128, dtype=torch.float16)
+    assert plan.num_shared == 0
+
+
+def test_incremental_plan_updates_on_the_gpu():
+    pool, tree = make_tree([[1] * 100 + [2], [1] * 100 + [3] * 60, [5] * 10], chunk_size=32, num_kv_heads=3,
+                           head_dim=64, dtype=torch.float16, device="cuda")
+    plan = build_decode_plan(tree, [0, 1, 2], device="cuda", group=3)
+    for step in range(70):
+        tree.append([0, 1, 2], [9, 9, 9])
+        events = tree.take_chunk_events()
+        if events:
+            plan.add_private_chunks(events)
+        plan.advance()
+    fresh = build_decode_plan(tree, [0, 1, 2], device="cuda", group=3)
+    q = torch.randn(3, 9, 64, device="cuda", dtype=torch.float16)
+    got = tpp_decode_attention(q, pool.k[0], pool.v[0], plan, 0.125)
+    want = tpp_decode_attention(q, pool.k[0], pool.v[0], fresh, 0.125)
+    assert torch.allclose(got, want, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_patched_model_on_gpu_matches_stock_logits(dtype):
+    """A model with the default model's attention geometry (9 query, 3 KV heads, head dim 64)."""
+    stock = tiny_llama(num_heads=9, num_kv_heads=3, head_dim=64, init=0.05).to("cuda", dtype)
+    patched = patch_model(copy.deepcopy(stock))
+    rng = random.Random(0)
+    system = [rng.randrange(6, 96) for _ in range(150)]
+    seqs = [system + [rng.randrange(6, 96) for _ in range(n)] for n in (3, 40, 17, 1)]
+    full = [s + [rng.randrange(6, 96) for _ in range(24)] for s in seqs]
+    with torch.no_grad():
+        expected = [stock(input_ids=torch.tensor([f], device="cuda")).logits[0].float() for f in full]
+    cache = ChunkCache(patched, chunk_size=64, kv_cache_bytes=1 << 26)
+    starts = [cache.add_sequence(i, s) for i, s in enumerate(seqs)]
+    input_ids, position_ids, last = cache.begin_prefill(list(range(len(seqs))), starts)
+    tol = 3e-2 if dtype == torch.float16 else 1.5e-1
+    with torch.no_grad():
+        logits = patched(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, logits_to_keep=last).logits[0]
+        for i, s in enumerate(seqs):
+            assert (logits[i].float() - expected[i][len(s) - 1]).abs().max() <= tol
+        for step in range(24):
+            order = cache.begin_decode({i: full[i][len(seqs[i]) + step] for i in range(len(seqs))})
+            ids = torch.tensor([[full[i][len(seqs[i]) + step]] for i in order], device="cuda")
+            pos = torch.tensor([[len(seqs[i]) + step] for i in order], device="cuda")
+            out = patched(input_ids=ids, position_ids=pos, past_key_values=cache).logits[:, -1].float()
+            for row, i in enumerate(order):
+                assert (out[row] - expected[i][len(seqs[i]) + step]).abs().max() <= tol
+    assert cache.num_plan_updates > 0
