@@ -43,8 +43,22 @@ def sync(device):
 
 
 def timed(fn, device, repeat: int) -> float:
+    """Median ms. On CUDA: GPU time between events around each call, after flushing
+    the L2 cache (as triton's do_bench), so host overhead and a warm cache do not count."""
     fn()
     sync(device)
+    if device.type == "cuda":
+        flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device)
+        events = []
+        for _ in range(repeat):
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            events.append((start, end))
+        sync(device)
+        return statistics.median(s.elapsed_time(e) for s, e in events)
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
@@ -59,7 +73,7 @@ def machine_limits(device, dtype) -> tuple[float, float]:
     n = 256 * 2**20 // 4 if device.type == "cuda" else 64 * 2**20 // 4
     x = torch.ones(n, dtype=torch.float32, device=device)
     y = torch.empty_like(x)
-    ms = timed(lambda: y.copy_(x), device, 10)
+    ms = timed(lambda: y.copy_(x), device, 10)  # counts read + write
     bandwidth = 2 * x.numel() * 4 / ms / 1e6
     size = 8192 if device.type == "cuda" else 1024
     a = torch.randn(size, size, device=device, dtype=dtype)

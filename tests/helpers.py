@@ -35,9 +35,10 @@ def make_tree(
     num_layers: int = 1,
     seed: int = 0,
     device: str = "cpu",
+    spare_chunks: int = 1,
 ) -> tuple[ChunkPool, PrefixTree]:
     """A tree holding `token_lists` as sequences 0..n-1, pool filled with random K/V."""
-    capacity = sum(-(-len(t) // chunk_size) for t in token_lists) + 1
+    capacity = sum(-(-len(t) // chunk_size) for t in token_lists) + spare_chunks
     pool = ChunkPool(
         num_layers=num_layers,
         num_kv_heads=num_kv_heads,

@@ -61,9 +61,17 @@ def test_everything_and_nothing_shared(num_seqs):
     assert plan.num_shared == 0
 
 
+@pytest.mark.parametrize("group", [1, 3, 12])
+def test_few_long_sequences_split_the_private_tail(group):
+    # 1-3 sequences of 5,000 private tokens: the sequence-first phase is split across blocks
+    tokens = [[s] * 5000 for s in range(3)] + [[9] * 2000 + [1] * 3000, [9] * 2000 + [2] * 3000]  # last two share
+    run_case(tokens[:1], chunk_size=64, num_kv_heads=2, group=group, head_dim=128, dtype=torch.float16)
+    run_case(tokens, chunk_size=64, num_kv_heads=2, group=group, head_dim=64, dtype=torch.bfloat16)
+
+
 def test_incremental_plan_updates_on_the_gpu():
     pool, tree = make_tree([[1] * 100 + [2], [1] * 100 + [3] * 60, [5] * 10], chunk_size=32, num_kv_heads=3,
-                           head_dim=64, dtype=torch.float16, device="cuda")
+                           head_dim=64, dtype=torch.float16, device="cuda", spare_chunks=12)
     plan = build_decode_plan(tree, [0, 1, 2], device="cuda", group=3)
     for step in range(70):
         tree.append([0, 1, 2], [9, 9, 9])

@@ -49,6 +49,8 @@ class DecodePlan:
     row_of: dict[int, int]
     device_index: dict[str, torch.Tensor] | None = None
     num_partial_rows: int = 0
+    max_pairs_per_seq: int = 0
+    max_private_tokens: int = 0  # host-side: sizes the CUDA split without reading the device
 
     @property
     def num_seqs(self) -> int:
@@ -61,6 +63,7 @@ class DecodePlan:
     def advance(self) -> None:
         """Every sequence gained one token (a device op: no host synchronisation)."""
         self.seq_lens += 1
+        self.max_private_tokens += 1
         if self.device_index is not None:
             self.device_index["seq_lens"] += 1
 
@@ -180,6 +183,7 @@ def build_decode_plan(
         chunk_size=c,
         num_private=num_private,
         row_of={s: r for r, s in enumerate(order)},
+        max_private_tokens=max((n - k for n, k in zip(seq_lens, num_shared_tokens)), default=0),
     )
     if device.type == "cuda":
         # Partial rows per KV head: chunk s owns rows [row_offset[s], +(end-begin)*group) padded to 16.
@@ -199,4 +203,5 @@ def build_decode_plan(
         plan.device_index = dict(zip(names, to_device(values, torch.int32, device)))
         plan.device_index["private_chunk_ids"] = plan.device_index["private_chunk_ids"].reshape(len(order), width)
         plan.num_partial_rows = total
+        plan.max_pairs_per_seq = max(n_shared // c for n_shared in num_shared_tokens) if order else 0
     return plan

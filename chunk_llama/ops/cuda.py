@@ -58,5 +58,7 @@ def tpp_decode_attention_cuda(
         q.contiguous(), k_cache, v_cache,
         index["shared_chunk_ids"], index["shared_begin"], index["shared_end"], index["shared_row_offset"],
         index["private_chunk_ids"], index["num_shared_tokens"], index["seq_lens"], index["seq_partial_ptr"],
-        index["seq_partial_rows"], plan.max_rows_per_shared, plan.num_partial_rows, float(scale),
+        index["seq_partial_rows"], plan.max_rows_per_shared, plan.max_pairs_per_seq, plan.max_private_tokens,
+        plan.num_partial_rows,
+        float(scale),
     )

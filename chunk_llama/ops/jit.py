@@ -53,7 +53,8 @@ def load_extension(name: str, sources: list[Path], *, cflags: list[str], cuda_cf
     build_dir = cache_dir() / f"{name}-torch{torch.__version__}-{digest}"
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        with open(build_dir / "lock", "w") as lock:
+        # beside the build folder: torch's own baton is `<build_dir>/lock`
+        with open(build_dir.parent / f"{build_dir.name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one builder; the others wait, then load
             module = cpp_extension.load(
                 name=f"{name}_{digest}",

@@ -7,11 +7,28 @@
 namespace chunk_attn {
 namespace {
 
+constexpr int kMaxDevices = 64;
+
 int max_dynamic_smem() {
-  int device = 0, value = 0;
+  static int cached[kMaxDevices] = {};  // per device, read once
+  int device = 0;
   cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  return value;
+  if (device >= kMaxDevices) device = kMaxDevices - 1;
+  if (cached[device] == 0) cudaDeviceGetAttribute(&cached[device], cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  return cached[device];
+}
+
+// Raise a kernel's dynamic shared-memory limit once per kernel and device, not per launch.
+template <auto Kernel>
+cudaError_t allow_smem(size_t smem) {
+  static size_t allowed[kMaxDevices] = {};
+  int device = 0;
+  cudaGetDevice(&device);
+  if (device >= kMaxDevices) device = kMaxDevices - 1;
+  if (smem <= 48 * 1024 || smem <= allowed[device]) return cudaSuccess;
+  const cudaError_t err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err == cudaSuccess) allowed[device] = smem;
+  return err;
 }
 
 template <typename T, int D, int C>
@@ -21,8 +38,7 @@ cudaError_t launch_chunk_first(const TppParams& p, cudaStream_t stream) {
   while (num_warps > 1 && chunk_first_smem<T>(D, C, num_warps) > static_cast<size_t>(limit)) num_warps /= 2;
   const size_t smem = chunk_first_smem<T>(D, C, num_warps);
   if (smem > static_cast<size_t>(limit)) return cudaErrorInvalidConfiguration;
-  cudaError_t err = cudaFuncSetAttribute(chunk_first_kernel<T, D, C>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  const cudaError_t err = allow_smem<chunk_first_kernel<T, D, C>>(smem);
   if (err != cudaSuccess) return err;
   const int group = p.num_heads / p.num_kv_heads;
   const int tile_rows = 16 * num_warps;
@@ -33,11 +49,15 @@ cudaError_t launch_chunk_first(const TppParams& p, cudaStream_t stream) {
 
 template <typename T, int D, int MAX_G>
 cudaError_t launch_seq_first_g(const TppParams& p, cudaStream_t stream) {
-  constexpr size_t smem = seq_first_smem<D, MAX_G>();
-  cudaError_t err = cudaFuncSetAttribute(seq_first_kernel<T, D, MAX_G>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  const size_t smem = seq_first_smem<D, MAX_G>(p.max_pairs_per_seq);
+  if (smem > static_cast<size_t>(max_dynamic_smem())) return cudaErrorInvalidConfiguration;
+  const cudaError_t err = allow_smem<seq_first_kernel<T, D, MAX_G>>(smem);
   if (err != cudaSuccess) return err;
-  seq_first_kernel<T, D, MAX_G><<<dim3(p.num_seqs, p.num_kv_heads), kSeqFirstWarps * 32, smem, stream>>>(p);
+  seq_first_kernel<T, D, MAX_G><<<dim3(p.num_seqs, p.num_kv_heads, p.num_splits), kSeqFirstWarps * 32, smem, stream>>>(p);
+  if (p.num_splits == 1) return cudaGetLastError();
+  const cudaError_t merge_err = allow_smem<merge_splits_kernel<T, D, MAX_G>>(smem);
+  if (merge_err != cudaSuccess) return merge_err;
+  merge_splits_kernel<T, D, MAX_G><<<dim3(p.num_seqs, p.num_kv_heads), kSeqFirstWarps * 32, smem, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -80,6 +100,18 @@ cudaError_t dispatch_head_dim(const TppParams& p, cudaStream_t stream) {
 }
 
 }  // namespace
+
+int tpp_num_splits(int num_seqs, int num_kv_heads, int max_private_tokens) {
+  static int num_sms[kMaxDevices] = {};
+  int device = 0;
+  cudaGetDevice(&device);
+  if (device >= kMaxDevices) device = kMaxDevices - 1;
+  if (num_sms[device] == 0) cudaDeviceGetAttribute(&num_sms[device], cudaDevAttrMultiProcessorCount, device);
+  const int blocks = num_seqs * num_kv_heads;
+  const int wanted = (2 * num_sms[device] + blocks - 1) / max(blocks, 1);  // two blocks per SM
+  const int by_length = max_private_tokens / 512;                         // at least 512 tokens each
+  return max(1, min(kMaxSplits, min(wanted, by_length)));
+}
 
 bool tpp_supports(int head_dim, int chunk_size) {
   return (head_dim == 64 || head_dim == 128 || head_dim == 256) &&

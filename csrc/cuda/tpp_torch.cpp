@@ -23,7 +23,8 @@ torch::Tensor tpp_decode_cuda(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                               torch::Tensor shared_row_offset, torch::Tensor private_chunk_ids,
                               torch::Tensor num_shared_tokens, torch::Tensor seq_lens, torch::Tensor seq_partial_ptr,
                               torch::Tensor seq_partial_rows, int64_t max_rows_per_shared,
-                              int64_t num_partial_rows, double scale) {
+                              int64_t max_pairs_per_seq, int64_t max_private_tokens, int64_t num_partial_rows,
+                              double scale) {
   TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
   const torch::Device device = q.device();
   TORCH_CHECK(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim], got ", q.sizes());
@@ -57,18 +58,20 @@ torch::Tensor tpp_decode_cuda(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   auto out = torch::empty_like(q);
   auto f32 = q.options().dtype(torch::kFloat32);
   const int64_t rows = std::max<int64_t>(num_partial_rows, 1);
-  auto partial_o = torch::empty({num_kv_heads, rows, head_dim}, f32);
-  auto partial_m = torch::empty({num_kv_heads, rows}, f32);
-  auto partial_n = torch::empty({num_kv_heads, rows}, f32);
+  const int num_splits = chunk_attn::tpp_num_splits(num_seqs, num_kv_heads, static_cast<int>(max_private_tokens));
+  const int64_t split_states = num_splits > 1 ? static_cast<int64_t>(num_seqs) * num_heads * num_splits : 0;
+  // one scratch allocation: shared partials o [kv, rows, D], m, n [kv, rows]; split states o, m, n
+  auto partials = torch::empty({num_kv_heads * rows * (head_dim + 2) + split_states * (head_dim + 2)}, f32);
+  float* partial_o = partials.data_ptr<float>();
 
   chunk_attn::TppParams p{};
   p.q = q.data_ptr();
   p.k_cache = k_cache.data_ptr();
   p.v_cache = v_cache.data_ptr();
   p.out = out.data_ptr();
-  p.partial_o = partial_o.data_ptr<float>();
-  p.partial_m = partial_m.data_ptr<float>();
-  p.partial_n = partial_n.data_ptr<float>();
+  p.partial_o = partial_o;
+  p.partial_m = partial_o + num_kv_heads * rows * head_dim;
+  p.partial_n = p.partial_m + num_kv_heads * rows;
   p.shared_chunk_ids = shared_chunk_ids.data_ptr<int>();
   p.shared_begin = shared_begin.data_ptr<int>();
   p.shared_end = shared_end.data_ptr<int>();
@@ -86,6 +89,12 @@ torch::Tensor tpp_decode_cuda(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   p.num_shared = shared_chunk_ids.numel();
   p.max_private = private_chunk_ids.size(1);
   p.max_rows_per_shared = max_rows_per_shared;
+  p.max_pairs_per_seq = max_pairs_per_seq;
+  p.max_private_tokens = static_cast<int>(max_private_tokens);
+  p.num_splits = num_splits;
+  p.split_o = p.partial_n + num_kv_heads * rows;
+  p.split_m = p.split_o + split_states * head_dim;
+  p.split_n = p.split_m + split_states;
   p.num_partial_rows = num_partial_rows;
   p.scale = static_cast<float>(scale);
   const auto dtype = q.scalar_type() == torch::kHalf ? chunk_attn::DType::kHalf : chunk_attn::DType::kBFloat16;

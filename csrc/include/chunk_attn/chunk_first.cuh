@@ -49,9 +49,25 @@ __global__ void chunk_first_kernel(TppParams p) {
   const uint4* k_src = reinterpret_cast<const uint4*>(static_cast<const T*>(p.k_cache) + kv_offset);
   const uint4* v_src = reinterpret_cast<const uint4*>(static_cast<const T*>(p.v_cache) + kv_offset);
   constexpr int kVecPerChunk = C * D * sizeof(T) / 16;
-  for (int i = threadIdx.x; i < kVecPerChunk; i += blockDim.x) {
-    reinterpret_cast<uint4*>(k_s)[i] = k_src[i];
-    reinterpret_cast<uint4*>(v_s)[i] = v_src[i];
+  constexpr int kUnroll = 4;  // loads in flight per thread before the shared-memory stores
+  for (int base = threadIdx.x; base < kVecPerChunk; base += kUnroll * blockDim.x) {
+    uint4 k_reg[kUnroll], v_reg[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * blockDim.x;
+      if (i < kVecPerChunk) {
+        k_reg[u] = k_src[i];
+        v_reg[u] = v_src[i];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * blockDim.x;
+      if (i < kVecPerChunk) {
+        reinterpret_cast<uint4*>(k_s)[i] = k_reg[u];
+        reinterpret_cast<uint4*>(v_s)[i] = v_reg[u];
+      }
+    }
   }
   // Q rows of this tile; rows past the chunk's last sequence are zero.
   constexpr int kVecPerRow = D * sizeof(T) / 16;

@@ -38,6 +38,12 @@ struct TppParams {
   int num_shared;
   int max_private;
   int max_rows_per_shared;  // widest shared chunk, in sequences
+  int max_pairs_per_seq;    // most shared chunks on one sequence's path
+  int max_private_tokens;   // longest private tail (sizes the split of the sequence-first phase)
+  int num_splits;           // blocks per (sequence, KV head) in the sequence-first phase
+  float* split_o;           // [num_seqs, num_kv_heads, num_splits, group, head_dim] when num_splits > 1
+  float* split_m;           // [num_seqs, num_kv_heads, num_splits, group]
+  float* split_n;
   int num_partial_rows;
   float scale;
 };
@@ -45,6 +51,10 @@ struct TppParams {
 // Launches both phases on `stream`. Returns cudaErrorInvalidValue for an
 // unsupported head_dim / chunk_size, or the launch error.
 cudaError_t tpp_decode(const TppParams& params, DType dtype, cudaStream_t stream);
+
+// How many blocks share one sequence's private tail: more than one only when the
+// (sequence, KV head) blocks cannot fill the GPU and the tails are long.
+int tpp_num_splits(int num_seqs, int num_kv_heads, int max_private_tokens);
 
 // Whether (head_dim, chunk_size) has compiled kernels.
 bool tpp_supports(int head_dim, int chunk_size);
