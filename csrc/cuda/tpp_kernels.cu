@@ -47,6 +47,49 @@ cudaError_t launch_chunk_first(const TppParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// Splits of the sequence-first phase that fill the GPU's waves best: blocks run in
+// waves of (SMs x resident blocks per SM), and a last wave a tenth full costs a whole
+// wave. Each split keeps at least kMinSplitTokens tokens; ties go to fewer splits.
+constexpr int kMinSplitTokens = 256;
+
+template <typename T, int D, int MAX_G>
+int choose_splits(const TppParams& p) {
+  static int capacity[kMaxDevices] = {};  // resident blocks on the whole GPU
+  int device = 0;
+  cudaGetDevice(&device);
+  if (device >= kMaxDevices) device = kMaxDevices - 1;
+  if (capacity[device] == 0) {
+    int num_sms = 0, per_sm = 0;
+    cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, seq_first_kernel<T, D, MAX_G>, kSeqFirstWarps * 32,
+                                                  seq_first_smem<D, MAX_G>(0));
+    capacity[device] = max(1, num_sms * per_sm);
+  }
+  const long blocks = static_cast<long>(p.num_seqs) * p.num_kv_heads;
+  const int most = max(1, min(kMaxSplits, p.max_private_tokens / kMinSplitTokens));
+  int best = 1;
+  double best_efficiency = 0.0;
+  for (int splits = 1; splits <= most; ++splits) {
+    const long total = blocks * splits;
+    const long waves = (total + capacity[device] - 1) / capacity[device];
+    const double efficiency = static_cast<double>(total) / (waves * capacity[device]);
+    if (efficiency > best_efficiency + 0.02) {
+      best = splits;
+      best_efficiency = efficiency;
+    }
+  }
+  return best;
+}
+
+template <typename T, int D>
+int choose_splits_for_group(const TppParams& p) {
+  const int group = p.num_heads / p.num_kv_heads;
+  if (group <= 1) return choose_splits<T, D, 1>(p);
+  if (group <= 2) return choose_splits<T, D, 2>(p);
+  if (group <= 4) return choose_splits<T, D, 4>(p);
+  return choose_splits<T, D, 8>(p);
+}
+
 template <typename T, int D, int MAX_G>
 cudaError_t launch_seq_first_g(const TppParams& p, cudaStream_t stream) {
   const size_t smem = seq_first_smem<D, MAX_G>(p.max_pairs_per_seq);
@@ -101,16 +144,14 @@ cudaError_t dispatch_head_dim(const TppParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-int tpp_num_splits(int num_seqs, int num_kv_heads, int max_private_tokens) {
-  static int num_sms[kMaxDevices] = {};
-  int device = 0;
-  cudaGetDevice(&device);
-  if (device >= kMaxDevices) device = kMaxDevices - 1;
-  if (num_sms[device] == 0) cudaDeviceGetAttribute(&num_sms[device], cudaDevAttrMultiProcessorCount, device);
-  const int blocks = num_seqs * num_kv_heads;
-  const int wanted = (2 * num_sms[device] + blocks - 1) / max(blocks, 1);  // two blocks per SM
-  const int by_length = max_private_tokens / 512;                         // at least 512 tokens each
-  return max(1, min(kMaxSplits, min(wanted, by_length)));
+int tpp_num_splits(const TppParams& p, DType dtype) {
+  const bool half_type = dtype == DType::kHalf;
+  switch (p.head_dim) {
+    case 64: return half_type ? choose_splits_for_group<half, 64>(p) : choose_splits_for_group<__nv_bfloat16, 64>(p);
+    case 128: return half_type ? choose_splits_for_group<half, 128>(p) : choose_splits_for_group<__nv_bfloat16, 128>(p);
+    case 256: return half_type ? choose_splits_for_group<half, 256>(p) : choose_splits_for_group<__nv_bfloat16, 256>(p);
+    default: return 1;
+  }
 }
 
 bool tpp_supports(int head_dim, int chunk_size) {

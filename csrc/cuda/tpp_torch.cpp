@@ -58,13 +58,19 @@ torch::Tensor tpp_decode_cuda(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   auto out = torch::empty_like(q);
   auto f32 = q.options().dtype(torch::kFloat32);
   const int64_t rows = std::max<int64_t>(num_partial_rows, 1);
-  const int num_splits = chunk_attn::tpp_num_splits(num_seqs, num_kv_heads, static_cast<int>(max_private_tokens));
+  chunk_attn::TppParams p{};
+  p.num_seqs = num_seqs;
+  p.num_heads = num_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.head_dim = head_dim;
+  p.max_private_tokens = static_cast<int>(max_private_tokens);
+  const auto dtype = q.scalar_type() == torch::kHalf ? chunk_attn::DType::kHalf : chunk_attn::DType::kBFloat16;
+  const int num_splits = chunk_attn::tpp_num_splits(p, dtype);
   const int64_t split_states = num_splits > 1 ? static_cast<int64_t>(num_seqs) * num_heads * num_splits : 0;
   // one scratch allocation: shared partials o [kv, rows, D], m, n [kv, rows]; split states o, m, n
   auto partials = torch::empty({num_kv_heads * rows * (head_dim + 2) + split_states * (head_dim + 2)}, f32);
   float* partial_o = partials.data_ptr<float>();
 
-  chunk_attn::TppParams p{};
   p.q = q.data_ptr();
   p.k_cache = k_cache.data_ptr();
   p.v_cache = v_cache.data_ptr();
@@ -81,23 +87,17 @@ torch::Tensor tpp_decode_cuda(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   p.seq_lens = seq_lens.data_ptr<int>();
   p.seq_partial_ptr = seq_partial_ptr.data_ptr<int>();
   p.seq_partial_rows = seq_partial_rows.data_ptr<int>();
-  p.num_seqs = num_seqs;
-  p.num_heads = num_heads;
-  p.num_kv_heads = num_kv_heads;
-  p.head_dim = head_dim;
   p.chunk_size = chunk_size;
   p.num_shared = shared_chunk_ids.numel();
   p.max_private = private_chunk_ids.size(1);
   p.max_rows_per_shared = max_rows_per_shared;
   p.max_pairs_per_seq = max_pairs_per_seq;
-  p.max_private_tokens = static_cast<int>(max_private_tokens);
   p.num_splits = num_splits;
   p.split_o = p.partial_n + num_kv_heads * rows;
   p.split_m = p.split_o + split_states * head_dim;
   p.split_n = p.split_m + split_states;
   p.num_partial_rows = num_partial_rows;
   p.scale = static_cast<float>(scale);
-  const auto dtype = q.scalar_type() == torch::kHalf ? chunk_attn::DType::kHalf : chunk_attn::DType::kBFloat16;
   const cudaError_t err = chunk_attn::tpp_decode(p, dtype, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "CUDA TPP launch failed: ", cudaGetErrorString(err));
   return out;

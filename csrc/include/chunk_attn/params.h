@@ -52,9 +52,9 @@ struct TppParams {
 // unsupported head_dim / chunk_size, or the launch error.
 cudaError_t tpp_decode(const TppParams& params, DType dtype, cudaStream_t stream);
 
-// How many blocks share one sequence's private tail: more than one only when the
-// (sequence, KV head) blocks cannot fill the GPU and the tails are long.
-int tpp_num_splits(int num_seqs, int num_kv_heads, int max_private_tokens);
+// How many blocks share one sequence's private tail (the split of the sequence-first
+// phase), chosen to fill the GPU's waves; reads num_seqs, heads, head_dim, max_private_tokens.
+int tpp_num_splits(const TppParams& params, DType dtype);
 
 // Whether (head_dim, chunk_size) has compiled kernels.
 bool tpp_supports(int head_dim, int chunk_size);
