@@ -1,5 +1,7 @@
 // Torch-free launchers of the two-phase-partition decode attention: raw pointers
 // and a cudaStream_t in, so this file builds with plain nvcc (scripts/check_cuda_build.py).
+#include <algorithm>
+
 #include "chunk_attn/chunk_first.cuh"
 #include "chunk_attn/params.h"
 #include "chunk_attn/seq_first.cuh"
@@ -34,13 +36,15 @@ cudaError_t allow_smem(size_t smem) {
 template <typename T, int D, int C>
 cudaError_t launch_chunk_first(const TppParams& p, cudaStream_t stream) {
   const int limit = max_dynamic_smem();
-  int num_warps = 4;  // 64 query rows per block when shared memory allows
+  const int group = p.num_heads / p.num_kv_heads;
+  // 16 query rows per warp, up to 4 warps: no more warps than the widest chunk has rows
+  // (idle warps still reserve shared memory, which limits the blocks per SM)
+  int num_warps = std::min(4, std::max(1, (p.max_rows_per_shared * group + 15) / 16));
   while (num_warps > 1 && chunk_first_smem<T>(D, C, num_warps) > static_cast<size_t>(limit)) num_warps /= 2;
   const size_t smem = chunk_first_smem<T>(D, C, num_warps);
   if (smem > static_cast<size_t>(limit)) return cudaErrorInvalidConfiguration;
   const cudaError_t err = allow_smem<chunk_first_kernel<T, D, C>>(smem);
   if (err != cudaSuccess) return err;
-  const int group = p.num_heads / p.num_kv_heads;
   const int tile_rows = 16 * num_warps;
   const dim3 grid(p.num_shared, p.num_kv_heads, (p.max_rows_per_shared * group + tile_rows - 1) / tile_rows);
   chunk_first_kernel<T, D, C><<<grid, 32 * num_warps, smem, stream>>>(p);
