@@ -33,7 +33,8 @@ def cache_dir() -> Path:
 
 def _digest(sources: list[Path], flags: list[str]) -> str:
     h = hashlib.sha256()
-    for path in sorted(set(sources) | set((CSRC / "include").rglob("*"))):
+    native = {p for p in CSRC.rglob("*") if p.suffix in (".h", ".cuh", ".cu", ".cpp")}
+    for path in sorted(set(sources) | native):
         if path.is_file():
             h.update(path.name.encode())
             h.update(path.read_bytes())

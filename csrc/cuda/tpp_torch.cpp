@@ -4,6 +4,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include "tpp_torch.h"
+
 #include "chunk_attn/params.h"
 
 namespace {
@@ -16,8 +18,6 @@ void check_index(const torch::Tensor& t, const char* name, const torch::Device& 
 
 }  // namespace
 
-// q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [capacity, num_kv_heads, chunk_size, head_dim]
-// plan: int32 tensors as described in chunk_attn/params.h. Returns [num_seqs, num_heads, head_dim].
 torch::Tensor tpp_decode_cuda(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor shared_chunk_ids, torch::Tensor shared_begin, torch::Tensor shared_end,
                               torch::Tensor shared_row_offset, torch::Tensor private_chunk_ids,

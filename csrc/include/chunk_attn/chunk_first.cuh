@@ -22,6 +22,29 @@ __host__ __device__ constexpr size_t chunk_first_smem(int head_dim, int chunk_si
          sizeof(float) * 16 * num_warps * chunk_size;
 }
 
+// One warp: C[16, N] = A[16, K] @ B[K, N] on tensor cores, fp32 accumulate. A is
+// row-major with leading dimension lda; the 16x16 tile (k, n) of B starts at
+// b + k * k_step + n * n_step with leading dimension ldb and layout LayoutB.
+template <typename T, int N, int K, typename LayoutB>
+__device__ __forceinline__ void warp_gemm_16(const T* a, int lda, const T* b, int ldb, int k_step, int n_step,
+                                             float* c, int ldc) {
+  using namespace nvcuda;
+#pragma unroll
+  for (int n = 0; n < N / 16; ++n) {
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+    wmma::fill_fragment(acc, 0.f);
+#pragma unroll
+    for (int k = 0; k < K / 16; ++k) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a_frag;
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, T, LayoutB> b_frag;
+      wmma::load_matrix_sync(a_frag, a + k * 16, lda);
+      wmma::load_matrix_sync(b_frag, b + k * k_step + n * n_step, ldb);
+      wmma::mma_sync(acc, a_frag, b_frag, acc);
+    }
+    wmma::store_matrix_sync(c + n * 16, acc, ldc, wmma::mem_row_major);
+  }
+}
+
 template <typename T, int D, int C>
 __global__ void chunk_first_kernel(TppParams p) {
   using namespace nvcuda;
@@ -87,23 +110,10 @@ __global__ void chunk_first_kernel(TppParams p) {
   // A chunk's partial rows are padded to 16 only: warps wholly past them stop here.
   if (tile_start + warp * 16 >= num_rows) return;
 
-  // S = Q K^T for this warp's 16 rows.
+  // S = Q K^T for this warp's 16 rows (K^T: the chunk's [C][D] read column-major).
   const T* q_warp = q_s + warp * 16 * D;
   float* s_warp = s_s + warp * 16 * C;
-#pragma unroll
-  for (int j = 0; j < C / 16; ++j) {
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-    wmma::fill_fragment(acc, 0.f);
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> b;
-      wmma::load_matrix_sync(a, q_warp + kk * 16, D);
-      wmma::load_matrix_sync(b, k_s + j * 16 * D + kk * 16, D);
-      wmma::mma_sync(acc, a, b, acc);
-    }
-    wmma::store_matrix_sync(s_warp + j * 16, acc, C, wmma::mem_row_major);
-  }
+  warp_gemm_16<T, C, D, wmma::col_major>(q_warp, D, k_s, D, /*k_step=*/16, /*n_step=*/16 * D, s_warp, C);
   __syncwarp();
 
   // Row softmax statistics; P = exp(S - m) in T for the second product.
@@ -132,20 +142,7 @@ __global__ void chunk_first_kernel(TppParams p) {
   // O = P V, stored straight to the partial rows (16 consecutive rows of D floats).
   float* o_out = p.partial_o +
                  (static_cast<size_t>(kv_head) * p.num_partial_rows + p.shared_row_offset[s] + tile_start + warp * 16) * D;
-#pragma unroll
-  for (int jd = 0; jd < D / 16; ++jd) {
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-    wmma::fill_fragment(acc, 0.f);
-#pragma unroll
-    for (int kk = 0; kk < C / 16; ++kk) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
-      wmma::load_matrix_sync(a, p_warp + kk * 16, C);
-      wmma::load_matrix_sync(b, v_s + kk * 16 * D + jd * 16, D);
-      wmma::mma_sync(acc, a, b, acc);
-    }
-    wmma::store_matrix_sync(o_out + jd * 16, acc, D, wmma::mem_row_major);
-  }
+  warp_gemm_16<T, D, C, wmma::row_major>(p_warp, C, v_s, D, /*k_step=*/16 * D, /*n_step=*/16, o_out, D);
 }
 
 }  // namespace chunk_attn
