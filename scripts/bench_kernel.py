@@ -83,7 +83,8 @@ def machine_limits(device, dtype) -> tuple[float, float]:
 
 def build_tree(batch, n_prompt, n_shared, kv_heads, head_dim, chunk, dtype, device, share=True):
     per_seq = -(-n_prompt // chunk)
-    capacity = (per_seq + 1) * batch + 1
+    shared_chunks = n_shared // chunk if share else 0
+    capacity = shared_chunks + (per_seq - shared_chunks) * batch + 1
     pool = ChunkPool(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, chunk_size=chunk,
                      capacity=capacity, dtype=dtype, device=device)
     pool.k.normal_()

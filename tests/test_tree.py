@@ -154,3 +154,14 @@ def test_plan_updates_in_place_match_a_fresh_build():
         width = fresh.private_chunk_ids.shape[1]
         assert torch.equal(plan.private_chunk_ids[:, :width], fresh.private_chunk_ids)
         assert not plan.private_chunk_ids[:, width:].any()
+
+
+def test_pair_index_from_depth_and_csr():
+    pool, tree = make(capacity=64)
+    for seq_id, tokens in enumerate([[1] * 8 + [2], [1] * 8 + [3], [1] * 4 + [5], [7]]):
+        tree.insert(seq_id, tokens)
+    plan = build_decode_plan(tree, [0, 1, 2, 3])
+    ptr, depth = plan.seq_pair_ptr.tolist(), plan.shared_depth.tolist()
+    for p, (s, row) in enumerate(zip(plan.pair_shared.tolist(), plan.pair_seq.tolist())):
+        assert p == ptr[row] + depth[s]
+    assert ptr[-1] == plan.pair_seq.numel()

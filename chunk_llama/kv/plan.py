@@ -29,6 +29,9 @@ class DecodePlan:
     seq_lens: [num_seqs] tokens of context per sequence (advanced in place)
     pair_shared, pair_row, pair_seq: [num_pairs] every (shared chunk, sequence under it)
       with the row of the sequence inside the chunk's range, grouped by sequence
+    shared_depth: [num_shared] position of each shared chunk on the paths through it
+    seq_pair_ptr: [num_seqs + 1] sequence i's pairs are [seq_pair_ptr[i], seq_pair_ptr[i + 1]),
+      in path order, so pair (chunk s, sequence i) is seq_pair_ptr[i] + shared_depth[s]
     device_index: int32 copies for the CUDA kernels (see `chunk_attn/params.h`), or None
     """
 
@@ -42,6 +45,8 @@ class DecodePlan:
     pair_shared: torch.Tensor
     pair_row: torch.Tensor
     pair_seq: torch.Tensor
+    shared_depth: torch.Tensor
+    seq_pair_ptr: torch.Tensor
     max_rows_per_shared: int
     structure_version: int
     chunk_size: int
@@ -134,6 +139,7 @@ def build_decode_plan(
 
     shared_index: dict[int, int] = {}
     shared_ids: list[int] = []
+    shared_depth: list[int] = []
     begin: list[int] = []
     end: list[int] = []
     pair_shared: list[int] = []
@@ -145,11 +151,12 @@ def build_decode_plan(
         num_shared = 0
         while num_shared < len(path) and num_users[path[num_shared].chunk_id] > 1:
             num_shared += 1
-        for node in path[:num_shared]:
+        for depth, node in enumerate(path[:num_shared]):
             index = shared_index.get(node.chunk_id)
             if index is None:
                 index = shared_index[node.chunk_id] = len(shared_ids)
                 shared_ids.append(node.chunk_id)
+                shared_depth.append(depth)
                 begin.append(row)
                 end.append(row)
             if end[index] != row:
@@ -165,7 +172,11 @@ def build_decode_plan(
     width = max(num_private, default=0)
     padded = [x for p in private for x in p + [0] * (width - len(p))]
     seq_lens = [tree.seq_len(s) for s in order]
-    fields = [shared_ids, begin, end, padded, num_shared_tokens, seq_lens, pair_shared, pair_row, pair_seq]
+    seq_pair_ptr = [0]
+    for n_shared in num_shared_tokens:
+        seq_pair_ptr.append(seq_pair_ptr[-1] + n_shared // c)
+    fields = [shared_ids, begin, end, padded, num_shared_tokens, seq_lens, pair_shared, pair_row, pair_seq,
+              shared_depth, seq_pair_ptr]
     t = to_device(fields, torch.long, device)
     plan = DecodePlan(
         seq_ids=order,
@@ -178,6 +189,8 @@ def build_decode_plan(
         pair_shared=t[6],
         pair_row=t[7],
         pair_seq=t[8],
+        shared_depth=t[9],
+        seq_pair_ptr=t[10],
         max_rows_per_shared=max((e - b for b, e in zip(begin, end)), default=0),
         structure_version=tree.structure_version,
         chunk_size=c,
@@ -192,14 +205,9 @@ def build_decode_plan(
             row_offset.append(total)
             total += -(-(e - b) * group // PARTIAL_ROW_ALIGN) * PARTIAL_ROW_ALIGN
         partial_rows = [row_offset[s] + r * group for s, r in zip(pair_shared, pair_row)]
-        partial_ptr = [0] * (len(order) + 1)
-        for row in pair_seq:
-            partial_ptr[row + 1] += 1
-        for row in range(len(order)):
-            partial_ptr[row + 1] += partial_ptr[row]
         names = ["shared_chunk_ids", "shared_begin", "shared_end", "shared_row_offset", "private_chunk_ids",
                  "num_shared_tokens", "seq_lens", "seq_partial_ptr", "seq_partial_rows"]
-        values = [shared_ids, begin, end, row_offset, padded, num_shared_tokens, seq_lens, partial_ptr, partial_rows]
+        values = [shared_ids, begin, end, row_offset, padded, num_shared_tokens, seq_lens, seq_pair_ptr, partial_rows]
         plan.device_index = dict(zip(names, to_device(values, torch.int32, device)))
         plan.device_index["private_chunk_ids"] = plan.device_index["private_chunk_ids"].reshape(len(order), width)
         plan.num_partial_rows = total

@@ -1,7 +1,7 @@
 """Attention kernels over the chunk pool, with backend dispatch.
 
-`tpp_decode_attention` picks the native kernel for the tensors' device when one is
-built and supports them, else the PyTorch reference (`reference.py`), which is
+`tpp_decode_attention` picks the native kernel for the tensors' device (CUDA, or
+C++/OpenMP on the CPU) when one is built and supports them, else the PyTorch reference (`reference.py`), which is
 also the oracle the native kernels are tested against.
 """
 
@@ -16,12 +16,19 @@ from chunk_llama.ops.reference import gather_dense, prefill_attention
 
 
 def decode_backend(q: torch.Tensor, k_cache: torch.Tensor) -> str:
-    """'cuda' or 'reference': what `tpp_decode_attention` runs for these tensors."""
-    if q.is_cuda and not force_reference():
+    """'cuda', 'cpu' or 'reference': what `tpp_decode_attention` runs for these tensors."""
+    if force_reference():
+        return "reference"
+    if q.is_cuda:
         from chunk_llama.ops import cuda
 
         if cuda.supports(q, k_cache):
             return "cuda"
+    elif q.device.type == "cpu":
+        from chunk_llama.ops import cpu
+
+        if cpu.supports(q, k_cache):
+            return "cpu"
     return "reference"
 
 
@@ -34,10 +41,15 @@ def tpp_decode_attention(
     k_cache, v_cache: [capacity, num_kv_heads, chunk_size, head_dim]
     returns [num_seqs, num_heads, head_dim]
     """
-    if decode_backend(q, k_cache) == "cuda":
+    backend = decode_backend(q, k_cache)
+    if backend == "cuda":
         from chunk_llama.ops.cuda import tpp_decode_attention_cuda
 
         return tpp_decode_attention_cuda(q, k_cache, v_cache, plan, scale)
+    if backend == "cpu":
+        from chunk_llama.ops.cpu import tpp_decode_attention_cpu
+
+        return tpp_decode_attention_cpu(q, k_cache, v_cache, plan, scale)
     return reference.tpp_decode_attention(q, k_cache, v_cache, plan, scale)
 
 

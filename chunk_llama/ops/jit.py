@@ -42,7 +42,14 @@ def _digest(sources: list[Path], flags: list[str]) -> str:
     return h.hexdigest()[:16]
 
 
-def load_extension(name: str, sources: list[Path], *, cflags: list[str], cuda_cflags: list[str] | None = None):
+def load_extension(
+    name: str,
+    sources: list[Path],
+    *,
+    cflags: list[str],
+    cuda_cflags: list[str] | None = None,
+    ldflags: list[str] | None = None,
+):
     """The built module, or None (forced reference, or the build failed: warned once)."""
     if force_reference() or name in _failed:
         return None
@@ -50,7 +57,7 @@ def load_extension(name: str, sources: list[Path], *, cflags: list[str], cuda_cf
         return _modules[name]
     from torch.utils import cpp_extension
 
-    digest = _digest(sources, cflags + (cuda_cflags or []))
+    digest = _digest(sources, cflags + (cuda_cflags or []) + (ldflags or []))
     build_dir = cache_dir() / f"{name}-torch{torch.__version__}-{digest}"
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -63,6 +70,7 @@ def load_extension(name: str, sources: list[Path], *, cflags: list[str], cuda_cf
                 extra_include_paths=[str(CSRC / "include")],
                 extra_cflags=cflags,
                 extra_cuda_cflags=cuda_cflags,
+                extra_ldflags=ldflags,
                 build_directory=str(build_dir),
                 verbose=os.environ.get("CHUNK_LLAMA_VERBOSE_BUILD", "") not in ("", "0"),
             )

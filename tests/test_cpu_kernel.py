@@ -1,0 +1,80 @@
+"""The C++/OpenMP CPU kernel vs the PyTorch reference and dense SDPA (built with ninja on first use)."""
+
+import random
+
+import pytest
+import torch
+
+from chunk_llama.kv import build_decode_plan
+from chunk_llama.ops import decode_backend, reference, tpp_decode_attention
+from chunk_llama.ops.reference import gather_dense
+from helpers import dense_decode_reference, make_tree, random_token_lists
+
+# bf16: storage rounding of K/V/Q is shared with the reference; the output is rounded once more
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+
+
+def check(tokens, *, chunk_size, num_kv_heads, group, head_dim, dtype, seed=0):
+    pool, tree = make_tree(tokens, chunk_size=chunk_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                           dtype=dtype, seed=seed)
+    plan = build_decode_plan(tree, tree.seq_ids)
+    q = torch.randn(plan.num_seqs, num_kv_heads * group, head_dim,
+                    generator=torch.Generator().manual_seed(seed)).to(dtype)
+    scale = head_dim**-0.5
+    assert decode_backend(q, pool.k[0]) == "cpu"
+    out = tpp_decode_attention(q, pool.k[0], pool.v[0], plan, scale)
+    ref = reference.tpp_decode_attention(q, pool.k[0], pool.v[0], plan, scale)
+    assert out.dtype == dtype and (out.float() - ref.float()).abs().max().item() <= TOLERANCE[dtype]
+    for row, seq_id in enumerate(plan.seq_ids):
+        ids = torch.tensor(tree.chunk_ids(seq_id))
+        length = tree.seq_len(seq_id)
+        dense = dense_decode_reference(q[row], gather_dense(pool.k[0], ids, length), gather_dense(pool.v[0], ids, length), scale)
+        assert (out[row].float() - dense).abs().max().item() <= TOLERANCE[dtype]
+    return plan
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("chunk_size", [16, 64, 128])
+def test_random_trees(dtype, head_dim, group, chunk_size):
+    rng = random.Random(head_dim * 1000 + group * 10 + chunk_size)
+    for trial in range(2):
+        tokens = random_token_lists(rng, rng.choice([1, 17, 37]), rng.choice([37, 123, 300]), vocab=3)
+        check(tokens, chunk_size=chunk_size, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype, seed=trial)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 17, 37])
+def test_everything_and_nothing_shared(num_seqs):
+    plan = check([[7] * 300 + [i] for i in range(num_seqs)], chunk_size=32, num_kv_heads=3, group=3, head_dim=64,
+                 dtype=torch.float32)
+    assert plan.num_shared == (300 // 32 if num_seqs > 1 else 0)
+    plan = check([[i] * 123 for i in range(num_seqs)], chunk_size=32, num_kv_heads=3, group=3, head_dim=64,
+                 dtype=torch.float32)
+    assert plan.num_shared == 0
+
+
+def test_unsupported_shapes_and_forced_reference_use_the_reference(monkeypatch):
+    pool, tree = make_tree([[1] * 50, [1] * 40 + [2]], chunk_size=48, num_kv_heads=1, head_dim=64)
+    q = torch.randn(2, 2, 64)
+    assert decode_backend(q, pool.k[0]) == "reference"  # chunk size 48 has no compiled kernel
+    pool, tree = make_tree([[1] * 50], chunk_size=64, num_kv_heads=1, head_dim=64)
+    assert decode_backend(q[:1], pool.k[0]) == "cpu"
+    monkeypatch.setenv("CHUNK_LLAMA_FORCE_REFERENCE", "1")
+    assert decode_backend(q[:1], pool.k[0]) == "reference"
+
+
+def test_glue_rejects_bad_tensors():
+    from chunk_llama.ops.cpu import _module
+
+    pool, tree = make_tree([[1] * 50, [1] * 50 + [2]], chunk_size=16, num_kv_heads=1, head_dim=64)
+    plan = build_decode_plan(tree, tree.seq_ids)
+    args = [plan.shared_chunk_ids, plan.shared_begin, plan.shared_end, plan.shared_depth, plan.private_chunk_ids,
+            plan.num_shared_tokens, plan.seq_lens, plan.seq_pair_ptr, torch.empty(10**5)]
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        _module().tpp_decode(torch.randn(2, 1, 64, dtype=torch.bfloat16), pool.k[0], pool.v[0], *args, 0.125)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        _module().tpp_decode(torch.randn(2, 1, 32), pool.k[0], pool.v[0], *args, 0.125)
+    args[-1] = torch.empty(3)
+    with pytest.raises(RuntimeError, match="scratch"):
+        _module().tpp_decode(torch.randn(2, 1, 64), pool.k[0], pool.v[0], *args, 0.125)
