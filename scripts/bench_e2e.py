@@ -96,8 +96,8 @@ def main() -> None:
     print(f"\n{args.num_requests} requests, {args.n_shared} shared system-prompt tokens "
           f"(prompts {min(prompt_lens)}-{max(prompt_lens)} tokens), {args.max_new_tokens} new tokens, "
           f"{args.dtype}, torch {torch.__version__}, {platform.processor() or platform.machine()}")
-    print(f"| system | wall s | tokens/s | KV bytes held | vs stock |")
-    print(f"|---|---|---|---|---|")
+    print("| system | wall s | tokens/s | KV bytes held | vs stock |")
+    print("|---|---|---|---|---|")
     base = results.get("stock_generate")
     for name in ("stock_generate", "chunk_llama"):
         if name not in results:

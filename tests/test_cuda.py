@@ -73,7 +73,7 @@ def test_incremental_plan_updates_on_the_gpu():
     pool, tree = make_tree([[1] * 100 + [2], [1] * 100 + [3] * 60, [5] * 10], chunk_size=32, num_kv_heads=3,
                            head_dim=64, dtype=torch.float16, device="cuda", spare_chunks=12)
     plan = build_decode_plan(tree, [0, 1, 2], device="cuda", group=3)
-    for step in range(70):
+    for _ in range(70):
         tree.append([0, 1, 2], [9, 9, 9])
         events = tree.take_chunk_events()
         if events:

@@ -1,0 +1,110 @@
+"""One decode step of the default model: 32 sequences sharing a long prompt vs an empty context.
+
+    python scripts/bench_decode_step.py --batch 32 --n-shared 2000 --repeat 5
+
+Times a whole model forward of one token per sequence (all layers, attention
+included) for: stock transformers with a DynamicCache holding every sequence's
+copy of the context; chunk-llama through the PyTorch reference; chunk-llama
+through the native kernel; and chunk-llama with an (almost) empty context, the
+floor that attention cannot go below. All in one process, medians of --repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+from transformers import DynamicCache
+
+import chunk_llama
+from chunk_llama import ChunkCache
+from chunk_llama.ops import decode_backend
+
+
+def median_ms(fn, repeat):
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def chunk_step_ms(model, prompts, repeat, force_reference):
+    cache = ChunkCache(model, kv_cache_bytes=4 << 30)
+    starts = [cache.add_sequence(i, p) for i, p in enumerate(prompts)]
+    input_ids, position_ids, last = cache.begin_prefill(list(range(len(prompts))), starts)
+    model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, logits_to_keep=last)
+    lengths = [len(p) for p in prompts]
+    if force_reference:
+        os.environ["CHUNK_LLAMA_FORCE_REFERENCE"] = "1"
+
+    def step():
+        order = cache.begin_decode({i: 42 for i in range(len(prompts))})
+        ids = torch.full((len(order), 1), 42)
+        pos = torch.tensor([[lengths[i]] for i in order])
+        for i in order:
+            lengths[i] += 1
+        model(input_ids=ids, position_ids=pos, past_key_values=cache, logits_to_keep=1)
+
+    try:
+        return median_ms(step, repeat)
+    finally:
+        os.environ.pop("CHUNK_LLAMA_FORCE_REFERENCE", None)
+
+
+@torch.no_grad()
+def stock_step_ms(model, prompt, batch, repeat):
+    model.set_attn_implementation("sdpa")
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.tensor([prompt]), past_key_values=cache)
+    cache.batch_repeat_interleave(batch)  # every sequence holds its own copy, as stock does
+    length = [len(prompt)]
+
+    def step():
+        ids = torch.full((batch, 1), 42)
+        pos = torch.full((batch, 1), length[0])
+        length[0] += 1
+        model(input_ids=ids, position_ids=pos, past_key_values=cache, logits_to_keep=1)
+
+    ms = median_ms(step, repeat)
+    chunk_llama.patch_model(model)
+    return ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--n-shared", type=int, default=2000)
+    parser.add_argument("--n-private", type=int, default=16)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    model, tokenizer = chunk_llama.load_default_model(torch.float32)
+    chunk_llama.patch_model(model)
+    torch.manual_seed(0)
+    shared = torch.randint(100, 40000, (args.n_shared,)).tolist()
+    prompts = [shared + torch.randint(100, 40000, (args.n_private,)).tolist() for _ in range(args.batch)]
+    empty = [torch.randint(100, 40000, (args.n_private,)).tolist() for _ in range(args.batch)]
+    q = torch.empty(1, model.config.num_attention_heads, 64)
+    backend = decode_backend(q, torch.empty(1, model.config.num_key_value_heads, 64, 64))
+    rows = {
+        "stock DynamicCache, shared context": stock_step_ms(model, prompts[0], args.batch, args.repeat),
+        "chunk-llama reference, shared context": chunk_step_ms(model, prompts, args.repeat, True),
+        f"chunk-llama {backend}, shared context": chunk_step_ms(model, prompts, args.repeat, False),
+        f"chunk-llama {backend}, empty context": chunk_step_ms(model, empty, args.repeat, False),
+    }
+    floor = rows[f"chunk-llama {backend}, empty context"]
+    print(f"\ndecode step, default model, b={args.batch}, {args.n_shared} shared + {args.n_private} own tokens, "
+          f"fp32, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print("| system | ms per step | vs empty context |\n|---|---|---|")
+    for name, ms in rows.items():
+        print(f"| {name} | {ms:.1f} | {ms / floor:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
