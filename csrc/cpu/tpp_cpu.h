@@ -18,6 +18,10 @@
 #include <type_traits>
 #include <vector>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 namespace chunk_attn_cpu {
 
 struct Params {
@@ -88,6 +92,46 @@ inline float rescale(float m, float m_all) { return m == kNegInf ? 0.f : std::ex
 // accumulators stay in registers.
 constexpr int kRows = 16;
 
+// O[rows b, b + 1] = P[rows] V for one chunk: st is P^T [C][kRows], v is [C][D].
+// GCC keeps array accumulators in memory here, so with AVX-512 the 2 x D/16 vectors
+// are held in registers explicitly (one row at a time when D = 256).
+template <int C, int D>
+inline void pv_rows(const float* __restrict__ st, int b, int num_rows, const float* __restrict__ v,
+                    float* __restrict__ o0, float* __restrict__ o1) {
+#ifdef __AVX512F__
+  constexpr int kVec = D / 16;
+  constexpr int kPair = kVec <= 8 ? 2 : 1;
+  for (int u0 = 0; u0 < num_rows; u0 += kPair) {
+    __m512 acc[kPair][kVec];
+    for (int u = 0; u < kPair; ++u)
+      for (int i = 0; i < kVec; ++i) acc[u][i] = _mm512_setzero_ps();
+    for (int j = 0; j < C; ++j) {
+      const float* vj = v + j * D;
+#pragma GCC unroll 16
+      for (int i = 0; i < kVec; ++i) {
+        const __m512 x = _mm512_loadu_ps(vj + 16 * i);
+        for (int u = 0; u < kPair; ++u) acc[u][i] = _mm512_fmadd_ps(_mm512_set1_ps(st[j * kRows + b + u0 + u]), x, acc[u][i]);
+      }
+    }
+    for (int u = 0; u < kPair && u0 + u < num_rows; ++u) {
+      float* o = (u0 + u) == 0 ? o0 : o1;
+      for (int i = 0; i < kVec; ++i) _mm512_storeu_ps(o + 16 * i, acc[u][i]);
+    }
+  }
+#else
+  for (int d = 0; d < D; ++d) o0[d] = o1[d] = 0.f;
+  for (int j = 0; j < C; ++j) {
+    const float p0 = st[j * kRows + b], p1 = num_rows > 1 ? st[j * kRows + b + 1] : 0.f;
+    const float* __restrict__ vj = v + j * D;
+#pragma omp simd
+    for (int d = 0; d < D; ++d) {
+      o0[d] += p0 * vj[d];
+      o1[d] += p1 * vj[d];
+    }
+  }
+#endif
+}
+
 template <typename T, int C, int D>
 void chunk_first_item(const Params& p, int s, int kv_head, std::vector<float>& buf) {
   const int H = p.num_heads;
@@ -154,16 +198,8 @@ void chunk_first_item(const Params& p, int s, int kv_head, std::vector<float>& b
         n[b] += e;
       }
     for (int b = 0; b < nr; b += 2) {
-      alignas(64) float o0[D] = {}, o1[D] = {};
-      for (int j = 0; j < C; ++j) {
-        const float p0 = st[j * kRows + b], p1 = st[j * kRows + b + 1];
-        const float* __restrict__ vj = v + j * D;
-#pragma omp simd
-        for (int d = 0; d < D; ++d) {
-          o0[d] += p0 * vj[d];
-          o1[d] += p1 * vj[d];
-        }
-      }
+      alignas(64) float o0[D], o1[D];
+      pv_rows<C, D>(st, b, std::min(2, nr - b), v, o0, o1);
       for (int u = 0; u < 2 && b + u < nr; ++u) {
         const int r = r0 + b + u;
         const int seq = begin + r / group;
