@@ -336,11 +336,3 @@ class ChunkCache(Cache):
         )
 
     reorder_cache = crop = batch_repeat_interleave = batch_select_indices = _unsupported
-
-    @property
-    def num_chunks_used(self) -> int:
-        return self.pool.num_used
-
-    @property
-    def kv_bytes_used(self) -> int:
-        return self.pool.num_used * self.pool.bytes_per_chunk

@@ -112,11 +112,3 @@ class ChunkPool:
             self._free.append(chunk_id)
             return True
         return False
-
-    def is_free(self, chunk_id: int) -> bool:
-        return self.ref_counts[chunk_id] == 0
-
-    def copy_tokens(self, src_chunk: int, dst_chunk: int, num_tokens: int) -> None:
-        """Copy the first `num_tokens` token slots of a chunk to another, in every layer."""
-        self.k[:, dst_chunk, :, :num_tokens] = self.k[:, src_chunk, :, :num_tokens]
-        self.v[:, dst_chunk, :, :num_tokens] = self.v[:, src_chunk, :, :num_tokens]
