@@ -224,16 +224,16 @@ def main() -> None:
     rows = []
     points = paper_grid(args) if args.grid else [("single", dict(batch=args.batch, n_prompt=args.n_prompt,
                                                                  n_shared=args.n_shared))]
-    shapes = [(args.heads, args.kv_heads, args.head_dim)]
-    if args.grid and args.gqa:
-        shapes.append((9, 3, 64))
-    for heads, kv_heads, head_dim in shapes:
+    shapes = [(args.heads, args.kv_heads, args.head_dim, None)]
+    if args.grid and args.gqa:  # the default model's shape, on the Table 3 points
+        shapes.append((9, 3, 64, "gqa_9_3_d64"))
+    for heads, kv_heads, head_dim, label in shapes:
         args.heads, args.kv_heads, args.head_dim = heads, kv_heads, head_dim
         for experiment, point in points:
-            if (heads, kv_heads, head_dim) == (9, 3, 64) and experiment != "table3":
+            if label and experiment != "table3":
                 continue
             for r in run_one(args, device, dtype, **point, limits=limits):
-                r["experiment"] = experiment if heads != 9 else "gqa_9_3_d64"
+                r["experiment"] = label or experiment
                 rows.append(r)
                 print(f"{r['experiment']:>12} b={r['batch']:3d} n_p={r['n_prompt']:5d} n_s={r['n_shared']:5d} "
                       f"{r['impl']:>15} {r['ms']:9.3f} ms {r['gbps']:8.1f} GB/s x{r['speedup_vs_sdpa_dense']:6.2f} "

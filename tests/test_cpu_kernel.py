@@ -36,7 +36,7 @@ def check(tokens, *, chunk_size, num_kv_heads, group, head_dim, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("group", [1, 3, 4])
-@pytest.mark.parametrize("chunk_size", [16, 64, 128])
+@pytest.mark.parametrize("chunk_size", [16, 48, 64, 128])
 def test_random_trees(dtype, head_dim, group, chunk_size):
     rng = random.Random(head_dim * 1000 + group * 10 + chunk_size)
     for trial in range(2):
@@ -55,9 +55,11 @@ def test_everything_and_nothing_shared(num_seqs):
 
 
 def test_unsupported_shapes_and_forced_reference_use_the_reference(monkeypatch):
-    pool, tree = make_tree([[1] * 50, [1] * 40 + [2]], chunk_size=48, num_kv_heads=1, head_dim=64)
+    pool, tree = make_tree([[1] * 50, [1] * 40 + [2]], chunk_size=40, num_kv_heads=1, head_dim=64)
     q = torch.randn(2, 2, 64)
-    assert decode_backend(q, pool.k[0]) == "reference"  # chunk size 48 has no compiled kernel
+    assert decode_backend(q, pool.k[0]) == "reference"  # 40 is not a multiple of 16
+    pool, tree = make_tree([[1] * 50, [1] * 40 + [2]], chunk_size=48, num_kv_heads=1, head_dim=96)
+    assert decode_backend(torch.randn(2, 2, 96), pool.k[0]) == "reference"  # head dim 96: no kernel
     pool, tree = make_tree([[1] * 50], chunk_size=64, num_kv_heads=1, head_dim=64)
     assert decode_backend(q[:1], pool.k[0]) == "cpu"
     monkeypatch.setenv("CHUNK_LLAMA_FORCE_REFERENCE", "1")

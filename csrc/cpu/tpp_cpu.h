@@ -95,8 +95,8 @@ constexpr int kRows = 16;
 // O[rows b, b + 1] = P[rows] V for one chunk: st is P^T [C][kRows], v is [C][D].
 // GCC keeps array accumulators in memory here, so with AVX-512 the 2 x D/16 vectors
 // are held in registers explicitly (one row at a time when D = 256).
-template <int C, int D>
-inline void pv_rows(const float* __restrict__ st, int b, int num_rows, const float* __restrict__ v,
+template <int D>
+inline void pv_rows(const float* __restrict__ st, int C, int b, int num_rows, const float* __restrict__ v,
                     float* __restrict__ o0, float* __restrict__ o1) {
 #ifdef __AVX512F__
   constexpr int kVec = D / 16;
@@ -132,9 +132,10 @@ inline void pv_rows(const float* __restrict__ st, int b, int num_rows, const flo
 #endif
 }
 
-template <typename T, int C, int D>
+template <typename T, int D>
 void chunk_first_item(const Params& p, int s, int kv_head, std::vector<float>& buf) {
   const int H = p.num_heads;
+  const int C = p.chunk_size;  // a multiple of 16 (keys go 4 at a time)
   const int group = H / p.num_kv_heads;
   const int64_t base = (p.shared_chunk_ids[s] * p.num_kv_heads + kv_head) * static_cast<int64_t>(C) * D;
   const T* __restrict__ k = static_cast<const T*>(p.k_cache) + base;
@@ -199,7 +200,7 @@ void chunk_first_item(const Params& p, int s, int kv_head, std::vector<float>& b
       }
     for (int b = 0; b < nr; b += 2) {
       alignas(64) float o0[D], o1[D];
-      pv_rows<C, D>(st, b, std::min(2, nr - b), v, o0, o1);
+      pv_rows<D>(st, C, b, std::min(2, nr - b), v, o0, o1);
       for (int u = 0; u < 2 && b + u < nr; ++u) {
         const int r = r0 + b + u;
         const int seq = begin + r / group;
@@ -290,14 +291,14 @@ void seq_first_item(const Params& p, int seq, int kv_head, std::vector<float>& b
   }
 }
 
-template <typename T, int C, int D>
+template <typename T, int D>
 void tpp_decode_fixed(const Params& p) {
   const int items1 = p.num_shared * p.num_kv_heads;
 #pragma omp parallel
   {
     std::vector<float> buf;
 #pragma omp for schedule(dynamic, 1)
-    for (int item = 0; item < items1; ++item) chunk_first_item<T, C, D>(p, item / p.num_kv_heads, item % p.num_kv_heads, buf);
+    for (int item = 0; item < items1; ++item) chunk_first_item<T, D>(p, item / p.num_kv_heads, item % p.num_kv_heads, buf);
     // implicit barrier: every partial is written before any merge reads it
     const int items2 = p.num_seqs * p.num_kv_heads;
 #pragma omp for schedule(dynamic, 1)
@@ -305,31 +306,19 @@ void tpp_decode_fixed(const Params& p) {
   }
 }
 
-template <typename T, int C>
-bool tpp_decode_chunk(const Params& p) {
-  switch (p.head_dim) {
-    case 64: tpp_decode_fixed<T, C, 64>(p); return true;
-    case 128: tpp_decode_fixed<T, C, 128>(p); return true;
-    case 256: tpp_decode_fixed<T, C, 256>(p); return true;
-    default: return false;
-  }
+inline bool supports(int chunk_size, int head_dim) {
+  return chunk_size > 0 && chunk_size % 16 == 0 && (head_dim == 64 || head_dim == 128 || head_dim == 256);
 }
 
 // Returns false for an unsupported (chunk_size, head_dim).
 template <typename T>
 bool tpp_decode(const Params& p) {
-  switch (p.chunk_size) {
-    case 16: return tpp_decode_chunk<T, 16>(p);
-    case 32: return tpp_decode_chunk<T, 32>(p);
-    case 64: return tpp_decode_chunk<T, 64>(p);
-    case 128: return tpp_decode_chunk<T, 128>(p);
-    default: return false;
+  if (!supports(p.chunk_size, p.head_dim)) return false;
+  switch (p.head_dim) {
+    case 64: tpp_decode_fixed<T, 64>(p); return true;
+    case 128: tpp_decode_fixed<T, 128>(p); return true;
+    default: tpp_decode_fixed<T, 256>(p); return true;
   }
-}
-
-inline bool supports(int chunk_size, int head_dim) {
-  return (chunk_size == 16 || chunk_size == 32 || chunk_size == 64 || chunk_size == 128) &&
-         (head_dim == 64 || head_dim == 128 || head_dim == 256);
 }
 
 }  // namespace chunk_attn_cpu

@@ -28,7 +28,7 @@ torch::Tensor tpp_decode_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Tens
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads ", num_heads, " not a multiple of num_kv_heads ",
               num_kv_heads);
   TORCH_CHECK(chunk_attn_cpu::supports(k_cache.size(2), head_dim), "the CPU kernel supports chunk sizes ",
-              "16/32/64/128 and head dims 64/128/256, got chunk_size ", k_cache.size(2), ", head_dim ", head_dim);
+              "that are multiples of 16 and head dims 64/128/256, got chunk_size ", k_cache.size(2), ", head_dim ", head_dim);
   for (const auto* t : {&shared_chunk_ids, &shared_begin, &shared_end, &shared_depth, &private_chunk_ids,
                         &num_shared_tokens, &seq_lens, &seq_pair_ptr}) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kInt64 && t->is_contiguous(),
