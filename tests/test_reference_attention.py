@@ -18,6 +18,7 @@ def check_against_dense(pool, tree, num_heads, head_dim, dtype, seed=0):
     scale = head_dim**-0.5
     out = tpp_decode_attention(q, pool.k[0], pool.v[0], plan, scale)
     assert out.dtype == dtype and out.shape == q.shape
+    assert torch.isfinite(out).all()  # Python's max() below would skip a NaN
     worst = 0.0
     for row, seq_id in enumerate(plan.seq_ids):
         ids = torch.tensor(tree.chunk_ids(seq_id))
@@ -77,3 +78,19 @@ def test_prefill_attention_is_causal_with_offset(dtype, q_start, num_new):
     for i in range(num_new):
         expected = dense_decode_reference(q[i], k[:, : q_start + i + 1], v[:, : q_start + i + 1], 0.125)
         assert (out[i].float() - expected).abs().max().item() <= TOLERANCE[dtype]
+
+
+def test_uninitialised_slots_never_leak_into_the_output():
+    """The pool is torch.empty: slots past a sequence's end may hold NaN."""
+    tokens = [[1] * 40 + [2] * 7, [1] * 40 + [3] * 30, [5] * 9]
+    pool, tree = make_tree(tokens, chunk_size=16, num_kv_heads=2, head_dim=64)
+    valid_k, valid_v = pool.k.clone(), pool.v.clone()
+    pool.k.fill_(float("nan"))
+    pool.v.fill_(float("nan"))
+    for seq_id in tree.seq_ids:
+        for position, chunk in enumerate(tree.chunk_ids(seq_id)):
+            n = min(16, tree.seq_len(seq_id) - position * 16)
+            pool.k[:, chunk, :, :n] = valid_k[:, chunk, :, :n]
+            pool.v[:, chunk, :, :n] = valid_v[:, chunk, :, :n]
+    plan = check_against_dense(pool, tree, 6, 64, torch.float32)
+    assert plan.private_chunk_ids.shape[1] > 1  # padding entries point at chunk 0 too

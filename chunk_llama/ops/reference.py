@@ -83,7 +83,10 @@ def sequence_first(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     position = plan.num_shared_tokens[:, None] + torch.arange(num_keys, device=q.device)
     visible = position < plan.seq_lens[:, None]  # [num_seqs, num_keys]
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    o, m, n = _partial_softmax(scores, gather(v_cache))
+    # Slots past a sequence's length (and padding chunks) are uninitialised pool
+    # memory: their zero weights times a NaN there would still give NaN.
+    values = gather(v_cache).masked_fill(~visible[:, None, :, None], 0.0)
+    o, m, n = _partial_softmax(scores, values)
     return o.reshape(num_seqs, num_heads, head_dim), m.reshape(num_seqs, num_heads), n.reshape(num_seqs, num_heads)
 
 
