@@ -92,3 +92,19 @@ def tiny_llama(*, num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
         **overrides,
     )
     return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def assert_decode_matches(out, q, pool, tree, plan, scale, tolerance, *, reference_out=None):
+    """out [num_seqs, H, D] (plan order) against dense SDPA on each sequence's own K/V and,
+    when given, against the reference's output; NaN never passes."""
+    assert torch.isfinite(out).all()
+    if reference_out is not None:
+        assert (out.float() - reference_out.float()).abs().max().item() <= tolerance
+    k_layer, v_layer = pool.k[0], pool.v[0]
+    for row, seq_id in enumerate(plan.seq_ids):
+        ids = torch.tensor(tree.chunk_ids(seq_id), device=k_layer.device)
+        length = tree.seq_len(seq_id)
+        k = k_layer[ids].transpose(0, 1).reshape(k_layer.shape[1], -1, k_layer.shape[3])[:, :length]
+        v = v_layer[ids].transpose(0, 1).reshape(v_layer.shape[1], -1, v_layer.shape[3])[:, :length]
+        dense = dense_decode_reference(q[row], k, v, scale)
+        assert (out[row].float() - dense).abs().max().item() <= tolerance

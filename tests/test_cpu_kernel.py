@@ -7,8 +7,7 @@ import torch
 
 from chunk_llama.kv import build_decode_plan
 from chunk_llama.ops import decode_backend, reference, tpp_decode_attention
-from chunk_llama.ops.reference import gather_dense
-from helpers import dense_decode_reference, make_tree, random_token_lists
+from helpers import assert_decode_matches, make_tree, random_token_lists
 
 # bf16: storage rounding of K/V/Q is shared with the reference; the output is rounded once more
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
@@ -23,13 +22,9 @@ def check(tokens, *, chunk_size, num_kv_heads, group, head_dim, dtype, seed=0):
     scale = head_dim**-0.5
     assert decode_backend(q, pool.k[0]) == "cpu"
     out = tpp_decode_attention(q, pool.k[0], pool.v[0], plan, scale)
+    assert out.dtype == dtype
     ref = reference.tpp_decode_attention(q, pool.k[0], pool.v[0], plan, scale)
-    assert out.dtype == dtype and (out.float() - ref.float()).abs().max().item() <= TOLERANCE[dtype]
-    for row, seq_id in enumerate(plan.seq_ids):
-        ids = torch.tensor(tree.chunk_ids(seq_id))
-        length = tree.seq_len(seq_id)
-        dense = dense_decode_reference(q[row], gather_dense(pool.k[0], ids, length), gather_dense(pool.v[0], ids, length), scale)
-        assert (out[row].float() - dense).abs().max().item() <= TOLERANCE[dtype]
+    assert_decode_matches(out, q, pool, tree, plan, scale, TOLERANCE[dtype], reference_out=ref)
     return plan
 
 

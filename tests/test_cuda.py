@@ -10,8 +10,7 @@ from chunk_llama import ChunkCache, patch_model
 from chunk_llama.kv import build_decode_plan
 from chunk_llama.ops import decode_backend, tpp_decode_attention
 from chunk_llama.ops import reference
-from chunk_llama.ops.reference import gather_dense
-from helpers import dense_decode_reference, make_tree, random_token_lists, tiny_llama
+from helpers import assert_decode_matches, make_tree, random_token_lists, tiny_llama
 
 pytestmark = [
     pytest.mark.cuda,
@@ -30,12 +29,7 @@ def run_case(tokens, *, chunk_size, num_kv_heads, group, head_dim, dtype, seed=0
     assert decode_backend(q, pool.k[0]) == "cuda"
     out = tpp_decode_attention(q, pool.k[0], pool.v[0], plan, scale)
     ref = reference.tpp_decode_attention(q, pool.k[0], pool.v[0], plan, scale)
-    assert (out.float() - ref.float()).abs().max().item() <= TOLERANCE[dtype]
-    for row, seq_id in enumerate(plan.seq_ids):
-        ids = torch.tensor(tree.chunk_ids(seq_id), device="cuda")
-        length = tree.seq_len(seq_id)
-        dense = dense_decode_reference(q[row], gather_dense(pool.k[0], ids, length), gather_dense(pool.v[0], ids, length), scale)
-        assert (out[row].float() - dense).abs().max().item() <= TOLERANCE[dtype]
+    assert_decode_matches(out, q, pool, tree, plan, scale, TOLERANCE[dtype], reference_out=ref)
     return plan
 
 
