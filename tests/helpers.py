@@ -97,14 +97,36 @@ def tiny_llama(*, num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
 def assert_decode_matches(out, q, pool, tree, plan, scale, tolerance, *, reference_out=None):
     """out [num_seqs, H, D] (plan order) against dense SDPA on each sequence's own K/V and,
     when given, against the reference's output; NaN never passes."""
+    from chunk_llama.ops.reference import gather_dense
+
     assert torch.isfinite(out).all()
     if reference_out is not None:
         assert (out.float() - reference_out.float()).abs().max().item() <= tolerance
-    k_layer, v_layer = pool.k[0], pool.v[0]
     for row, seq_id in enumerate(plan.seq_ids):
-        ids = torch.tensor(tree.chunk_ids(seq_id), device=k_layer.device)
+        ids = torch.tensor(tree.chunk_ids(seq_id), device=pool.device)
         length = tree.seq_len(seq_id)
-        k = k_layer[ids].transpose(0, 1).reshape(k_layer.shape[1], -1, k_layer.shape[3])[:, :length]
-        v = v_layer[ids].transpose(0, 1).reshape(v_layer.shape[1], -1, v_layer.shape[3])[:, :length]
-        dense = dense_decode_reference(q[row], k, v, scale)
+        dense = dense_decode_reference(
+            q[row], gather_dense(pool.k[0], ids, length), gather_dense(pool.v[0], ids, length), scale
+        )
         assert (out[row].float() - dense).abs().max().item() <= tolerance
+
+
+def check_native_kernel(tokens, *, backend, tolerance, chunk_size, num_kv_heads, group, head_dim, dtype, seed=0,
+                        device="cpu"):
+    """Run a native decode kernel on a tree of `tokens` and check it against the reference
+    and dense SDPA; `backend` is the one `decode_backend` must pick. Returns the plan."""
+    from chunk_llama.kv import build_decode_plan
+    from chunk_llama.ops import decode_backend, reference, tpp_decode_attention
+
+    pool, tree = make_tree(tokens, chunk_size=chunk_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                           dtype=dtype, seed=seed, device=device)
+    plan = build_decode_plan(tree, tree.seq_ids, device=device, group=group)
+    q = torch.randn(plan.num_seqs, num_kv_heads * group, head_dim,
+                    generator=torch.Generator().manual_seed(seed)).to(device, dtype)
+    scale = head_dim**-0.5
+    assert decode_backend(q, pool.k[0]) == backend
+    out = tpp_decode_attention(q, pool.k[0], pool.v[0], plan, scale)
+    assert out.dtype == dtype
+    ref = reference.tpp_decode_attention(q, pool.k[0], pool.v[0], plan, scale)
+    assert_decode_matches(out, q, pool, tree, plan, scale, tolerance[dtype], reference_out=ref)
+    return plan

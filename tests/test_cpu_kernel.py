@@ -6,26 +6,15 @@ import pytest
 import torch
 
 from chunk_llama.kv import build_decode_plan
-from chunk_llama.ops import decode_backend, reference, tpp_decode_attention
-from helpers import assert_decode_matches, make_tree, random_token_lists
+from chunk_llama.ops import decode_backend
+from helpers import check_native_kernel, make_tree, random_token_lists
 
 # bf16: storage rounding of K/V/Q is shared with the reference; the output is rounded once more
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 
 
-def check(tokens, *, chunk_size, num_kv_heads, group, head_dim, dtype, seed=0):
-    pool, tree = make_tree(tokens, chunk_size=chunk_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                           dtype=dtype, seed=seed)
-    plan = build_decode_plan(tree, tree.seq_ids)
-    q = torch.randn(plan.num_seqs, num_kv_heads * group, head_dim,
-                    generator=torch.Generator().manual_seed(seed)).to(dtype)
-    scale = head_dim**-0.5
-    assert decode_backend(q, pool.k[0]) == "cpu"
-    out = tpp_decode_attention(q, pool.k[0], pool.v[0], plan, scale)
-    assert out.dtype == dtype
-    ref = reference.tpp_decode_attention(q, pool.k[0], pool.v[0], plan, scale)
-    assert_decode_matches(out, q, pool, tree, plan, scale, TOLERANCE[dtype], reference_out=ref)
-    return plan
+def check(tokens, **case):
+    return check_native_kernel(tokens, backend="cpu", tolerance=TOLERANCE, **case)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

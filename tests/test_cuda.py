@@ -8,9 +8,8 @@ import torch
 
 from chunk_llama import ChunkCache, patch_model
 from chunk_llama.kv import build_decode_plan
-from chunk_llama.ops import decode_backend, tpp_decode_attention
-from chunk_llama.ops import reference
-from helpers import assert_decode_matches, make_tree, random_token_lists, tiny_llama
+from chunk_llama.ops import tpp_decode_attention
+from helpers import check_native_kernel, make_tree, random_token_lists, tiny_llama
 
 pytestmark = [
     pytest.mark.cuda,
@@ -19,18 +18,8 @@ pytestmark = [
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def run_case(tokens, *, chunk_size, num_kv_heads, group, head_dim, dtype, seed=0):
-    pool, tree = make_tree(tokens, chunk_size=chunk_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                           dtype=dtype, seed=seed, device="cuda")
-    plan = build_decode_plan(tree, tree.seq_ids, device="cuda", group=group)
-    num_heads = num_kv_heads * group
-    q = torch.randn(plan.num_seqs, num_heads, head_dim, generator=torch.Generator().manual_seed(seed)).to("cuda", dtype)
-    scale = head_dim**-0.5
-    assert decode_backend(q, pool.k[0]) == "cuda"
-    out = tpp_decode_attention(q, pool.k[0], pool.v[0], plan, scale)
-    ref = reference.tpp_decode_attention(q, pool.k[0], pool.v[0], plan, scale)
-    assert_decode_matches(out, q, pool, tree, plan, scale, TOLERANCE[dtype], reference_out=ref)
-    return plan
+def run_case(tokens, **case):
+    return check_native_kernel(tokens, backend="cuda", tolerance=TOLERANCE, device="cuda", **case)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
