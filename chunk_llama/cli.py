@@ -1,4 +1,4 @@
-"""`chunk-llama` command line: batch generation with a shared system prompt."""
+"""`chunk-llama` command line: `generate` (a shared system prompt, many questions) and `eval` (prompt sets)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import json
 import os
 import sys
 import time
+
+from chunk_llama.eval.cli import add_eval_parser
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "examples")
 DEFAULT_SYSTEM = os.path.join(EXAMPLES, "toolqa_flights_system.txt")
@@ -121,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     gen.add_argument("--output", help="write one JSON object per request to this file")
     gen.set_defaults(func=cmd_generate)
+    add_eval_parser(sub)
     return parser
 
 

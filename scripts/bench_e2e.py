@@ -1,115 +1,206 @@
-"""End-to-end: the engine vs stock padded-batch `generate` on a shared-system-prompt workload.
+"""End-to-end serving benchmark (the paper's Table 4 and Figure 5 at CPU scale).
 
-    python scripts/bench_e2e.py --num-requests 16 --n-shared 2000 --max-new-tokens 32
+    python scripts/bench_e2e.py --num-requests 16 --n-shared 2000 --max-new-tokens 32 --rps inf
+    python scripts/bench_e2e.py --rps 0.1 0.25 inf --systems engine stock cb_share --out docs/bench
+    python scripts/bench_e2e.py --n-shared 0 --n-prompt 512 --systems engine cb_share cb_noshare
+    python scripts/bench_e2e.py --prompt-set toolqa --limit 10 --systems engine cb_share
 
-Both systems run in this process on the same model, prompts and greedy settings.
-Reports wall time, throughput, KV bytes held (the engine's peak vs the stock
-DynamicCache after generation) and how many requests got identical tokens.
+Workload: `--num-requests` requests whose prompts share `--n-shared` tokens of a
+system prompt (the shipped tool manual) and then differ: a short chat question
+each by default, or a unique tail up to `--n-prompt` tokens. They arrive by a
+Poisson process at each `--rps` (`inf`: all at once). Systems, all on the same
+model, prompts and greedy settings in this process:
+  engine      this library's engine (online API)
+  stock       stock `model.generate` on static left-padded batches
+  cb_share    transformers continuous batching (`generate_batch`'s manager), block sharing on
+  cb_noshare  the same with block sharing off
+Metrics: normalized latency (mean of end-to-end latency / generated tokens, queueing
+included), throughput, TTFT p50/p99, peak KV bytes and batch size, and how many
+requests' greedy tokens equal stock per-request `generate`.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import csv
+import datetime
 import json
+import math
+import os
 import platform
-import time
+import random
+import statistics
 
 import torch
-from transformers import GenerationConfig
+from e2e_systems import greedy_config, per_request_reference, run_engine, run_generate_batch, run_stock
 
 import chunk_llama
-from chunk_llama import ChunkLlamaEngine
 from chunk_llama.cli import DEFAULT_PROMPTS, DEFAULT_SYSTEM, read_prompts
 
+SYSTEMS = ("engine", "stock", "cb_share", "cb_noshare")
 
-def build_chats(tokenizer, n_shared: int, num_requests: int) -> list[list[dict]]:
+
+def build_prompts(tokenizer, n_shared: int, n_prompt: int | None, num_requests: int) -> list[list[int]]:
     with open(DEFAULT_SYSTEM, encoding="utf-8") as f:
-        text = f.read()
-    ids = tokenizer(text)["input_ids"]
-    while len(ids) < n_shared:  # long enough: repeat the tool manual
-        ids = ids + ids
-    system = tokenizer.decode(ids[:n_shared])
+        manual = tokenizer(f.read())["input_ids"]
+    while len(manual) < max(n_shared, n_prompt or 0) + 64 * num_requests:
+        manual = manual + manual
+    system = tokenizer.decode(manual[:n_shared])
     questions = read_prompts(DEFAULT_PROMPTS)
-    questions = [questions[i % len(questions)] + ("" if i < len(questions) else f" (case {i})") for i in range(num_requests)]
-    return [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in questions]
+    prompts = []
+    for i in range(num_requests):
+        question = questions[i % len(questions)] + ("" if i < len(questions) else f" (case {i})")
+        if n_prompt is None:  # a chat: system prompt, then a short question
+            chat = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+            text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        else:  # shared tokens, then a unique tail: the request number, then text from its own offset
+            tail = tokenizer(f"Request {i}: ")["input_ids"] + manual[n_shared + 61 * i :]
+            prompts.append(manual[:n_shared] + tail[: n_prompt - n_shared])
+    return prompts
 
 
-def cache_bytes(cache) -> int:
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+def poisson_arrivals(rps: float, num: int, seed: int) -> list[float]:
+    if math.isinf(rps):
+        return [0.0] * num
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(num):
+        out.append(t)
+        t += rng.expovariate(rps)
+    return out
+
+
+def summarize(records, extra, reference) -> dict:
+    tokens = [len(r["tokens"]) for r in records]
+    latency = [(r["finish"] - r["arrival"]) / max(1, n) for r, n in zip(records, tokens)]
+    ttft = sorted(r["first_token"] - r["arrival"] for r in records if r.get("first_token"))
+    span = max(r["finish"] for r in records) - min(r["arrival"] for r in records)
+    return dict(
+        norm_latency_s=statistics.mean(latency),
+        throughput_tok_s=sum(tokens) / span,
+        wall_s=span,
+        ttft_p50_s=ttft[len(ttft) // 2] if ttft else None,
+        ttft_p99_s=ttft[min(len(ttft) - 1, math.ceil(0.99 * len(ttft)) - 1)] if ttft else None,
+        greedy_equal=sum(r["tokens"] == ref for r, ref in zip(records, reference)) if reference else None,
+        num_requests=len(records),
+        **extra,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--n-shared", type=int, default=2000)
+    parser.add_argument("--n-prompt", type=int, default=None, help="total prompt tokens (default: chat + question)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--prompt-set", help="use a prompt set instead (e.g. toolqa; see chunk-llama eval)")
+    parser.add_argument("--limit", type=int, help="with --prompt-set: questions per application")
+    parser.add_argument("--rps", type=float, nargs="+", default=[math.inf])
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     parser.add_argument("--max-batch-size", type=int, default=32)
+    parser.add_argument("--chunk-size", type=int, default=64, help="the engine's chunk size")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--skip-stock", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-parity", action="store_true", help="skip the per-request stock reference")
+    parser.add_argument("--out", help="folder for NAME.md, NAME.csv and NAME.png")
+    parser.add_argument("--name", default="e2e")
     parser.add_argument("--json")
     args = parser.parse_args()
 
     model, tokenizer = chunk_llama.load_default_model(getattr(torch, args.dtype))
-    chats = build_chats(tokenizer, args.n_shared, args.num_requests)
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False)
-    results = {}
+    model.set_attn_implementation("sdpa")
+    engine_model = copy.deepcopy(model)  # patched by the engine; the others run stock
+    if args.prompt_set:
+        from chunk_llama.eval import load_prompt_set
+        from chunk_llama.eval.runner import prompt_ids
 
-    engine = ChunkLlamaEngine(model, tokenizer, max_batch_size=args.max_batch_size)
-    start = time.perf_counter()
-    outputs = engine.generate(chats, config)
-    elapsed = time.perf_counter() - start
-    stats = engine.stats
-    results["chunk_llama"] = dict(
-        seconds=elapsed,
-        tokens=sum(len(o.token_ids) for o in outputs),
-        kv_bytes=stats["peak_kv_bytes"],
-        plan_rebuilds=stats["plan_rebuilds"],
-        decode_steps=stats["decode_steps"],
+        dataset = load_prompt_set(args.prompt_set, limit=args.limit)
+        prompts = [prompt_ids(tokenizer, row) for row in dataset]
+        args.n_shared = f"prompt set {args.prompt_set!r},"
+    else:
+        prompts = build_prompts(tokenizer, args.n_shared, args.n_prompt, args.num_requests)
+    config = greedy_config(model, args.max_new_tokens)
+    reference = None if args.no_parity else per_request_reference(model, prompts, config)
+    runners = dict(
+        engine=lambda arr: run_engine(engine_model, prompts, arr, config, args.max_batch_size, args.chunk_size),
+        stock=lambda arr: run_stock(model, prompts, arr, config, args.max_batch_size),
+        cb_share=lambda arr: run_generate_batch(model, prompts, arr, config, block_sharing=True),
+        cb_noshare=lambda arr: run_generate_batch(model, prompts, arr, config, block_sharing=False),
     )
-    prompt_lens = [len(o.prompt_token_ids) for o in outputs]
+    small = greedy_config(model, 2)  # warm-up: first-call costs (allocation, thread start) out of the timings
+    warm = dict(engine=lambda: run_engine(engine_model, prompts[:2], [0, 0], small),
+                stock=lambda: run_stock(model, prompts[:2], [0, 0], small),
+                cb_share=lambda: run_generate_batch(model, prompts[:2], [0, 0], small, True),
+                cb_noshare=lambda: run_generate_batch(model, prompts[:2], [0, 0], small, False))
+    for system in args.systems:
+        warm[system]()
+    rows = []
+    for rps in args.rps:
+        arrivals = poisson_arrivals(rps, len(prompts), args.seed)
+        for system in args.systems:
+            records, extra = runners[system](arrivals)
+            row = dict(system=system, rps=rps, **summarize(records, extra, reference))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
 
-    if not args.skip_stock:
-        # Stock: one left-padded batch with the DynamicCache, attention masks and SDPA.
-        model.set_attn_implementation("sdpa")
-        tokenizer.padding_side = "left"
-        texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
-        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        start = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(**batch, generation_config=config, return_dict_in_generate=True)
-        stock_elapsed = time.perf_counter() - start
-        width = batch["input_ids"].shape[1]
-        stock_tokens = out.sequences[:, width:].tolist()
-        eos = set([model.generation_config.eos_token_id] if isinstance(model.generation_config.eos_token_id, int)
-                  else model.generation_config.eos_token_id or [])
-        trimmed = []
-        for row in stock_tokens:
-            cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-            trimmed.append(row[:cut])
-        results["stock_generate"] = dict(
-            seconds=stock_elapsed,
-            tokens=sum(len(t) for t in trimmed),
-            kv_bytes=cache_bytes(out.past_key_values),
-        )
-        results["greedy_equal"] = sum(o.token_ids == t for o, t in zip(outputs, trimmed))
-
-    print(f"\n{args.num_requests} requests, {args.n_shared} shared system-prompt tokens "
-          f"(prompts {min(prompt_lens)}-{max(prompt_lens)} tokens), {args.max_new_tokens} new tokens, "
-          f"{args.dtype}, torch {torch.__version__}, {platform.processor() or platform.machine()}")
-    print("| system | wall s | tokens/s | KV bytes held | vs stock |")
-    print("|---|---|---|---|---|")
-    base = results.get("stock_generate")
-    for name in ("stock_generate", "chunk_llama"):
-        if name not in results:
-            continue
-        r = results[name]
-        ratio = f"{base['seconds'] / r['seconds']:.2f}x faster, KV {r['kv_bytes'] / base['kv_bytes']:.1%}" if base else ""
-        print(f"| {name} | {r['seconds']:.1f} | {r['tokens'] / r['seconds']:.1f} | {r['kv_bytes'] / 2**20:.1f} MiB | {ratio} |")
-    if "greedy_equal" in results:
-        print(f"greedy tokens identical to stock padded batch: {results['greedy_equal']}/{len(outputs)}")
+    lengths = [len(p) for p in prompts]
+    shared = args.n_shared if isinstance(args.n_shared, str) else f"{args.n_shared} shared tokens,"
+    header = (f"{len(prompts)} requests, {shared} prompts {min(lengths)}-{max(lengths)} tokens, "
+              f"{args.max_new_tokens} new tokens, {args.dtype}, SmolLM2-135M-Instruct, torch {torch.__version__}, "
+              f"{os.cpu_count()} CPUs ({platform.machine()}), {datetime.date.today()}")
+    table = render_table(rows, header)
+    print("\n" + table)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        stem = os.path.join(args.out, args.name)
+        with open(stem + ".md", "w") as f:
+            f.write(table + "\n")
+        with open(stem + ".csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        plot(rows, stem + ".png", header)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump(rows, f, indent=2)
+
+
+def render_table(rows, header) -> str:
+    lines = [header, "", "| RPS | system | norm. latency s/tok | throughput tok/s | TTFT p50 s | TTFT p99 s | "
+             "peak KV MiB | peak batch | greedy = stock | vs engine (throughput) |", "|" + "---|" * 10]
+    for row in rows:
+        engine = next((r for r in rows if r["rps"] == row["rps"] and r["system"] == "engine"), None)
+        ratio = f"{engine['throughput_tok_s'] / row['throughput_tok_s']:.2f}x" if engine else ""
+        fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
+        kv = None if row["peak_kv_bytes"] is None else row["peak_kv_bytes"] / 2**20
+        equal = "n/a" if row["greedy_equal"] is None else f"{row['greedy_equal']}/{row['num_requests']}"
+        lines.append(f"| {row['rps']:g} | {row['system']} | {row['norm_latency_s']:.3f} | {row['throughput_tok_s']:.2f} | "
+                     f"{fmt(row['ttft_p50_s'], '.2f')} | {fmt(row['ttft_p99_s'], '.2f')} | {fmt(kv, '.1f')} | "
+                     f"{fmt(row['peak_batch_size'], 'd')} | {equal} | {ratio} |")
+    return "\n".join(lines)
+
+
+def plot(rows, path, title) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    finite = [r for r in rows if not math.isinf(r["rps"])]
+    if not finite:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for system in dict.fromkeys(r["system"] for r in finite):
+        pts = sorted((r["rps"], r["norm_latency_s"]) for r in finite if r["system"] == system)
+        ax.plot(*zip(*pts), marker="o", label=system)
+    ax.set_xlabel("request rate (requests/s, Poisson)")
+    ax.set_ylabel("normalized latency (s/token)")
+    ax.set_yscale("log")
+    ax.set_title(title[:90], fontsize=7)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

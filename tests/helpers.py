@@ -130,3 +130,23 @@ def check_native_kernel(tokens, *, backend, tolerance, chunk_size, num_kv_heads,
     ref = reference.tpp_decode_attention(q, pool.k[0], pool.v[0], plan, scale)
     assert_decode_matches(out, q, pool, tree, plan, scale, tolerance[dtype], reference_out=ref)
     return plan
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer for `tiny_llama`'s 96 ids: token i is the word `w{i}`,
+    decoded with spaces between words; `w5` is EOS (a special token)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(96)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="w5", unk_token="w0")
+
+
+def stock_greedy(model, prompt: list[int], config) -> list[int]:
+    """Stock transformers `generate` for one prompt; the new tokens."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), generation_config=config, attention_mask=torch.ones(1, len(prompt), dtype=torch.long)
+        )
+    return out[0, len(prompt) :].tolist()

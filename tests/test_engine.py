@@ -8,7 +8,7 @@ import torch
 from transformers import GenerationConfig
 
 from chunk_llama import ChunkLlamaEngine
-from helpers import tiny_llama
+from helpers import stock_greedy, tiny_llama
 
 
 def prompts_with_shared_prefixes(seed=0, num=11):
@@ -20,12 +20,6 @@ def prompts_with_shared_prefixes(seed=0, num=11):
     return prompts
 
 
-def stock_generate(model, prompt, config):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), generation_config=config, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.mark.parametrize("num_kv_heads,max_batch_size,chunk_size", [(4, 3, 16), (2, 5, 16), (1, 32, 64)])
 def test_greedy_equals_stock_while_sequences_join_and_leave(num_kv_heads, max_batch_size, chunk_size):
     stock = tiny_llama(num_kv_heads=num_kv_heads, eos=None)
@@ -34,12 +28,12 @@ def test_greedy_equals_stock_while_sequences_join_and_leave(num_kv_heads, max_ba
     prompts = prompts_with_shared_prefixes()
     # EOS: a token some requests produce and others never do, so both finish reasons occur
     no_eos = GenerationConfig(max_new_tokens=30, do_sample=False, pad_token_id=0)
-    free_running = [stock_generate(stock, p, no_eos) for p in prompts]
+    free_running = [stock_greedy(stock, p, no_eos) for p in prompts]
     eos = next(t for out in free_running for t in out[2:] if any(t not in other for other in free_running))
     config = GenerationConfig(max_new_tokens=30, do_sample=False, eos_token_id=[95, eos], pad_token_id=0)
     outputs = engine.generate(prompts, config)
     for prompt, out in zip(prompts, outputs):
-        assert out.token_ids == stock_generate(stock, prompt, config)
+        assert out.token_ids == stock_greedy(stock, prompt, config)
         assert out.prompt_token_ids == prompt
         assert out.finish_reason == ("stop" if out.token_ids[-1] in (95, eos) else "length")
     reasons = {o.finish_reason for o in outputs}
@@ -47,7 +41,9 @@ def test_greedy_equals_stock_while_sequences_join_and_leave(num_kv_heads, max_ba
     stats = engine.stats
     assert stats["peak_batch_size"] == min(max_batch_size, len(prompts))
     assert stats["prefill_tokens_reused"] > 0
-    assert stats["chunks_in_use"] == 0  # everything was released
+    # everything was released: what stays is the retained prefix cache
+    assert stats["chunks_in_use"] == stats["retained_chunks"] > 0
+    assert engine.cache.tree.evict_all() == stats["retained_chunks"] and engine.cache.pool.num_used == 0
     assert stats["prefill_tokens_computed"] + stats["prefill_tokens_reused"] == sum(map(len, prompts))
 
 
@@ -131,6 +127,6 @@ def test_small_memory_budget_preempts_and_still_matches_stock():
     config = GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
     outputs = engine.generate(prompts, config)
     for prompt, out in zip(prompts, outputs):
-        assert out.token_ids == stock_generate(stock, prompt, config)
+        assert out.token_ids == stock_greedy(stock, prompt, config)
     assert engine.stats["peak_chunks_used"] <= 12
-    assert engine.stats["chunks_in_use"] == 0
+    assert engine.stats["chunks_in_use"] == engine.stats["retained_chunks"]

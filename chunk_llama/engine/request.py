@@ -1,4 +1,5 @@
-"""Requests as the user sees them (`RequestOutput`) and as the engine tracks them (`Sequence`)."""
+"""Requests as the user sees them (`RequestOutput`, `RequestDelta`) and as the engine
+tracks them (`Sequence`, one per returned sample)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import torch
 
 @dataclass
 class RequestOutput:
-    """The result of one request.
+    """The result of one sample of a request.
 
+    index: which of the request's `num_return_sequences` samples this is
     token_ids: generated tokens (the EOS token included when generation stopped on it)
-    finish_reason: "stop" (EOS or stop string) or "length" (max_new_tokens)
+    finish_reason: "stop" (EOS or stop string), "length" (max_new_tokens) or "abort"
     logits: [num_generated, vocab] raw logits when `output_logits` was set, else None
+    arrival_time, first_token_time, finish_time: `time.perf_counter()` stamps
     """
 
     request_id: int
@@ -24,14 +27,39 @@ class RequestOutput:
     text: str | None
     finish_reason: str
     logits: torch.Tensor | None = None
+    index: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
 
 
 @dataclass
+class RequestDelta:
+    """What one `step()` produced for one sample of a request.
+
+    token_ids: the tokens generated this step (empty for an abort)
+    text: their text (None without a tokenizer); UTF-8 sequences split across
+        tokens are held back until complete, so the deltas concatenate to the output
+    output: the final `RequestOutput` when `finished`
+    """
+
+    request_id: int
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finished: bool
+    finish_reason: str | None = None
+    output: RequestOutput | None = None
+
+
+@dataclass(eq=False)  # identity: the scheduler's lists hold and remove the objects
 class Sequence:
-    """A request in flight. Its cached tokens are `prompt_ids + output_ids[:-1]`
+    """A sample in flight. Its cached tokens are `prompt_ids + output_ids[:-1]`
     while running: the newest token is fed in the next decode step."""
 
     seq_id: int
+    request_id: int
+    index: int
     prompt: Any
     prompt_ids: list[int]
     max_new_tokens: int
@@ -40,9 +68,19 @@ class Sequence:
     do_sample: bool
     generator: torch.Generator | None
     keep_logits: bool
+    stop_strings: tuple[str, ...] = ()
+    track_text: bool = False  # decode text as tokens arrive (streaming, stop strings)
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
     output_ids: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     finish_reason: str | None = None
+    text: str = ""  # text of output_ids[:read_offset]
+    prefix_offset: int = 0  # incremental detokenization window, see `text.py`
+    read_offset: int = 0
+    num_reported: int = 0  # tokens already returned in a `RequestDelta`
+    num_reported_chars: int = 0  # characters of `text` already returned
 
     @property
     def all_ids(self) -> list[int]:

@@ -28,6 +28,7 @@ class ChunkCache(Cache):
         chunk_size: tokens per chunk (positive).
         kv_cache_bytes: memory budget for K and V of all layers; default from free memory.
         dtype, device: of the pool; default the model's.
+        retain_prefixes: keep finished sequences' full chunks as an LRU prefix cache.
     """
 
     def __init__(
@@ -38,6 +39,7 @@ class ChunkCache(Cache):
         kv_cache_bytes: int | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        retain_prefixes: bool = False,
     ):
         config = getattr(model, "config", model)
         check_supported(config)
@@ -68,7 +70,7 @@ class ChunkCache(Cache):
             dtype=dtype,
             device=device,
         )
-        self.tree = PrefixTree(self.pool)
+        self.tree = PrefixTree(self.pool, retain_prefixes=retain_prefixes)
         self.num_plan_rebuilds = 0
         self.num_plan_updates = 0
         self._group = config.num_attention_heads // num_kv_heads
@@ -256,12 +258,17 @@ class ChunkCache(Cache):
             )
         batch, num_kv_heads, q_len, head_dim = key_states.shape
         k_layer, v_layer = self.pool.k[layer_idx], self.pool.v[layer_idx]
+        if key_states.device != k_layer.device or key_states.dtype != k_layer.dtype:
+            raise ValueError(
+                f"the model computes {key_states.dtype} on {key_states.device} but this ChunkCache holds "
+                f"{k_layer.dtype} on {k_layer.device}; create the cache (or engine) after moving the model"
+            )
         if step.write_token_index.numel():
             # [batch * q_len, num_kv_heads, head_dim] rows of the tokens to store
             flat_k = key_states.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
             flat_v = value_states.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
-            k_layer[step.write_chunk, :, step.write_offset] = flat_k[step.write_token_index].to(k_layer.dtype)
-            v_layer[step.write_chunk, :, step.write_offset] = flat_v[step.write_token_index].to(v_layer.dtype)
+            k_layer[step.write_chunk, :, step.write_offset] = flat_k[step.write_token_index]
+            v_layer[step.write_chunk, :, step.write_offset] = flat_v[step.write_token_index]
         for copy in step.copies:
             k_layer[copy.dst, :, : copy.num_tokens] = k_layer[copy.src, :, : copy.num_tokens]
             v_layer[copy.dst, :, : copy.num_tokens] = v_layer[copy.src, :, : copy.num_tokens]

@@ -60,6 +60,9 @@ class ChunkPool:
         self.v = torch.empty(shape, dtype=dtype, device=self.device)
         # Pop from the end: low ids first, which keeps the touched memory compact.
         self._free: list[int] = list(range(capacity - 1, -1, -1))
+        self._is_free = bytearray(b"\x01") * capacity
+        # Live sequences through each chunk. A chunk at 0 that is not free is a
+        # retained prefix chunk, owned by the tree until it revives or evicts it.
         self.ref_counts: list[int] = [0] * capacity
         self.peak_used = 0
 
@@ -85,6 +88,9 @@ class ChunkPool:
     def num_used(self) -> int:
         return self.capacity - len(self._free)
 
+    def is_free(self, chunk_id: int) -> bool:
+        return bool(self._is_free[chunk_id])
+
     def can_allocate(self, num_chunks: int) -> bool:
         return num_chunks <= len(self._free)
 
@@ -93,22 +99,29 @@ class ChunkPool:
         if not self._free:
             raise KVCacheFull(f"KV cache is full: all {self.capacity} chunks are in use")
         chunk_id = self._free.pop()
+        self._is_free[chunk_id] = 0
         self.ref_counts[chunk_id] = 1
         self.peak_used = max(self.peak_used, self.num_used)
         return chunk_id
 
     def incref(self, chunk_id: int) -> None:
-        if self.ref_counts[chunk_id] <= 0:
+        """Add a sequence to an allocated chunk (a retained one at 0 included)."""
+        if self._is_free[chunk_id]:
             raise RuntimeError(f"incref of free chunk {chunk_id}")
         self.ref_counts[chunk_id] += 1
 
-    def decref(self, chunk_id: int) -> bool:
-        """Drop one reference; returns True when the chunk became free."""
+    def decref(self, chunk_id: int) -> int:
+        """Drop one reference; returns the references left. At 0 the chunk is not
+        freed: the caller either retains it or calls `free`."""
         count = self.ref_counts[chunk_id]
         if count <= 0:
-            raise RuntimeError(f"decref of free chunk {chunk_id}")
+            raise RuntimeError(f"decref of chunk {chunk_id} with no references")
         self.ref_counts[chunk_id] = count - 1
-        if count == 1:
-            self._free.append(chunk_id)
-            return True
-        return False
+        return count - 1
+
+    def free(self, chunk_id: int) -> None:
+        """Return a chunk with no references to the free list."""
+        if self._is_free[chunk_id] or self.ref_counts[chunk_id] != 0:
+            raise RuntimeError(f"free of chunk {chunk_id} (free={self.is_free(chunk_id)}, refs={self.ref_counts[chunk_id]})")
+        self._is_free[chunk_id] = 1
+        self._free.append(chunk_id)

@@ -1,0 +1,126 @@
+"""Prompt sets, scoring, sharding and `chunk-llama eval` in one and in two processes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from chunk_llama.eval import extract_tool_call, is_correct, load_prompt_set
+from chunk_llama.eval.cli import main as eval_main
+from chunk_llama.eval.ordering import shard_by_app, simulate_prefill_tokens
+from helpers import tiny_llama, tiny_tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_shipped_set_has_four_apps_of_sixty_questions_with_long_varied_prompts():
+    data = load_prompt_set()
+    apps = sorted(set(data["app"]))
+    assert len(apps) >= 4 and data.column_names == ["app", "system_prompt", "question", "answer", "id"]
+    rows = data.to_list()
+    for app in apps:
+        mine = [r for r in rows if r["app"] == app]
+        assert len(mine) >= 50 and len({r["system_prompt"] for r in mine}) == 1
+        assert all(is_correct(f"Action: {r['answer']}", r["answer"]) for r in mine)
+    lengths = sorted({len(r["system_prompt"]) for r in rows})
+    assert lengths[-1] > 2 * lengths[0]  # varied like the paper's Table 2
+    assert len(load_prompt_set(apps=["weather", "papers"], limit=7)) == 14
+
+
+def test_user_files_and_clear_errors(tmp_path):
+    rows = [dict(app="a", system_prompt="s", question="q1", answer="T[1]"),
+            dict(app="b", system_prompt="s2", question="q2", answer="T[2]")]
+    jsonl = tmp_path / "set.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert load_prompt_set(str(jsonl))["question"] == ["q1", "q2"]
+    csv = tmp_path / "set.csv"
+    csv.write_text("app,system_prompt,question\na,s,q\n")
+    with pytest.raises(ValueError, match=r"lacks column\(s\) \['answer'\]"):
+        load_prompt_set(str(csv))
+    load_prompt_set(str(jsonl)).save_to_disk(str(tmp_path / "folder"))
+    assert len(load_prompt_set(str(tmp_path / "folder"))) == 2
+    with pytest.raises(ValueError, match="unknown app"):
+        load_prompt_set(str(jsonl), apps=["zzz"])
+    with pytest.raises(ValueError, match="neither"):
+        load_prompt_set(str(tmp_path / "missing.jsonl"))
+
+
+def test_scoring_normalizes_the_first_tool_call():
+    assert extract_tool_call("Thought: x\nAction: FlightStatus[DL 1, 2022-01-02]\nObs") == "FlightStatus[DL 1, 2022-01-02]"
+    assert is_correct('Action:  flightstatus[ "DL  1" ,2022-01-02 ]', "FlightStatus[DL 1, 2022-01-02]")
+    assert not is_correct("Action: FlightStatus[DL 2, 2022-01-02]", "FlightStatus[DL 1, 2022-01-02]")
+    assert not is_correct("no call at all", "Finish[1]")
+
+
+def test_sharding_keeps_apps_together_and_balances_tokens():
+    items = [(i, app, 100) for i, app in enumerate(["x"] * 6 + ["y"] * 3 + ["z"] * 3)]
+    shards = shard_by_app(items, 2)
+    assert sorted(sum(shards, [])) == list(range(12))
+    app_of = {i: a for i, a, _ in items}
+    assert all(len({app_of[i] for i in s} & {app_of[i] for i in other}) == 0 for s, other in [shards, shards[::-1]])
+    assert sorted(len(s) for s in shards) == [6, 6]
+    assert all(s for s in shard_by_app([(i, "only", 10) for i in range(5)], 3))  # one app split over processes
+
+
+def test_grouped_order_computes_less_prefill_when_the_budget_is_tight():
+    prefixes = {app: [app * 1000 + t for t in range(64)] for app in range(3)}
+    interleaved = [prefixes[i % 3] + [7000 + i] for i in range(12)]
+    grouped = sorted(interleaved, key=lambda p: p[0])
+    args = dict(capacity=6, chunk_size=16, max_batch_size=2, max_new_tokens=8)
+    assert simulate_prefill_tokens(grouped, **args) < simulate_prefill_tokens(interleaved, **args)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tiny_llama(eos=5).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    rows = [dict(app=app, system_prompt=" ".join(f"w{6 + (k * 7 + j) % 90}" for j in range(n)),
+                 question=f"w{20 + q} w{40 + q}", answer=f"T[w{q}]")
+            for k, (app, n) in enumerate([("alpha", 70), ("beta", 40), ("gamma", 30)]) for q in range(4)]
+    with open(folder / "set.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return folder
+
+
+def read_results(folder):
+    with open(os.path.join(folder, "results.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_eval_writes_results_and_summary_and_resumes(tiny_model_dir, tmp_path):
+    out = tmp_path / "single"
+    argv = ["--model", str(tiny_model_dir), "--data", str(tiny_model_dir / "set.jsonl"), "--max-new-tokens", "6",
+            "--chunk-size", "16", "--kv-cache-bytes", str(1 << 22), "--check-parity", "5", "--output", str(out)]
+    assert eval_main(argv) == 0
+    results = read_results(out)
+    assert [r["id"] for r in results] == list(range(12))
+    summary = json.load(open(out / "summary.json"))
+    overall = summary["apps"]["overall"]
+    assert overall["requests"] == 12 and overall["parity_checked"] == 5 and overall["parity_equal"] == 5
+    alpha = summary["apps"]["alpha"]  # 4 prompts that differ only in their last 2 tokens (the question)
+    assert alpha["shared_tokens"] == alpha["prompt_tokens"] - 4 * 2 and overall["prefill_tokens_reused"] > 0
+    assert "sharing" in open(out / "summary.md").read()
+    # resumable: a second run finds everything done and recomputes nothing
+    os.remove(out / "summary.json")
+    assert eval_main(argv) == 0
+    assert read_results(out) == results and json.load(open(out / "summary.json"))["apps"]["overall"]["requests"] == 12
+
+
+def test_two_processes_with_accelerate_equal_one(tiny_model_dir, tmp_path):
+    common = ["--model", str(tiny_model_dir), "--data", str(tiny_model_dir / "set.jsonl"), "--max-new-tokens", "6",
+              "--chunk-size", "16", "--kv-cache-bytes", str(1 << 22)]
+    assert eval_main([*common, "--output", str(tmp_path / "one")]) == 0
+    launcher = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                           "--mixed_precision", "no", "--dynamo_backend", "no",
+                           os.path.join(REPO, "scripts", "eval_toolqa.py"), *common, "--output", str(tmp_path / "two")],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert read_results(tmp_path / "two") == read_results(tmp_path / "one")
+    assert json.load(open(tmp_path / "two" / "summary.json"))["num_processes"] == 2
