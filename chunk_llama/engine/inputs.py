@@ -130,7 +130,7 @@ class InputProcessor:
                     generator=generator,
                     keep_logits=bool(config.output_logits),
                     stop_strings=stops,
-                    track_text=track_text and self.tokenizer is not None or bool(stops),
+                    track_text=(track_text and self.tokenizer is not None) or bool(stops),
                     arrival_time=arrival,
                 )
             )
