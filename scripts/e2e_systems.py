@@ -15,17 +15,13 @@ import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from chunk_llama import ChunkLlamaEngine
+from chunk_llama.eval.parity import stock_generate_tokens, trim_at_eos
 
 
 def _wait_until(t: float) -> None:
     delay = t - time.perf_counter()
     if delay > 0:
         time.sleep(delay)
-
-
-def _trim_at_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
-    cut = next((i + 1 for i, t in enumerate(tokens) if t in eos_ids), len(tokens))
-    return tokens[:cut]
 
 
 def run_engine(model, prompts, arrivals, config, max_batch_size=32, chunk_size=64):
@@ -67,8 +63,6 @@ class _FirstCallTimer(LogitsProcessor):
 def run_stock(model, prompts, arrivals, config, max_batch_size=32, pad_id=0):
     """Stock `model.generate` on static left-padded batches: whenever it is idle, it
     takes every request that has arrived (up to the batch size) and runs them to the end."""
-    eos = config.eos_token_id
-    eos_ids = set([eos] if isinstance(eos, int) else eos or [])
     start = time.perf_counter()
     records = [dict(arrival=start + a) for a in arrivals]
     peak_kv = peak_batch = 0
@@ -89,7 +83,7 @@ def run_stock(model, prompts, arrivals, config, max_batch_size=32, pad_id=0):
         peak_kv = max(peak_kv, sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)))
         peak_batch = max(peak_batch, len(batch))
         for row, i in enumerate(batch):
-            records[i].update(tokens=_trim_at_eos(out.sequences[row, width:].tolist(), eos_ids),
+            records[i].update(tokens=trim_at_eos(out.sequences[row, width:].tolist(), config.eos_token_id),
                               first_token=timer.first, finish=finish)
         served += len(batch)
     return records, dict(peak_kv_bytes=peak_kv, peak_batch_size=peak_batch)
@@ -140,15 +134,7 @@ def _record_cb(records, index_of, result):
 
 def per_request_reference(model, prompts, config) -> list[list[int]]:
     """Stock `generate` one request at a time: the greedy tokens every system must match."""
-    eos = config.eos_token_id
-    eos_ids = set([eos] if isinstance(eos, int) else eos or [])
-    outputs = []
-    for prompt in prompts:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                 generation_config=config)
-        outputs.append(_trim_at_eos(out[0, len(prompt):].tolist(), eos_ids))
-    return outputs
+    return [stock_generate_tokens(model, prompt, config, config.eos_token_id) for prompt in prompts]
 
 
 def greedy_config(model, max_new_tokens: int) -> GenerationConfig:

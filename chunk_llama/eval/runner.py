@@ -14,11 +14,11 @@ import time
 from dataclasses import dataclass
 
 import datasets
-import torch
 from transformers import GenerationConfig
 
 from chunk_llama.engine import ChunkLlamaEngine
 from chunk_llama.eval.ordering import shard_by_app, simulate_prefill_tokens
+from chunk_llama.eval.parity import stock_generate_tokens
 from chunk_llama.eval.scoring import extract_tool_call, is_correct
 from chunk_llama.eval.summary import write_summary
 
@@ -80,7 +80,7 @@ def run_eval(model, tokenizer, dataset: datasets.Dataset, config: EvalConfig, *,
         return sum(simulate_prefill_tokens([prompts[i] for i in ids], capacity, config.chunk_size,
                                            config.max_batch_size, config.max_new_tokens) for ids in order)
 
-    ordering = dict(input_order=prefill_tokens([[r["id"] for r in rows if r["id"] in set(s)] for s in shards]),
+    ordering = dict(input_order=prefill_tokens(shards),  # each shard lists its ids in input order
                     grouped_order=prefill_tokens([_grouped(rows, s) for s in shards]))
     return write_summary(config.output_dir, ordering, num_processes)
 
@@ -119,18 +119,8 @@ def _run_app(engine, app_rows, prompts, shared, gen_config, results, bar) -> dic
 
 
 def _check_parity(model, rows, prompts, gen_config, outputs) -> dict:
-    """Stock `generate` (no ChunkCache: the patched attention runs transformers' SDPA path)."""
-    equal = 0
-    for row in rows:
-        ids = prompts[row["id"]]
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids], device=model.device), generation_config=gen_config,
-                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=model.device))
-        stock = out[0, len(ids):].tolist()
-        eos = model.generation_config.eos_token_id
-        eos = set([eos] if isinstance(eos, int) else eos or [])
-        cut = next((i + 1 for i, t in enumerate(stock) if t in eos), len(stock))
-        equal += stock[:cut] == outputs[row["id"]]
+    eos = model.generation_config.eos_token_id
+    equal = sum(stock_generate_tokens(model, prompts[r["id"]], gen_config, eos) == outputs[r["id"]] for r in rows)
     return dict(checked=len(rows), equal=equal)
 
 

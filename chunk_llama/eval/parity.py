@@ -1,0 +1,21 @@
+"""Stock transformers `generate`, one request at a time: the greedy tokens to match."""
+
+from __future__ import annotations
+
+import torch
+
+
+def trim_at_eos(tokens: list[int], eos_token_id) -> list[int]:
+    """`tokens` up to and including the first EOS (an id, a list of ids or None)."""
+    eos = set([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or [])
+    cut = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+    return tokens[:cut]
+
+
+def stock_generate_tokens(model, prompt: list[int], config, eos_token_id) -> list[int]:
+    """The new tokens of stock `generate` on one unpadded prompt, cut after the first EOS
+    (a model patched by chunk-llama runs transformers' own SDPA path without a ChunkCache)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt], device=model.device), generation_config=config,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device))
+    return trim_at_eos(out[0, len(prompt):].tolist(), eos_token_id)
