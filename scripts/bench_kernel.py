@@ -1,7 +1,7 @@
 """Decode-attention kernel benchmark (the paper's section 4.1), baselines in the same run.
 
     python scripts/bench_kernel.py --batch 32 --n-prompt 2048 --n-shared 2048 --device cuda
-    python scripts/bench_kernel.py --grid paper --device cuda --out docs/bench
+    python scripts/bench_kernel.py --grid paper --device cuda --out docs/bench  (+ plots, BENCHMARKS.md table)
 
 Workload: `batch` sequences of `n_prompt` context tokens, the first `n_shared` of
 them common to all, one new query token each. Implementations:
@@ -35,6 +35,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from chunk_llama.kv import ChunkPool, PrefixTree, build_decode_plan  # noqa: E402
 from chunk_llama.ops import reference  # noqa: E402
+
+
+def machine_name(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        model = ""
+    return f"{model or platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
 
 
 def sync(device):
@@ -134,17 +145,18 @@ def run_one(args, device, dtype, batch, n_prompt, n_shared, limits) -> list[dict
     to_ns = torch.tensor([row[s] for s in plan_ns.seq_ids], device=device)
     q_ns = q[to_ns].contiguous()
     from_ns = torch.argsort(to_ns)
-    impls = {
-        "naive": naive,
-        "sdpa_dense": sdpa_dense,
-        "tpp_reference": lambda: reference.tpp_decode_attention(q, pool.k[0], pool.v[0], plan, scale),
-    }
     from chunk_llama.ops import decode_backend, tpp_decode_attention
 
+    # The slow Python implementations go last: the gigabytes of temporaries they free
+    # slowed whatever was timed right after them (tpp_cpu 67 ms instead of 39 at
+    # b=32, n_p=1024, n_s=0), which would measure their churn, not the kernel.
+    impls = {"sdpa_dense": sdpa_dense}
     backend = decode_backend(q, pool.k[0])
     if backend != "reference":
         impls[f"tpp_{backend}"] = lambda: tpp_decode_attention(q, pool.k[0], pool.v[0], plan, scale)
     impls["paged_no_share"] = lambda: tpp_decode_attention(q_ns, pool_ns.k[0], pool_ns.v[0], plan_ns, scale)
+    impls["tpp_reference"] = lambda: reference.tpp_decode_attention(q, pool.k[0], pool.v[0], plan, scale)
+    impls["naive"] = naive
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -218,7 +230,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype or ("float16" if device.type == "cuda" else "float32"))
     args.kv_heads = args.kv_heads or args.heads
     limits = machine_limits(device, dtype)
-    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.processor()}), "
+    print(f"device {device} ({machine_name(device)}), "
           f"copy bandwidth {limits[0]:.0f} GB/s, matmul {limits[1]:.0f} GFLOP/s ({dtype})", flush=True)
 
     rows = []
@@ -251,8 +263,7 @@ def main() -> None:
             writer.writeheader()
             writer.writerows(rows)
         with open(out / f"{stem}.md", "w") as f:
-            name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-            f.write(f"Command: `python scripts/bench_kernel.py {' '.join(sys.argv[1:])}` on {name}, "
+            f.write(f"Command: `python scripts/bench_kernel.py {' '.join(sys.argv[1:])}` on {machine_name(device)}, "
                     f"torch {torch.__version__}, {date.today()}, {dtype}; copy bandwidth {limits[0]:.0f} GB/s, "
                     f"matmul {limits[1]:.0f} GFLOP/s.\n\n")
             f.write("| experiment | b | n_p | n_s | impl | ms | GB/s | vs sdpa_dense | max err | floor BW ms | floor FLOP ms |\n")
@@ -261,6 +272,9 @@ def main() -> None:
                 f.write(f"| {r['experiment']} | {r['batch']} | {r['n_prompt']} | {r['n_shared']} | {r['impl']} | "
                         f"{r['ms']:.3f} | {r['gbps']:.0f} | {r['speedup_vs_sdpa_dense']:.2f}x | {r['max_abs_err']:.1e} | "
                         f"{r['floor_bandwidth_ms']:.3f} | {r['floor_flops_ms']:.3f} |\n")
+        import plot_bench
+
+        plot_bench.main(str(out / f"{stem}.csv"))
 
 
 if __name__ == "__main__":

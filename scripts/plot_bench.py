@@ -1,4 +1,6 @@
-"""PNG plots from a `bench_kernel.py --grid paper` CSV (Table 3 as bars, Figures 3 and 4 as lines).
+"""Report a `bench_kernel.py --grid paper` CSV: PNG plots (Table 3 as bars, Figures 3
+and 4 as lines) beside it, and its table in docs/BENCHMARKS.md (between markers,
+replaced on every run; appended the first time). `bench_kernel.py --grid` calls this.
 
     python scripts/plot_bench.py docs/bench/kernel_cuda.csv
 """
@@ -16,7 +18,49 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+BENCHMARKS = Path(__file__).resolve().parents[1] / "docs" / "BENCHMARKS.md"
+
+
+def markdown_table(rows: list[dict], caption: str) -> str:
+    """One line per grid point: every implementation's ms, then the native kernel's
+    bandwidth, its speed-up over dense SDPA and the two floors."""
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    native = next((i for i in impls if i.startswith("tpp_") and i != "tpp_reference"), impls[-1])
+    points: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["experiment"], r["batch"], r["n_prompt"], r["n_shared"])
+        points.setdefault(key, {})[r["impl"]] = r
+    lines = [caption, "",
+             "| experiment | b | n_p | n_s | " + " | ".join(impls) + f" | {native} GB/s | {native} vs sdpa_dense | "
+             "floors BW / FLOP ms |",
+             "|---" * (len(impls) + 7) + "|"]
+    for (experiment, b, n_p, n_s), by_impl in points.items():
+        top = by_impl.get(native, next(iter(by_impl.values())))
+        cells = [f"{float(by_impl[i]['ms']):.2f}" if i in by_impl else "" for i in impls]
+        lines.append(f"| {experiment} | {b} | {n_p} | {n_s} | " + " | ".join(cells) +
+                     f" | {float(top['gbps']):.1f} | {float(top['speedup_vs_sdpa_dense']):.2f}x | "
+                     f"{float(top['floor_bandwidth_ms']):.2f} / {float(top['floor_flops_ms']):.2f} |")
+    return "\n".join(lines)
+
+
+def write_table(path: str, benchmarks: Path = BENCHMARKS) -> None:
+    stem = Path(path).with_suffix("")
+    rows = list(csv.DictReader(open(path)))
+    md = stem.with_suffix(".md")
+    caption = md.read_text().splitlines()[0] if md.exists() else f"From `{path}`."
+    begin, end = f"<!-- {stem.name} table: written by scripts/plot_bench.py -->", f"<!-- end {stem.name} table -->"
+    block = f"{begin}\n{markdown_table(rows, caption)}\n{end}"
+    text = benchmarks.read_text() if benchmarks.exists() else ""
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip() + f"\n\n## Kernel grid ({stem.name})\n\n{block}\n"
+    benchmarks.write_text(text)
+    print(f"wrote the {stem.name} table into {benchmarks}")
+
+
 def main(path: str) -> None:
+    write_table(path)
     rows = list(csv.DictReader(open(path)))
     stem = Path(path).with_suffix("")
     impls = sorted({r["impl"] for r in rows}, key=lambda s: (s != "sdpa_dense", s))

@@ -27,14 +27,21 @@ def _cpu_signature() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _module():
+def build(extra_cflags: tuple[str, ...] = ()):
+    """The extension built for this CPU (with `extra_cflags`, e.g. to test other targets), or None."""
     sources = [CSRC / "cpu" / f for f in ("tpp_cpu_torch.cpp", "bindings.cpp")]
+    suffix = hashlib.sha256(" ".join(extra_cflags).encode()).hexdigest()[:6] if extra_cflags else ""
     return load_extension(
-        f"chunk_llama_cpu_{_cpu_signature()}",
+        f"chunk_llama_cpu_{_cpu_signature()}{suffix}",
         sources,
-        cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"],
+        cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++17",
+                *extra_cflags],
         ldflags=["-fopenmp"],
     )
+
+
+def _module():
+    return build()
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -60,17 +67,33 @@ def _scratch_for(num_floats: int) -> torch.Tensor:
     return _scratch
 
 
+def default_chunks_per_item(plan: DecodePlan, num_kv_heads: int) -> int:
+    """Shared chunks one phase-1 work item merges: as many as keeps ~8 items per thread.
+
+    Longer segments write fewer partials (each as large as the chunk's K for its rows);
+    shorter ones balance the threads.
+    """
+    return max(1, plan.num_shared * num_kv_heads // (8 * torch.get_num_threads()))
+
+
 def tpp_decode_attention_cpu(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float,
+    max_chunks_per_item: int | None = None,
 ) -> torch.Tensor:
     """Same contract as `reference.tpp_decode_attention`.
 
     q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [capacity, num_kv_heads, chunk_size, head_dim]
+    max_chunks_per_item: see `default_chunks_per_item` (the default)
     """
-    num_pairs = int(plan.pair_seq.numel())
-    scratch = _scratch_for(num_pairs * q.shape[1] * (q.shape[2] + 2))
-    return _module().tpp_decode(
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    module = _module()
+    scratch = _scratch_for(module.scratch_floats(int(plan.pair_seq.numel()), num_seqs, num_heads, num_kv_heads,
+                                                 head_dim))
+    if max_chunks_per_item is None:
+        max_chunks_per_item = default_chunks_per_item(plan, num_kv_heads)
+    return module.tpp_decode(
         q.contiguous(), k_cache, v_cache, plan.shared_chunk_ids, plan.shared_begin, plan.shared_end,
         plan.shared_depth, plan.private_chunk_ids.contiguous(), plan.num_shared_tokens, plan.seq_lens,
-        plan.seq_pair_ptr, scratch, float(scale),
+        plan.seq_pair_ptr, scratch, float(scale), max_chunks_per_item,
     )

@@ -10,7 +10,7 @@ torch::Tensor tpp_decode_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Tens
                              torch::Tensor shared_chunk_ids, torch::Tensor shared_begin, torch::Tensor shared_end,
                              torch::Tensor shared_depth, torch::Tensor private_chunk_ids,
                              torch::Tensor num_shared_tokens, torch::Tensor seq_lens, torch::Tensor seq_pair_ptr,
-                             torch::Tensor scratch, double scale) {
+                             torch::Tensor scratch, double scale, int64_t max_chunks_per_item) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "tpp_decode_cpu takes CPU tensors");
   TORCH_CHECK(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim], got ", q.sizes());
@@ -37,11 +37,12 @@ torch::Tensor tpp_decode_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Tens
   TORCH_CHECK(seq_lens.numel() == num_seqs && seq_pair_ptr.numel() == num_seqs + 1 &&
                   private_chunk_ids.dim() == 2 && private_chunk_ids.size(0) == num_seqs,
               "plan tensors do not match num_seqs=", num_seqs);
+  TORCH_CHECK(max_chunks_per_item >= 1, "max_chunks_per_item must be >= 1, got ", max_chunks_per_item);
   const int64_t num_pairs = seq_pair_ptr[num_seqs].item<int64_t>();
   auto out = torch::empty_like(q);
   // The caller keeps the scratch between calls: fresh pages for every step would cost
   // a page fault per 4 KiB, more than the attention itself.
-  const int64_t needed = num_pairs * num_heads * (head_dim + 2);
+  const int64_t needed = chunk_attn_cpu::scratch_floats(num_pairs, num_seqs, num_heads, num_kv_heads, head_dim);
   TORCH_CHECK(scratch.device().is_cpu() && scratch.scalar_type() == torch::kFloat32 && scratch.is_contiguous() &&
                   scratch.numel() >= needed,
               "scratch must be a contiguous float32 CPU tensor of at least ", needed, " elements");
@@ -54,6 +55,7 @@ torch::Tensor tpp_decode_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Tens
   p.partial_o = scratch.data_ptr<float>();
   p.partial_m = p.partial_o + num_pairs * num_heads * head_dim;
   p.partial_n = p.partial_m + num_pairs * num_heads;
+  p.q_t = p.partial_n + num_pairs * num_heads;
   p.shared_chunk_ids = shared_chunk_ids.data_ptr<int64_t>();
   p.shared_begin = shared_begin.data_ptr<int64_t>();
   p.shared_end = shared_end.data_ptr<int64_t>();
@@ -69,10 +71,16 @@ torch::Tensor tpp_decode_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Tens
   p.chunk_size = k_cache.size(2);
   p.num_shared = shared_chunk_ids.numel();
   p.max_private = private_chunk_ids.size(1);
+  p.max_chunks_per_item = static_cast<int>(std::min<int64_t>(max_chunks_per_item, 1 << 30));
   p.scale = static_cast<float>(scale);
   omp_set_num_threads(at::get_num_threads());
   const bool done = q.scalar_type() == torch::kFloat32 ? chunk_attn_cpu::tpp_decode<float>(p)
                                                         : chunk_attn_cpu::tpp_decode<uint16_t>(p);
   TORCH_CHECK(done, "unreachable: shape checked above");
   return out;
+}
+
+int64_t tpp_scratch_floats(int64_t num_pairs, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim) {
+  return chunk_attn_cpu::scratch_floats(num_pairs, num_seqs, num_heads, num_kv_heads, head_dim);
 }
