@@ -43,11 +43,11 @@ def markdown_table(rows: list[dict], caption: str) -> str:
     return "\n".join(lines)
 
 
-def write_table(path: str, benchmarks: Path = BENCHMARKS) -> None:
-    stem = Path(path).with_suffix("")
-    rows = list(csv.DictReader(open(path)))
+def write_table(stem: Path, rows: list[dict], benchmarks: Path = BENCHMARKS) -> None:
+    """Replace (or append) the grid's table in BENCHMARKS.md; the caption is the first
+    line of the run's `<stem>.md`."""
     md = stem.with_suffix(".md")
-    caption = md.read_text().splitlines()[0] if md.exists() else f"From `{path}`."
+    caption = md.read_text().splitlines()[0] if md.exists() else f"From `{stem}.csv`."
     begin, end = f"<!-- {stem.name} table: written by scripts/plot_bench.py -->", f"<!-- end {stem.name} table -->"
     block = f"{begin}\n{markdown_table(rows, caption)}\n{end}"
     text = benchmarks.read_text() if benchmarks.exists() else ""
@@ -60,9 +60,10 @@ def write_table(path: str, benchmarks: Path = BENCHMARKS) -> None:
 
 
 def main(path: str) -> None:
-    write_table(path)
-    rows = list(csv.DictReader(open(path)))
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
     stem = Path(path).with_suffix("")
+    write_table(stem, rows)
     impls = sorted({r["impl"] for r in rows}, key=lambda s: (s != "sdpa_dense", s))
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
 

@@ -3,7 +3,7 @@
 // Phase 1 (chunk-first): the shared chunks are grouped into runs (consecutive chunks
 // on the path of the same sequences), and one work item takes a segment of a run for
 // one KV head and up to kRowsPerItem query rows (sequence x head of the GQA group).
-// Per chunk and 16-row block it is a small GEMM S^T = K Q^T over the chunk's keys,
+// Per chunk and 32-row block it is a small GEMM S^T = K Q^T over the chunk's keys,
 // an online-softmax update and O = O * correction + P V, FlashAttention style, so a
 // whole segment leaves one partial (o, m, n) per row instead of one per chunk.
 // Phase 2 (sequence-first), one item per (sequence, KV head): online softmax over the
@@ -83,6 +83,11 @@ inline std::vector<ChunkItem> chunk_items(const Params& p) {
 struct Workspace {
   std::vector<float> o, m, n, s, k, v, q;
 };
+
+// Offset of one chunk's [C][D] block for one KV head in k_cache / v_cache.
+inline int64_t chunk_offset(const Params& p, int64_t chunk_id, int kv_head) {
+  return (chunk_id * p.num_kv_heads + kv_head) * static_cast<int64_t>(p.chunk_size) * p.head_dim;
+}
 
 // A chunk's K or V ([C][D] of one KV head) as fp32: in place, or converted from bf16.
 inline const float* as_float(const float* src, int64_t, std::vector<float>&) { return src; }
@@ -196,12 +201,12 @@ void chunk_first_item(const Params& p, const ChunkItem& item, Workspace& w) {
   const int64_t stride = q_t_stride(p.num_seqs, H, p.num_kv_heads);
   const float* qt = p.q_t + static_cast<int64_t>(item.kv_head) * D * stride + item.row_begin;
   for (int c = 0; c < item.count; ++c) {
-    const int64_t base = (p.shared_chunk_ids[item.first + c] * p.num_kv_heads + item.kv_head) * static_cast<int64_t>(C) * D;
+    const int64_t base = chunk_offset(p, p.shared_chunk_ids[item.first + c], item.kv_head);
     const float* k = as_float(static_cast<const T*>(p.k_cache) + base, static_cast<int64_t>(C) * D, w.k);
     const float* v = as_float(static_cast<const T*>(p.v_cache) + base, static_cast<int64_t>(C) * D, w.v);
     const char *next_k = nullptr, *next_v = nullptr;
     if (c + 1 < item.count) {
-      const int64_t next = (p.shared_chunk_ids[item.first + c + 1] * p.num_kv_heads + item.kv_head) * static_cast<int64_t>(C) * D;
+      const int64_t next = chunk_offset(p, p.shared_chunk_ids[item.first + c + 1], item.kv_head);
       next_k = reinterpret_cast<const char*>(static_cast<const T*>(p.k_cache) + next);
       next_v = reinterpret_cast<const char*>(static_cast<const T*>(p.v_cache) + next);
     }
@@ -232,13 +237,12 @@ void chunk_first_item(const Params& p, const ChunkItem& item, Workspace& w) {
 template <typename T, int D>
 void seq_first_item(const Params& p, int seq, int kv_head, Workspace& w) {
   constexpr int kVec = D / 16;
-  const int C = p.chunk_size, H = p.num_heads, group = H / p.num_kv_heads;
-  const int C16 = (C + 15) / 16 * 16;
+  const int C = p.chunk_size, H = p.num_heads, group = H / p.num_kv_heads;  // C: a multiple of 16
   w.q.resize(static_cast<size_t>(group) * D);
   w.o.assign(static_cast<size_t>(group) * D, 0.f);
   w.m.assign(group, kNegInf);
   w.n.assign(group, 0.f);
-  w.s.resize(static_cast<size_t>(group) * C16);
+  w.s.resize(static_cast<size_t>(group) * C);
   const T* q = static_cast<const T*>(p.q);
   for (int g = 0; g < group; ++g) {
     const int64_t row = (static_cast<int64_t>(seq) * H + kv_head * group + g) * D;
@@ -248,7 +252,7 @@ void seq_first_item(const Params& p, int seq, int kv_head, Workspace& w) {
   for (int64_t t0 = first; t0 < length; t0 += C) {
     const int64_t chunk = p.private_chunk_ids[static_cast<int64_t>(seq) * p.max_private + (t0 - first) / C];
     const int count = static_cast<int>(std::min<int64_t>(C, length - t0));
-    const int64_t base = (chunk * p.num_kv_heads + kv_head) * static_cast<int64_t>(C) * D;
+    const int64_t base = chunk_offset(p, chunk, kv_head);
     const float* k = as_float(static_cast<const T*>(p.k_cache) + base, static_cast<int64_t>(count) * D, w.k);
     const float* v = as_float(static_cast<const T*>(p.v_cache) + base, static_cast<int64_t>(count) * D, w.v);
     for (int g = 0; g < group; ++g) {  // 16 keys at a time, reduced together
@@ -264,17 +268,17 @@ void seq_first_item(const Params& p, int seq, int kv_head, Workspace& w) {
 #pragma GCC unroll 16
             for (int i = 0; i < kVec; ++i) acc[j] = vfma(vload(k + (j0 + j) * D + 16 * i), qg[i], acc[j]);
         }
-        vstore(w.s.data() + g * C16 + j0, vsum16(acc));
+        vstore(w.s.data() + g * C + j0, vsum16(acc));
       }
     }
     for (int g = 0; g < group; ++g) {
-      float* sg = w.s.data() + g * C16;
-      std::fill(sg + count, sg + C16, kNegInf);  // 2^-inf = 0: the tail adds nothing
+      float* sg = w.s.data() + g * C;
+      std::fill(sg + count, sg + C, kNegInf);  // 2^-inf = 0: the tail adds nothing
       V16 mx = vset1(w.m[g]);
-      for (int j = 0; j < C16; j += 16) mx = vmax(mx, vload(sg + j));
+      for (int j = 0; j < C; j += 16) mx = vmax(mx, vload(sg + j));
       const float m_new = vmax_lane(mx);
       V16 sum = vset1(0.f);
-      for (int j = 0; j < C16; j += 16) {
+      for (int j = 0; j < C; j += 16) {
         const V16 e = vexp2(vsub(vload(sg + j), vset1(m_new)));
         vstore(sg + j, e);
         sum = vadd(sum, e);
