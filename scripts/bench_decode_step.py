@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 import chunk_llama
 from chunk_llama import ChunkCache
-from chunk_llama.ops import decode_backend
+from chunk_llama.ops import prepare_backend
 
 
 def median_ms(fn, repeat):
@@ -90,8 +90,9 @@ def main() -> None:
     shared = torch.randint(100, 40000, (args.n_shared,)).tolist()
     prompts = [shared + torch.randint(100, 40000, (args.n_private,)).tolist() for _ in range(args.batch)]
     empty = [torch.randint(100, 40000, (args.n_private,)).tolist() for _ in range(args.batch)]
-    q = torch.empty(1, model.config.num_attention_heads, 64)
-    backend = decode_backend(q, torch.empty(1, model.config.num_key_value_heads, 64, 64))
+    head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    info = prepare_backend(torch.device("cpu"), torch.float32, head_dim, 64)  # builds before any timing
+    backend = f"{info['backend']} ({info['isa']})" if info["isa"] else info["backend"]
     rows = {
         "stock DynamicCache, shared context": stock_step_ms(model, prompts[0], args.batch, args.repeat),
         "chunk-llama reference, shared context": chunk_step_ms(model, prompts, args.repeat, True),

@@ -2,6 +2,7 @@
 
     python scripts/bench_kernel.py --batch 32 --n-prompt 2048 --n-shared 2048 --device cuda
     python scripts/bench_kernel.py --grid paper --device cuda --out docs/bench  (+ plots, BENCHMARKS.md table)
+    CHUNK_LLAMA_CPU_ISA=generic python scripts/bench_kernel.py --grid paper --gqa  (docs/bench/kernel_cpu_generic.*)
 
 Workload: `batch` sequences of `n_prompt` context tokens, the first `n_shared` of
 them common to all, one new query token each. Implementations:
@@ -10,6 +11,8 @@ them common to all, one new query token each. Implementations:
   paged_no_share  per-sequence attention over its own chunks, nothing shared (PagedAttention analogue)
   tpp_reference   two-phase partition in PyTorch over the prefix tree
   tpp_cuda        the CUDA two-phase kernels (on a GPU)
+  tpp_cpu         the C++ kernel, in the variant CHUNK_LLAMA_CPU_ISA selects (default: the best
+                  this CPU runs); the header and every row's "isa" name it
 `ms` is the median of `--repeat` timed runs; `gbps` counts the K/V bytes each
 implementation must read (unique K/V for the tree, every sequence's copy otherwise);
 `max_abs_err` is against sdpa_dense. Floors: unique K/V bytes / measured copy
@@ -107,7 +110,7 @@ def build_tree(batch, n_prompt, n_shared, kv_heads, head_dim, chunk, dtype, devi
     return pool, tree
 
 
-def run_one(args, device, dtype, batch, n_prompt, n_shared, limits) -> list[dict]:
+def run_one(args, device, dtype, batch, n_prompt, n_shared, limits, variant=None) -> list[dict]:
     heads, kv_heads, d, c = args.heads, args.kv_heads, args.head_dim, args.chunk_size
     group = heads // kv_heads
     scale = d**-0.5
@@ -186,6 +189,7 @@ def run_one(args, device, dtype, batch, n_prompt, n_shared, limits) -> list[dict
         rows.append(dict(
             impl=name, batch=batch, n_prompt=n_prompt, n_shared=n_shared, heads=heads, kv_heads=kv_heads,
             head_dim=d, chunk_size=c, dtype=str(dtype).replace("torch.", ""), device=device.type,
+            isa=variant if name in ("tpp_cpu", "paged_no_share") and backend == "cpu" else None,
             ms=ms, gbps=moved / ms / 1e6, max_abs_err=(result.float() - expected).abs().max().item(),
             floor_bandwidth_ms=bytes_unique / bandwidth / 1e6, floor_flops_ms=flops / matmul / 1e6,
         ))
@@ -229,22 +233,34 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("float16" if device.type == "cuda" else "float32"))
     args.kv_heads = args.kv_heads or args.heads
+    variant = None
+    if device.type == "cpu":
+        from chunk_llama.ops import isa, prepare_backend
+
+        variant = isa.selected_variant()
+        # build (first use) before any timing; says why if the kernel cannot run here
+        info = prepare_backend(device, dtype, args.head_dim, args.chunk_size)
+        if info["backend"] != "cpu":
+            print(f"the CPU kernel does not run here: {info['reason']}", flush=True)
     limits = machine_limits(device, dtype)
-    print(f"device {device} ({machine_name(device)}), "
+    kernel = f", CPU kernel variant {variant}" if variant else ""
+    print(f"device {device} ({machine_name(device)}{kernel}), "
           f"copy bandwidth {limits[0]:.0f} GB/s, matmul {limits[1]:.0f} GFLOP/s ({dtype})", flush=True)
 
     rows = []
     points = paper_grid(args) if args.grid else [("single", dict(batch=args.batch, n_prompt=args.n_prompt,
                                                                  n_shared=args.n_shared))]
-    shapes = [(args.heads, args.kv_heads, args.head_dim, None)]
-    if args.grid and args.gqa:  # the default model's shape, on the Table 3 points
-        shapes.append((9, 3, 64, "gqa_9_3_d64"))
-    for heads, kv_heads, head_dim, label in shapes:
+    shapes = [(args.heads, args.kv_heads, args.head_dim, None, points)]
+    if args.grid and args.gqa:
+        # the default model's shape on the Table 3 points; Llama-3-8B's geometry on
+        # 2,560-token prompts with nothing, 2,048 or all of them shared
+        shapes.append((9, 3, 64, "gqa_9_3_d64", [p for p in points if p[0] == "table3"]))
+        shapes.append((32, 8, 128, "llama3_8b_32_8_d128",
+                       [("", dict(batch=32, n_prompt=2560, n_shared=n_s)) for n_s in (0, 2048, 2560)]))
+    for heads, kv_heads, head_dim, label, shape_points in shapes:
         args.heads, args.kv_heads, args.head_dim = heads, kv_heads, head_dim
-        for experiment, point in points:
-            if label and experiment != "table3":
-                continue
-            for r in run_one(args, device, dtype, **point, limits=limits):
+        for experiment, point in shape_points:
+            for r in run_one(args, device, dtype, **point, limits=limits, variant=variant):
                 r["experiment"] = label or experiment
                 rows.append(r)
                 print(f"{r['experiment']:>12} b={r['batch']:3d} n_p={r['n_prompt']:5d} n_s={r['n_shared']:5d} "
@@ -257,13 +273,15 @@ def main() -> None:
     if args.grid:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        stem = f"kernel_{device.type}"
+        stem = f"kernel_{device.type}" + (f"_{variant}" if variant else "")
         with open(out / f"{stem}.csv", "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)
         with open(out / f"{stem}.md", "w") as f:
-            f.write(f"Command: `python scripts/bench_kernel.py {' '.join(sys.argv[1:])}` on {machine_name(device)}, "
+            env = f"CHUNK_LLAMA_CPU_ISA={variant} " if variant else ""
+            f.write(f"Command: `{env}python scripts/bench_kernel.py {' '.join(sys.argv[1:])}` on {machine_name(device)}"
+                    f"{kernel}, "
                     f"torch {torch.__version__}, {date.today()}, {dtype}; copy bandwidth {limits[0]:.0f} GB/s, "
                     f"matmul {limits[1]:.0f} GFLOP/s.\n\n")
             f.write("| experiment | b | n_p | n_s | impl | ms | GB/s | vs sdpa_dense | max err | floor BW ms | floor FLOP ms |\n")

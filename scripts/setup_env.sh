@@ -3,6 +3,19 @@
 # The CPU build of torch is installed first so that no requirement pulls the CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Debian packages the CPU kernel's tests need: the aarch64 cross compiler and qemu for
+# the NEON variant, SIMDe to run the AVX-512 variant's code on CPUs without AVX-512.
+APT_PACKAGES=(g++-aarch64-linux-gnu qemu-user libsimde-dev)
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip

@@ -1,11 +1,16 @@
 """Attention kernels over the chunk pool, with backend dispatch.
 
 `tpp_decode_attention` picks the native kernel for the tensors' device (CUDA, or
-C++/OpenMP on the CPU) when one is built and supports them, else the PyTorch reference (`reference.py`), which is
-also the oracle the native kernels are tested against.
+C++/OpenMP on the CPU, in the variant `CHUNK_LLAMA_CPU_ISA` selects) when one is built
+and supports them, else the PyTorch reference (`reference.py`), which is also the
+oracle the native kernels are tested against. Every fallback to the reference is
+logged once per reason (logger `chunk_llama.ops`, level WARNING): none is silent.
 """
 
 from __future__ import annotations
+
+import functools
+import logging
 
 import torch
 
@@ -14,22 +19,81 @@ from chunk_llama.ops import reference
 from chunk_llama.ops.jit import force_reference
 from chunk_llama.ops.reference import gather_dense, prefill_attention
 
+logger = logging.getLogger(__name__)
+_logged: set[str] = set()
 
-def decode_backend(q: torch.Tensor, k_cache: torch.Tensor) -> str:
-    """'cuda', 'cpu' or 'reference': what `tpp_decode_attention` runs for these tensors."""
-    if force_reference():
-        return "reference"
-    if q.is_cuda:
-        from chunk_llama.ops import cuda
 
-        if cuda.supports(q, k_cache):
-            return "cuda"
-    elif q.device.type == "cpu":
+def _info(backend: str, isa: str | None = None, reason: str | None = None) -> dict:
+    return {"backend": backend, "isa": isa, "reason": reason}
+
+
+@functools.cache
+def _static_info(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int,
+                 chunk_size: int, variant: str | None) -> dict:
+    """What would run, from the shapes alone (no build); `variant`: the CPU variant selected."""
+    if device.type == "cpu":
         from chunk_llama.ops import cpu
 
-        if cpu.supports(q, k_cache):
-            return "cpu"
-    return "reference"
+        reason = cpu.unsupported_reason(dtype, cache_dtype, head_dim, chunk_size)
+        return _info("reference", reason=reason) if reason else _info("cpu", isa=variant)
+    if device.type == "cuda":
+        from chunk_llama.ops import cuda
+
+        reason = cuda.unsupported_reason(device.index, dtype, cache_dtype, head_dim, chunk_size)
+        return _info("reference", reason=reason) if reason else _info("cuda")
+    return _info("reference", reason=f"there is no native decode kernel for {device.type} tensors")
+
+
+def _resolve(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, chunk_size: int,
+             build: bool) -> dict:
+    if force_reference():
+        return _info("reference", reason="CHUNK_LLAMA_FORCE_REFERENCE is set")
+    variant = None
+    if device.type == "cpu":
+        from chunk_llama.ops import isa
+
+        variant = isa.selected_variant()  # a ValueError for a variant this CPU cannot run
+    info = _static_info(device, dtype, cache_dtype, head_dim, chunk_size, variant)
+    if info["backend"] == "reference":
+        return info
+    if info["backend"] == "cpu":
+        from chunk_llama.ops import cpu
+
+        module = cpu.build() if build else True
+        failed = cpu.build_failed()
+    else:
+        from chunk_llama.ops import cuda
+
+        module = cuda.build(device.index) if build else True
+        failed = cuda.build_failed(device.index)
+    if module is None or failed:
+        return _info("reference", reason=failed or f"the {info['backend']} kernel did not load")
+    return info
+
+
+def backend_info(device: torch.device, dtype: torch.dtype, head_dim: int, chunk_size: int) -> dict:
+    """What decode attention runs for a KV cache of this device, dtype and geometry:
+    {"backend": "cpu" | "cuda" | "reference", "isa": CPU variant or None,
+     "reason": why the reference runs, or None}. Builds nothing; a build that failed
+    earlier in this process shows as the reason.
+    """
+    return _resolve(torch.device(device), dtype, dtype, head_dim, chunk_size, build=False)
+
+
+def prepare_backend(device: torch.device, dtype: torch.dtype, head_dim: int, chunk_size: int) -> dict:
+    """`backend_info`, after building the native kernel it names (so that a timer started
+    afterwards does not count the first-use build)."""
+    return _resolve(torch.device(device), dtype, dtype, head_dim, chunk_size, build=True)
+
+
+def decode_backend(q: torch.Tensor, k_cache: torch.Tensor) -> str:
+    """'cuda', 'cpu' or 'reference': what `tpp_decode_attention` runs for these tensors
+    (builds the native kernel on first use; a fallback is logged once per reason)."""
+    info = _resolve(q.device, q.dtype, k_cache.dtype, q.shape[-1], k_cache.shape[2], build=True)
+    if info["backend"] == "reference" and info["reason"] not in _logged:
+        _logged.add(info["reason"])
+        logger.warning("chunk-llama: decode attention runs the PyTorch reference: %s", info["reason"])
+    return info["backend"]
 
 
 def tpp_decode_attention(
@@ -53,4 +117,5 @@ def tpp_decode_attention(
     return reference.tpp_decode_attention(q, k_cache, v_cache, plan, scale)
 
 
-__all__ = ["decode_backend", "gather_dense", "prefill_attention", "tpp_decode_attention"]
+__all__ = ["backend_info", "decode_backend", "gather_dense", "prefill_attention", "prepare_backend",
+           "tpp_decode_attention"]

@@ -1,57 +1,80 @@
-"""CPU two-phase-partition decode attention (csrc/cpu, C++ with OpenMP), built on first use."""
+"""CPU two-phase-partition decode attention (csrc/cpu, C++ with OpenMP), built on first use.
+
+One build holds every kernel variant of this architecture (see `isa.py`): the torch
+glue is compiled once with baseline flags and each variant in its own small
+translation unit for its own instruction set, and the glue dispatches at run time.
+So the build does not depend on the CPU's features and is cached once per
+architecture; `CHUNK_LLAMA_CPU_ISA` picks the variant without rebuilding.
+"""
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import platform
 
 import torch
 
 from chunk_llama.kv.plan import DecodePlan
-from chunk_llama.ops.jit import CSRC, load_extension
+from chunk_llama.ops import isa
+from chunk_llama.ops.jit import CSRC, build_failure, load_extension
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)  # chunk sizes: any multiple of 16
+# Measured on the project's 2-core machine (glue and variants compiled in parallel);
+# replaced by the last build's own duration once there is one.
+BUILD_SECONDS_ESTIMATE = 15.0
 
 
-def _cpu_signature() -> str:
-    """Built with -march=native: a build is only reused on a CPU with the same features."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        pass
-    return hashlib.sha256((platform.machine() + flags).encode()).hexdigest()[:8]
+def module_name() -> str:
+    """The cache key names the architecture and the variants the build holds."""
+    return f"chunk_llama_cpu_{isa.host_arch()}_{'_'.join(isa.compiled_variants())}"
 
 
-@functools.lru_cache(maxsize=None)
-def build(extra_cflags: tuple[str, ...] = ()):
-    """The extension built for this CPU (with `extra_cflags`, e.g. to test other targets), or None."""
-    sources = [CSRC / "cpu" / f for f in ("tpp_cpu_torch.cpp", "bindings.cpp")]
-    suffix = hashlib.sha256(" ".join(extra_cflags).encode()).hexdigest()[:6] if extra_cflags else ""
-    return load_extension(
-        f"chunk_llama_cpu_{_cpu_signature()}{suffix}",
+def build_failed() -> str | None:
+    """Why the build failed in this process, or None."""
+    return build_failure(module_name())
+
+
+@functools.cache
+def build():
+    """The torch ops namespace of the built extension (torch.ops.chunk_llama_cpu), or None."""
+    sources = [CSRC / "cpu" / "tpp_cpu_torch.cpp"] + [CSRC / "cpu" / f"kernel_{v}.cpp" for v in isa.compiled_variants()]
+    library = load_extension(
+        module_name(),
         sources,
-        cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++17",
-                *extra_cflags],
+        # Baseline flags for every file: each variant raises its own target with a
+        # pragma, so the glue (and the shared library) runs on any CPU of the architecture.
+        cflags=["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"],
         ldflags=["-fopenmp"],
+        is_python_module=False,
+        description=f"the CPU attention kernel for {isa.selected_variant()} "
+                    f"({', '.join(isa.compiled_variants())} in one build)",
+        estimate_seconds=BUILD_SECONDS_ESTIMATE,
     )
+    return None if library is None else torch.ops.chunk_llama_cpu
 
 
 def _module():
     return build()
 
 
+def unsupported_reason(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, chunk_size: int) -> str | None:
+    """Why the C++ kernel cannot take these tensors (the reference runs), or None."""
+    if dtype not in SUPPORTED_DTYPES:
+        return f"the CPU kernel supports float32 and bfloat16, not {str(dtype).replace('torch.', '')}"
+    if cache_dtype != dtype:
+        return f"q is {dtype} but the KV cache is {cache_dtype}"
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"the CPU kernel supports head dims {', '.join(map(str, SUPPORTED_HEAD_DIMS))}, not {head_dim}"
+    if chunk_size % 16:
+        return f"the CPU kernel needs a chunk size that is a multiple of 16, not {chunk_size}"
+    return None
+
+
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the C++ kernel handles these tensors (else use the reference)."""
+    """Whether the C++ kernel handles these tensors (else use the reference); builds on first use."""
     return (
         q.device.type == "cpu"
-        and q.dtype in SUPPORTED_DTYPES
-        and k_cache.dtype == q.dtype
-        and k_cache.shape[2] % 16 == 0
-        and q.shape[-1] in SUPPORTED_HEAD_DIMS
+        and unsupported_reason(q.dtype, k_cache.dtype, q.shape[-1], k_cache.shape[2]) is None
         and _module() is not None
     )
 
@@ -78,22 +101,25 @@ def default_chunks_per_item(plan: DecodePlan, num_kv_heads: int) -> int:
 
 def tpp_decode_attention_cpu(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float,
-    max_chunks_per_item: int | None = None,
+    max_chunks_per_item: int | None = None, variant: str | None = None,
 ) -> torch.Tensor:
     """Same contract as `reference.tpp_decode_attention`.
 
     q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [capacity, num_kv_heads, chunk_size, head_dim]
     max_chunks_per_item: see `default_chunks_per_item` (the default)
+    variant: the kernel variant (default: `isa.selected_variant()`)
     """
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
+    num_kv_heads, chunk_size = k_cache.shape[1], k_cache.shape[2]
     module = _module()
+    if module is None:
+        raise RuntimeError(f"the CPU kernel is not available: {build_failed() or 'native kernels are disabled'}")
     scratch = _scratch_for(module.scratch_floats(int(plan.pair_seq.numel()), num_seqs, num_heads, num_kv_heads,
-                                                 head_dim))
+                                                 head_dim, chunk_size, torch.get_num_threads()))
     if max_chunks_per_item is None:
         max_chunks_per_item = default_chunks_per_item(plan, num_kv_heads)
     return module.tpp_decode(
         q.contiguous(), k_cache, v_cache, plan.shared_chunk_ids, plan.shared_begin, plan.shared_end,
         plan.shared_depth, plan.private_chunk_ids.contiguous(), plan.num_shared_tokens, plan.seq_lens,
-        plan.seq_pair_ptr, scratch, float(scale), max_chunks_per_item,
+        plan.seq_pair_ptr, scratch, float(scale), max_chunks_per_item, variant or isa.selected_variant(),
     )

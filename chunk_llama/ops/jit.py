@@ -1,26 +1,34 @@
 """Build native kernels on first use with `torch.utils.cpp_extension.load` and ninja.
 
 Builds are cached under `$CHUNK_LLAMA_CACHE_DIR` (default `~/.cache/chunk_llama`)
-in a directory keyed by the torch version, the target and a hash of the sources
-and flags, so a changed source or torch rebuilds and an unchanged one loads at
-once. A file lock keeps parallel processes from building the same module at once.
-`CHUNK_LLAMA_FORCE_REFERENCE=1` skips native kernels entirely; a failed build
-warns once and the caller falls back to the PyTorch reference.
+in a directory keyed by the module name (which names the target and, for the CPU,
+the variants it holds), the torch version and a hash of the sources and flags, so a
+changed source or torch rebuilds and an unchanged one loads at once. A file lock
+(`filelock`) keeps parallel processes from building the same module at once: one
+builds, the others wait and then load its result. Before a build, one line on stderr
+says what is being built and about how long it takes (the duration of the last build
+of that module on this machine, else the caller's estimate).
+`CHUNK_LLAMA_FORCE_REFERENCE=1` skips native kernels entirely; a failed build warns
+once, `build_failure(name)` keeps the reason, and the caller falls back to the
+PyTorch reference.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
+import json
 import os
+import sys
+import time
 import warnings
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 _modules: dict[str, object] = {}
-_failed: set[str] = set()
+_failures: dict[str, str] = {}
 
 
 def force_reference() -> bool:
@@ -29,6 +37,11 @@ def force_reference() -> bool:
 
 def cache_dir() -> Path:
     return Path(os.environ.get("CHUNK_LLAMA_CACHE_DIR", Path.home() / ".cache" / "chunk_llama"))
+
+
+def build_failure(name: str) -> str | None:
+    """Why building `name` failed in this process, or None (not failed, or not tried)."""
+    return _failures.get(name)
 
 
 def _digest(sources: list[Path], flags: list[str]) -> str:
@@ -42,6 +55,29 @@ def _digest(sources: list[Path], flags: list[str]) -> str:
     return h.hexdigest()[:16]
 
 
+def _timings_path() -> Path:
+    return cache_dir() / "build_seconds.json"
+
+
+def _estimate_seconds(name: str, default: float) -> float:
+    try:
+        return float(json.loads(_timings_path().read_text())[name])
+    except (OSError, ValueError, KeyError, TypeError):
+        return default
+
+
+def _record_seconds(name: str, seconds: float) -> None:
+    try:
+        timings = json.loads(_timings_path().read_text())
+    except (OSError, ValueError):
+        timings = {}
+    timings[name] = round(seconds, 1)
+    try:
+        _timings_path().write_text(json.dumps(timings))
+    except OSError:
+        pass  # an estimate for next time, nothing more
+
+
 def load_extension(
     name: str,
     sources: list[Path],
@@ -49,9 +85,16 @@ def load_extension(
     cflags: list[str],
     cuda_cflags: list[str] | None = None,
     ldflags: list[str] | None = None,
+    is_python_module: bool = True,
+    description: str | None = None,
+    estimate_seconds: float = 60.0,
 ):
-    """The built module, or None (forced reference, or the build failed: warned once)."""
-    if force_reference() or name in _failed:
+    """The built module (a torch-ops library's path when not `is_python_module`), or
+    None (forced reference, or the build failed: warned once, see `build_failure`).
+
+    description: what the first-use line calls it ('the CPU attention kernel for avx2').
+    """
+    if force_reference() or name in _failures:
         return None
     if name in _modules:
         return _modules[name]
@@ -60,12 +103,17 @@ def load_extension(
     digest = _digest(sources, cflags + (cuda_cflags or []) + (ldflags or []))
     build_dir = cache_dir() / f"{name}-torch{torch.__version__}-{digest}"
     build_dir.mkdir(parents=True, exist_ok=True)
+    module_name = f"{name}_{digest}"
     try:
         # beside the build folder: torch's own baton is `<build_dir>/lock`
-        with open(build_dir.parent / f"{build_dir.name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # one builder; the others wait, then load
+        with FileLock(str(build_dir.parent / f"{build_dir.name}.lock")):
+            built = (build_dir / f"{module_name}.so").exists()
+            if not built:
+                print(f"chunk-llama: building {description or name} (first use only, about "
+                      f"{_estimate_seconds(name, estimate_seconds):.0f} s)", file=sys.stderr, flush=True)
+            start = time.perf_counter()
             module = cpp_extension.load(
-                name=f"{name}_{digest}",
+                name=module_name,
                 sources=[str(s) for s in sources],
                 extra_include_paths=[str(CSRC / "include")],
                 extra_cflags=cflags,
@@ -73,9 +121,12 @@ def load_extension(
                 extra_ldflags=ldflags,
                 build_directory=str(build_dir),
                 verbose=os.environ.get("CHUNK_LLAMA_VERBOSE_BUILD", "") not in ("", "0"),
+                is_python_module=is_python_module,
             )
+            if not built:
+                _record_seconds(name, time.perf_counter() - start)
     except Exception as error:  # noqa: BLE001 - any build failure means: use the reference
-        _failed.add(name)
+        _failures[name] = f"building {name} failed: {str(error).strip().splitlines()[-1] if str(error).strip() else error!r}"
         warnings.warn(f"chunk-llama: building {name} failed, using the PyTorch reference ({error})", stacklevel=2)
         return None
     _modules[name] = module

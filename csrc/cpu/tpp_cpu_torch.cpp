@@ -1,52 +1,93 @@
-// Torch glue for the CPU two-phase-partition kernel: checks, scratch, OpenMP threads.
+// Torch glue of the CPU two-phase-partition kernel: checks, scratch layout, the
+// phase-1 schedule and the choice of variant, registered as torch ops
+// (torch.ops.chunk_llama_cpu.*). The only translation unit that includes torch, so
+// it is compiled once per build; it includes the light ATen headers rather than
+// torch/extension.h (about 11 s instead of 45 s here) and needs no pybind11.
 #include <ATen/Parallel.h>
-#include <omp.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
 
-#include "tpp_cpu.h"
-#include "tpp_cpu_torch.h"
+#include <string>
+#include <vector>
 
-torch::Tensor tpp_decode_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                             torch::Tensor shared_chunk_ids, torch::Tensor shared_begin, torch::Tensor shared_end,
-                             torch::Tensor shared_depth, torch::Tensor private_chunk_ids,
-                             torch::Tensor num_shared_tokens, torch::Tensor seq_lens, torch::Tensor seq_pair_ptr,
-                             torch::Tensor scratch, double scale, int64_t max_chunks_per_item) {
-  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
-              "tpp_decode_cpu takes CPU tensors");
-  TORCH_CHECK(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim], got ", q.sizes());
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-              "k_cache and v_cache must both be [capacity, num_kv_heads, chunk_size, head_dim]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q, k_cache and v_cache must share a dtype");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16,
-              "the CPU kernel supports float32 and bfloat16, got ", q.scalar_type());
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "q, k_cache and v_cache must be contiguous");
-  const int num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int num_kv_heads = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(3) == head_dim, "head_dim of q (", head_dim, ") and cache (", k_cache.size(3), ") differ");
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads ", num_heads, " not a multiple of num_kv_heads ",
-              num_kv_heads);
-  TORCH_CHECK(chunk_attn_cpu::supports(k_cache.size(2), head_dim), "the CPU kernel supports chunk sizes ",
-              "that are multiples of 16 and head dims 64/128/256, got chunk_size ", k_cache.size(2), ", head_dim ", head_dim);
-  for (const auto* t : {&shared_chunk_ids, &shared_begin, &shared_end, &shared_depth, &private_chunk_ids,
-                        &num_shared_tokens, &seq_lens, &seq_pair_ptr}) {
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kInt64 && t->is_contiguous(),
-                "plan tensors must be contiguous int64 CPU tensors");
+#include "params.h"
+#include "schedule.h"
+#include "variants.h"
+
+namespace {
+
+using chunk_attn_cpu::Variant;
+
+const Variant& variant_for(const std::string& isa) {
+  const Variant* v = chunk_attn_cpu::find_variant(isa.c_str());
+  if (v == nullptr) {
+    std::string compiled;
+    for (const Variant& c : chunk_attn_cpu::kVariants) compiled += std::string(compiled.empty() ? "" : ", ") + c.name;
+    TORCH_CHECK_VALUE(false, "the CPU kernel variant '", isa, "' is not in this build (it holds ", compiled, ")");
   }
-  TORCH_CHECK(seq_lens.numel() == num_seqs && seq_pair_ptr.numel() == num_seqs + 1 &&
-                  private_chunk_ids.dim() == 2 && private_chunk_ids.size(0) == num_seqs,
-              "plan tensors do not match num_seqs=", num_seqs);
-  TORCH_CHECK(max_chunks_per_item >= 1, "max_chunks_per_item must be >= 1, got ", max_chunks_per_item);
-  const int64_t num_pairs = seq_pair_ptr[num_seqs].item<int64_t>();
-  auto out = torch::empty_like(q);
+  TORCH_CHECK_VALUE(v->host_runs(), "the CPU kernel variant '", isa, "' needs instructions this CPU does not have");
+  return *v;
+}
+
+void check_plan_tensor(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_TYPE(t.device().is_cpu() && t.scalar_type() == at::kLong, name, " must be an int64 CPU tensor, got ",
+                   t.scalar_type(), " on ", t.device());
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
+}
+
+at::Tensor tpp_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& shared_chunk_ids, const at::Tensor& shared_begin, const at::Tensor& shared_end,
+                      const at::Tensor& shared_depth, const at::Tensor& private_chunk_ids,
+                      const at::Tensor& num_shared_tokens, const at::Tensor& seq_lens, const at::Tensor& seq_pair_ptr,
+                      const at::Tensor& scratch, double scale, int64_t max_chunks_per_item, const std::string& isa) {
+  const Variant& variant = variant_for(isa);
+  TORCH_CHECK_TYPE(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+                   "the CPU kernel takes CPU tensors, got q on ", q.device(), ", k_cache on ", k_cache.device());
+  TORCH_CHECK_VALUE(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim], got ", q.sizes());
+  TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+                    "k_cache and v_cache must both be [capacity, num_kv_heads, chunk_size, head_dim], got ",
+                    k_cache.sizes(), " and ", v_cache.sizes());
+  TORCH_CHECK_TYPE(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+                   "q, k_cache and v_cache must share a dtype, got ", q.scalar_type(), ", ", k_cache.scalar_type(),
+                   ", ", v_cache.scalar_type());
+  TORCH_CHECK_TYPE(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+                   "the CPU kernel supports float32 and bfloat16, got ", q.scalar_type());
+  TORCH_CHECK_VALUE(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+                    "q, k_cache and v_cache must be contiguous");
+  const int num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int num_kv_heads = k_cache.size(1), chunk_size = k_cache.size(2);
+  TORCH_CHECK_VALUE(k_cache.size(3) == head_dim, "head_dim of q (", head_dim, ") and cache (", k_cache.size(3),
+                    ") differ");
+  TORCH_CHECK_VALUE(num_heads % num_kv_heads == 0, "num_heads ", num_heads, " is not a multiple of num_kv_heads ",
+                    num_kv_heads);
+  TORCH_CHECK_VALUE(chunk_attn_cpu::supports(chunk_size, head_dim), "the CPU kernel supports chunk sizes that are ",
+                    "multiples of 16 and head dims 64/128/256, got chunk_size ", chunk_size, ", head_dim ", head_dim);
+  check_plan_tensor(shared_chunk_ids, "shared_chunk_ids");
+  check_plan_tensor(shared_begin, "shared_begin");
+  check_plan_tensor(shared_end, "shared_end");
+  check_plan_tensor(shared_depth, "shared_depth");
+  check_plan_tensor(private_chunk_ids, "private_chunk_ids");
+  check_plan_tensor(num_shared_tokens, "num_shared_tokens");
+  check_plan_tensor(seq_lens, "seq_lens");
+  check_plan_tensor(seq_pair_ptr, "seq_pair_ptr");
+  TORCH_CHECK_VALUE(seq_lens.numel() == num_seqs && seq_pair_ptr.numel() == num_seqs + 1 &&
+                        num_shared_tokens.numel() == num_seqs && private_chunk_ids.dim() == 2 &&
+                        private_chunk_ids.size(0) == num_seqs,
+                    "plan tensors do not match num_seqs=", num_seqs);
+  TORCH_CHECK_VALUE(max_chunks_per_item >= 1, "max_chunks_per_item must be >= 1, got ", max_chunks_per_item);
+  const int num_threads = at::get_num_threads();
+  const int64_t num_pairs = seq_pair_ptr.data_ptr<int64_t>()[num_seqs];
   // The caller keeps the scratch between calls: fresh pages for every step would cost
   // a page fault per 4 KiB, more than the attention itself.
-  const int64_t needed = chunk_attn_cpu::scratch_floats(num_pairs, num_seqs, num_heads, num_kv_heads, head_dim);
-  TORCH_CHECK(scratch.device().is_cpu() && scratch.scalar_type() == torch::kFloat32 && scratch.is_contiguous() &&
-                  scratch.numel() >= needed,
-              "scratch must be a contiguous float32 CPU tensor of at least ", needed, " elements");
+  const int64_t needed = chunk_attn_cpu::scratch_floats(num_pairs, num_seqs, num_heads, num_kv_heads, head_dim,
+                                                        chunk_size, num_threads);
+  TORCH_CHECK_VALUE(scratch.device().is_cpu() && scratch.scalar_type() == at::kFloat && scratch.is_contiguous() &&
+                        scratch.numel() >= needed,
+                    "scratch must be a contiguous float32 CPU tensor of at least ", needed, " elements, got ",
+                    scratch.numel());
 
+  auto out = at::empty_like(q);
   chunk_attn_cpu::Params p{};
   p.q = q.data_ptr();
   p.k_cache = k_cache.data_ptr();
@@ -56,6 +97,10 @@ torch::Tensor tpp_decode_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Tens
   p.partial_m = p.partial_o + num_pairs * num_heads * head_dim;
   p.partial_n = p.partial_m + num_pairs * num_heads;
   p.q_t = p.partial_n + num_pairs * num_heads;
+  p.workspace = p.q_t + static_cast<int64_t>(num_kv_heads) * head_dim *
+                            chunk_attn_cpu::q_t_stride(num_seqs, num_heads, num_kv_heads);
+  p.workspace_stride = chunk_attn_cpu::workspace_floats(chunk_size, head_dim, num_heads / num_kv_heads);
+  p.num_threads = num_threads;
   p.shared_chunk_ids = shared_chunk_ids.data_ptr<int64_t>();
   p.shared_begin = shared_begin.data_ptr<int64_t>();
   p.shared_end = shared_end.data_ptr<int64_t>();
@@ -68,19 +113,52 @@ torch::Tensor tpp_decode_cpu(torch::Tensor q, torch::Tensor k_cache, torch::Tens
   p.num_heads = num_heads;
   p.num_kv_heads = num_kv_heads;
   p.head_dim = head_dim;
-  p.chunk_size = k_cache.size(2);
+  p.chunk_size = chunk_size;
   p.num_shared = shared_chunk_ids.numel();
   p.max_private = private_chunk_ids.size(1);
-  p.max_chunks_per_item = static_cast<int>(std::min<int64_t>(max_chunks_per_item, 1 << 30));
+  p.dtype = q.scalar_type() == at::kBFloat16 ? chunk_attn_cpu::DType::kBFloat16 : chunk_attn_cpu::DType::kFloat32;
   p.scale = static_cast<float>(scale);
-  omp_set_num_threads(at::get_num_threads());
-  const bool done = q.scalar_type() == torch::kFloat32 ? chunk_attn_cpu::tpp_decode<float>(p)
-                                                        : chunk_attn_cpu::tpp_decode<uint16_t>(p);
-  TORCH_CHECK(done, "unreachable: shape checked above");
+  const std::vector<chunk_attn_cpu::ChunkItem> items =
+      chunk_attn_cpu::chunk_items(p, static_cast<int>(std::min<int64_t>(max_chunks_per_item, 1 << 30)));
+  p.items = items.data();
+  p.num_items = static_cast<int>(items.size());
+  variant.run(p);
   return out;
 }
 
-int64_t tpp_scratch_floats(int64_t num_pairs, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim) {
-  return chunk_attn_cpu::scratch_floats(num_pairs, num_seqs, num_heads, num_kv_heads, head_dim);
+int64_t scratch_floats(int64_t num_pairs, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t head_dim, int64_t chunk_size, int64_t num_threads) {
+  TORCH_CHECK_VALUE(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && num_threads > 0,
+                    "scratch_floats: bad geometry");
+  return chunk_attn_cpu::scratch_floats(num_pairs, num_seqs, num_heads, num_kv_heads, head_dim, chunk_size,
+                                        num_threads);
+}
+
+// Names of the variants in this build, best first.
+std::vector<std::string> variants() {
+  std::vector<std::string> names;
+  for (const Variant& v : chunk_attn_cpu::kVariants) names.emplace_back(v.name);
+  return names;
+}
+
+// Whether this CPU runs the variant (false for one not in this build).
+bool host_runs(const std::string& isa) {
+  const Variant* v = chunk_attn_cpu::find_variant(isa.c_str());
+  return v != nullptr && v->host_runs();
+}
+
+}  // namespace
+
+TORCH_LIBRARY(chunk_llama_cpu, m) {
+  m.def(
+      "tpp_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor shared_chunk_ids, Tensor shared_begin, "
+      "Tensor shared_end, Tensor shared_depth, Tensor private_chunk_ids, Tensor num_shared_tokens, "
+      "Tensor seq_lens, Tensor seq_pair_ptr, Tensor(a!) scratch, float scale, int max_chunks_per_item, "
+      "str isa) -> Tensor",
+      &tpp_decode);
+  m.def("scratch_floats(int num_pairs, int num_seqs, int num_heads, int num_kv_heads, int head_dim, "
+        "int chunk_size, int num_threads) -> int",
+        &scratch_floats);
+  m.def("variants() -> str[]", &variants);
+  m.def("host_runs(str isa) -> bool", &host_runs);
 }

@@ -1,0 +1,180 @@
+// Phase 1 (chunk-first) of the CPU kernel, written once against the lane API.
+//
+// A work item (schedule.h) takes a segment of a run of shared chunks for one KV head
+// and up to kRowsPerItem query rows. Per chunk and block of kRowVecs * kLanes rows it
+// is a small GEMM S^T = K Q^T over the chunk's keys, an online-softmax update and
+// O = O * correction + P V, FlashAttention style, so a whole segment leaves one
+// partial (o, m, n) per row instead of one per chunk. Scores are in the log2 domain
+// (Q^T is pre-scaled by scale * log2 e).
+#pragma once
+
+namespace chunk_attn_cpu {
+namespace CHUNK_ATTN_ISA {
+
+// Q^T of one KV head: qt[d * stride + r] for rows r = seq * group + g, pre-scaled;
+// the padding rows are zero, so a block that runs past the last row reads zeros.
+template <typename T, int D>
+void transpose_q(const Params& p, int kv_head) {
+  const int group = p.num_heads / p.num_kv_heads;
+  const int64_t stride = q_t_stride(p.num_seqs, p.num_heads, p.num_kv_heads);
+  const int rows = p.num_seqs * group;
+  const float qs = p.scale * kLog2e;
+  const T* q = static_cast<const T*>(p.q);
+  float* qt = p.q_t + static_cast<int64_t>(kv_head) * D * stride;
+  for (int r = 0; r < rows; ++r) {
+    const int64_t row = (static_cast<int64_t>(r / group) * p.num_heads + kv_head * group + r % group) * D;
+    for (int d = 0; d < D; ++d) qt[d * stride + r] = load_scalar(q, row + d) * qs;
+  }
+  for (int d = 0; d < D; ++d)
+    for (int64_t r = rows; r < stride; ++r) qt[d * stride + r] = 0.f;
+}
+
+// One block of RV * kLanes query rows against one chunk of C keys. Both products
+// broadcast values of the chunk and take vectors of rows, so a block reads the
+// chunk's K and V once, each row in order:
+//   S^T = K Q^T:        tiles of kKeyTile keys x RV row vectors; st = S^T, then P^T
+//   O^T = V^T P^T:      tiles of kPvDims dims x RV row vectors
+// qt: Q^T, row b of dim d at qt[d * stride + b]; k, v: [C][D] fp32; st: [C][RV * kLanes];
+// ot: O^T, row b of dim d at ot[d * kRowsPerItem + b]; m, n: [RV * kLanes] running
+// max and sum.
+template <int D, int RV>
+void block_update(const float* qt, int64_t stride, const float* k, const float* v, int C, float* st, float* ot,
+                  float* m, float* n, const Prefetch& next) {
+  constexpr int L = RV * kLanes;
+  const int num_tiles = C / kKeyTile;  // C is a multiple of 16, kKeyTile divides 16
+  for (int j = 0; j < C; j += kKeyTile) {
+    next.part(j / kKeyTile, num_tiles);
+    Vec acc[kKeyTile][RV];
+#pragma GCC unroll 16
+    for (int u = 0; u < kKeyTile; ++u)
+#pragma GCC unroll 4
+      for (int r = 0; r < RV; ++r) acc[u][r] = vzero();
+    for (int d = 0; d < D; ++d) {
+      Vec q[RV];
+#pragma GCC unroll 4
+      for (int r = 0; r < RV; ++r) q[r] = vload(qt + d * stride + r * kLanes), vpin(q[r]);
+#pragma GCC unroll 16
+      for (int u = 0; u < kKeyTile; ++u) {
+        const Vec key = vset1(k[(j + u) * D + d]);
+#pragma GCC unroll 4
+        for (int r = 0; r < RV; ++r) acc[u][r] = vfma(key, q[r], acc[u][r]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int u = 0; u < kKeyTile; ++u)
+#pragma GCC unroll 4
+      for (int r = 0; r < RV; ++r) vstore(st + (j + u) * L + r * kLanes, acc[u][r]);
+  }
+  alignas(64) float corr[L];
+  for (int r = 0; r < RV; ++r) {
+    const Vec m_old = vload(m + r * kLanes);
+    Vec m_new = m_old;
+    for (int j = 0; j < C; ++j) m_new = vmax(m_new, vload(st + j * L + r * kLanes));
+    const Vec correction = vexp2(vsub(m_old, m_new));  // 0 on the first chunk (m_old = -inf)
+    Vec sum = vmul(vload(n + r * kLanes), correction);
+    for (int j = 0; j < C; ++j) {
+      const Vec e = vexp2(vsub(vload(st + j * L + r * kLanes), m_new));
+      vstore(st + j * L + r * kLanes, e);
+      sum = vadd(sum, e);
+    }
+    vstore(m + r * kLanes, m_new);
+    vstore(n + r * kLanes, sum);
+    vstore(corr + r * kLanes, correction);
+  }
+  // O^T = O^T * correction + V^T P^T in tiles of kPvDims dims x RV row vectors: each V
+  // value broadcast (the row's values in order), each P^T vector loaded once per key.
+  for (int d0 = 0; d0 < D; d0 += kPvDims) {
+    Vec acc[kPvDims][RV];
+#pragma GCC unroll 16
+    for (int e = 0; e < kPvDims; ++e)
+#pragma GCC unroll 4
+      for (int r = 0; r < RV; ++r)
+        acc[e][r] = vmul(vload(ot + (d0 + e) * kRowsPerItem + r * kLanes), vload(corr + r * kLanes));
+    for (int j = 0; j < C; ++j) {
+      Vec pt[RV];
+#pragma GCC unroll 4
+      for (int r = 0; r < RV; ++r) pt[r] = vload(st + j * L + r * kLanes), vpin(pt[r]);
+#pragma GCC unroll 16
+      for (int e = 0; e < kPvDims; ++e) {
+        const Vec x = vset1(v[j * D + d0 + e]);
+#pragma GCC unroll 4
+        for (int r = 0; r < RV; ++r) acc[e][r] = vfma(x, pt[r], acc[e][r]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int e = 0; e < kPvDims; ++e)
+#pragma GCC unroll 4
+      for (int r = 0; r < RV; ++r) vstore(ot + (d0 + e) * kRowsPerItem + r * kLanes, acc[e][r]);
+  }
+}
+
+// The last block of an item, narrower than kRowVecs vectors: `vectors` of them.
+template <int D, int RV>
+void tail_block(int vectors, const float* qt, int64_t stride, const float* k, const float* v, int C, float* st,
+                float* ot, float* m, float* n, const Prefetch& next) {
+  if constexpr (RV >= 1) {
+    if (vectors == RV)
+      block_update<D, RV>(qt, stride, k, v, C, st, ot, m, n, next);
+    else
+      tail_block<D, RV - 1>(vectors, qt, stride, k, v, C, st, ot, m, n, next);
+  }
+}
+
+// A chunk's K or V as fp32: in place, or converted from bf16 (in registers, a vector
+// at a time) once for all the item's row blocks, since a broadcast cannot convert.
+inline const float* as_float(const float* x, int64_t, float*) { return x; }
+inline const float* as_float(const uint16_t* x, int64_t count, float* buf) {
+  for (int64_t i = 0; i < count; i += kLanes) vstore(buf + i, vload(x + i));
+  return buf;
+}
+
+template <typename T, int D>
+void chunk_first_item(const Params& p, const ChunkItem& item, float* ws) {
+  constexpr int L = kRowVecs * kLanes;
+  const int C = p.chunk_size, H = p.num_heads, group = H / p.num_kv_heads;
+  const int num_rows = item.row_end - item.row_begin;
+  const int padded = static_cast<int>(round_up(num_rows, kLanes));
+  float* ot = ws;                          // O^T [D][kRowsPerItem]
+  float* m = ot + kRowsPerItem * D;        // [kRowsPerItem]
+  float* n = m + kRowsPerItem;             // [kRowsPerItem]
+  float* st = n + kRowsPerItem;            // [C][kMaxBlockRows]
+  float* k_buf = st + C * kMaxBlockRows;   // [C][D] (bf16 storage)
+  float* v_buf = k_buf + C * D;            // [C][D] (bf16 storage)
+  for (int d = 0; d < D; ++d)
+    for (int r = 0; r < padded; ++r) ot[d * kRowsPerItem + r] = 0.f;
+  for (int r = 0; r < padded; ++r) m[r] = kNegInf, n[r] = 0.f;
+  const int64_t stride = q_t_stride(p.num_seqs, H, p.num_kv_heads);
+  const float* qt = p.q_t + static_cast<int64_t>(item.kv_head) * D * stride + item.row_begin;
+  const int64_t chunk_elems = static_cast<int64_t>(C) * D, chunk_bytes = chunk_elems * sizeof(T);
+  for (int c = 0; c < item.count; ++c) {
+    const int64_t base = chunk_offset(p, p.shared_chunk_ids[item.first + c], item.kv_head);
+    const float* k = as_float(static_cast<const T*>(p.k_cache) + base, chunk_elems, k_buf);
+    const float* v = as_float(static_cast<const T*>(p.v_cache) + base, chunk_elems, v_buf);
+    Prefetch next{};  // the next chunk's K and V, spread over the first block's key tiles
+    if (c + 1 < item.count) {
+      const int64_t at = chunk_offset(p, p.shared_chunk_ids[item.first + c + 1], item.kv_head);
+      next = Prefetch{reinterpret_cast<const char*>(static_cast<const T*>(p.k_cache) + at),
+                      reinterpret_cast<const char*>(static_cast<const T*>(p.v_cache) + at), chunk_bytes};
+    }
+    int b = 0;
+    for (; b + L <= padded; b += L) {
+      block_update<D, kRowVecs>(qt + b, stride, k, v, C, st, ot + b, m + b, n + b, next);
+      next = Prefetch{};
+    }
+    if (b < padded)
+      tail_block<D, kRowVecs - 1>((padded - b) / kLanes, qt + b, stride, k, v, C, st, ot + b, m + b, n + b, next);
+  }
+  for (int r = 0; r < num_rows; ++r) {
+    const int row = item.row_begin + r, seq = row / group, head = item.kv_head * group + row % group;
+    const int64_t slot = p.seq_pair_ptr[seq] + p.shared_depth[item.first];
+    const int64_t at = slot * H + head;
+    float* po = p.partial_o + at * D;
+    for (int d = 0; d < D; ++d) po[d] = ot[d * kRowsPerItem + r];
+    p.partial_m[at] = m[r];
+    p.partial_n[at] = n[r];
+    for (int c = 1; c < item.count; ++c) p.partial_m[(slot + c) * H + head] = kNegInf;
+  }
+}
+
+}  // namespace CHUNK_ATTN_ISA
+}  // namespace chunk_attn_cpu

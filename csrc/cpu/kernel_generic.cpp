@@ -1,0 +1,7 @@
+// The portable variant of the CPU kernel: plain C++ lanes, compiled for the baseline
+// of whatever architecture builds it. The fallback for CPUs without a lanes_<isa>.h.
+#include "prelude.h"
+
+#define CHUNK_ATTN_ISA generic
+#include "lanes_generic.h"
+#include "kernel.h"

@@ -1,0 +1,83 @@
+// Lanes for AVX2 + FMA: eight fp32 lanes in a YMM register, sixteen registers.
+// The lane API (the same in every lanes_<isa>.h) is described in lanes_generic.h.
+// Included by kernel_avx2.cpp after its target pragma; <immintrin.h> comes before it.
+#pragma once
+
+namespace chunk_attn_cpu {
+namespace avx2 {
+
+constexpr int kLanes = 8;
+// Register tiles for 16 YMM registers.
+//   phase 1, S^T = K Q^T: 4 keys x 2 row vectors (16 rows) of accumulators, plus the 2
+//     Q^T vectors and a broadcast key: 8 + 2 + 1 registers.
+//   phase 1, O^T = V^T P^T: 4 dims x 2 row vectors: 8 + 2 P^T vectors + 1 broadcast.
+//   phase 2, O_g += p V: up to 8 dim vectors (64 dims) in registers, V as memory operands.
+constexpr int kRowVecs = 2, kKeyTile = 4;
+constexpr int kPvDims = 4;
+constexpr int kSeqPvVecs = 8;
+
+struct Vec {
+  __m256 v;
+};
+
+inline Vec vzero() { return {_mm256_setzero_ps()}; }
+inline Vec vset1(float x) { return {_mm256_set1_ps(x)}; }
+inline Vec vload(const float* p) { return {_mm256_loadu_ps(p)}; }
+inline Vec vload(const uint16_t* p) {  // bf16: widen to 32 bits, then into the high half
+  const __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(x, 16))};
+}
+inline void vstore(float* p, Vec a) { _mm256_storeu_ps(p, a.v); }
+inline void vstore(uint16_t* p, Vec a) {  // round to nearest even, keep the high halves
+  __m256i bits = _mm256_castps_si256(a.v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  // each 32-bit lane now holds a value below 2^16: packing with unsigned saturation is exact
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+inline Vec vadd(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline Vec vsub(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
+inline Vec vmul(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline Vec vmax(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
+inline Vec vfma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+
+inline float vreduce_add(Vec a) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+inline float vreduce_max(Vec a) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+// x[8] -> lane j holds the sum of x[j]'s lanes: two levels of pairwise horizontal
+// adds within 128-bit halves, then the halves added across.
+inline Vec vsum_lanes(Vec* x) {
+  const __m256 h01 = _mm256_hadd_ps(x[0].v, x[1].v), h23 = _mm256_hadd_ps(x[2].v, x[3].v);
+  const __m256 h45 = _mm256_hadd_ps(x[4].v, x[5].v), h67 = _mm256_hadd_ps(x[6].v, x[7].v);
+  const __m256 lo4 = _mm256_hadd_ps(h01, h23);  // [x0..x3 of the low half | x0..x3 of the high half]
+  const __m256 hi4 = _mm256_hadd_ps(h45, h67);
+  return {_mm256_add_ps(_mm256_permute2f128_ps(lo4, hi4, 0x20), _mm256_permute2f128_ps(lo4, hi4, 0x31))};
+}
+
+inline Vec vexp2(Vec x) {  // see exp2_scalar: the same steps, lane by lane
+  const __m256 xc = _mm256_max_ps(x.v, _mm256_set1_ps(kExp2Min));
+  const __m256 n = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(xc, n);
+  __m256 poly = _mm256_set1_ps(kExp2Coef[6]);
+  for (int i = 5; i >= 0; --i) poly = _mm256_fmadd_ps(poly, f, _mm256_set1_ps(kExp2Coef[i]));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return {_mm256_mul_ps(poly, _mm256_castsi256_ps(bits))};
+}
+
+// Keeps a loaded vector in a register: without it GCC folds the load into every FMA
+// that uses it, and the loads, not the FMAs, bound the loop.
+inline void vpin(Vec& a) { asm("" : "+x"(a.v)); }
+
+}  // namespace avx2
+}  // namespace chunk_attn_cpu

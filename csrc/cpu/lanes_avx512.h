@@ -1,0 +1,96 @@
+// Lanes for AVX-512 (F): sixteen fp32 lanes in a ZMM register, thirty-two registers.
+// The lane API (the same in every lanes_<isa>.h) is described in lanes_generic.h.
+// Included by kernel_avx512.cpp after its target pragma; <immintrin.h> comes before it.
+#pragma once
+
+namespace chunk_attn_cpu {
+namespace avx512 {
+
+constexpr int kLanes = 16;
+// Register tiles for 32 ZMM registers.
+//   phase 1, S^T = K Q^T: 8 keys x 2 row vectors (32 rows): 16 + 2 + 1 registers.
+//   phase 1, O^T = V^T P^T: 8 dims x 2 row vectors: 16 + 2 P^T vectors + 1 broadcast.
+//   phase 2, O_g += p V: up to 8 dim vectors (128 dims) in registers, V as memory operands.
+constexpr int kRowVecs = 2, kKeyTile = 8;
+constexpr int kPvDims = 8;
+constexpr int kSeqPvVecs = 8;
+
+struct Vec {
+  __m512 v;
+};
+
+inline Vec vzero() { return {_mm512_setzero_ps()}; }
+inline Vec vset1(float x) { return {_mm512_set1_ps(x)}; }
+inline Vec vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline Vec vload(const uint16_t* p) {  // bf16: widen to 32 bits, then into the high half
+  const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(x, 16))};
+}
+inline void vstore(float* p, Vec a) { _mm512_storeu_ps(p, a.v); }
+inline void vstore(uint16_t* p, Vec a) {  // round to nearest even, keep the high halves
+  __m512i bits = _mm512_castps_si512(a.v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits));  // truncation is exact
+}
+inline Vec vadd(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline Vec vsub(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline Vec vmul(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Vec vmax(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline Vec vfma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline float vreduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
+inline float vreduce_max(Vec a) { return _mm512_reduce_max_ps(a.v); }
+
+// Permutation indices for vsum_lanes: at level l (item width 16 >> l) output lane t
+// takes lanes lo and hi (the two halves of one item's segment) of the pair (x, y),
+// where index 16 + i means lane i of y.
+struct SumIndex {
+  int32_t lo[4][16], hi[4][16];
+};
+constexpr SumIndex make_sum_index() {
+  SumIndex r{};
+  for (int level = 0, width = 16; level < 4; ++level, width /= 2)
+    for (int lane = 0; lane < 16; ++lane) {
+      const int half = width / 2, item = lane / half, per_vector = 16 / width;
+      r.lo[level][lane] = (item >= per_vector ? 16 : 0) + (item % per_vector) * width + lane % half;
+      r.hi[level][lane] = r.lo[level][lane] + half;
+    }
+  return r;
+}
+alignas(64) static constexpr SumIndex kSumIndex = make_sum_index();
+
+// x[16] -> lane j holds the sum of x[j]'s lanes (x is overwritten): four levels that
+// each add the two halves of every item's segment, pairing neighbours to keep order.
+inline Vec vsum_lanes(Vec* x) {
+#pragma GCC unroll 4
+  for (int level = 0, num = 16; level < 4; ++level, num /= 2) {
+    const __m512i lo = _mm512_loadu_si512(kSumIndex.lo[level]), hi = _mm512_loadu_si512(kSumIndex.hi[level]);
+#pragma GCC unroll 8
+    for (int i = 0; i < num / 2; ++i)
+      x[i].v = _mm512_add_ps(_mm512_permutex2var_ps(x[2 * i].v, lo, x[2 * i + 1].v),
+                             _mm512_permutex2var_ps(x[2 * i].v, hi, x[2 * i + 1].v));
+  }
+  return x[0];
+}
+
+inline Vec vexp2(Vec x) {  // see exp2_scalar: the same steps, lane by lane
+  const __m512 xc = _mm512_max_ps(x.v, _mm512_set1_ps(kExp2Min));
+  const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(xc, n);
+  __m512 poly = _mm512_set1_ps(kExp2Coef[6]);
+  for (int i = 5; i >= 0; --i) poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(kExp2Coef[i]));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return {_mm512_mul_ps(poly, _mm512_castsi512_ps(bits))};
+}
+
+// Keeps a loaded vector in a register: without it GCC folds the load into every FMA
+// that uses it, and the loads, not the FMAs, bound the loop. (SIMDe's emulated
+// registers, see kernel_avx512.cpp, are no register operand: a no-op there.)
+#ifdef CHUNK_ATTN_EMULATE_AVX512
+inline void vpin(Vec&) {}
+#else
+inline void vpin(Vec& a) { asm("" : "+v"(a.v)); }
+#endif
+
+}  // namespace avx512
+}  // namespace chunk_attn_cpu

@@ -1,0 +1,94 @@
+// One decode step of the CPU two-phase-partition kernel, free of torch and of any
+// instruction set: the parameters, the scratch layout, and the entry point of each
+// kernel variant. Included by the torch glue (baseline flags), by every variant's
+// translation unit (before its target pragma) and by the torch-free test driver.
+//
+// Functions defined here are `static inline`: a variant's translation unit is
+// compiled for a wider instruction set than the glue, and an out-of-line copy with
+// external linkage could be merged by the linker with the glue's and then run on a
+// CPU that lacks those instructions.
+#pragma once
+
+#include <cstdint>
+
+namespace chunk_attn_cpu {
+
+enum class DType : int { kFloat32 = 0, kBFloat16 = 1 };  // bf16: raw uint16 storage
+
+// Phase-1 work item: a segment of a run of shared chunks, for one KV head and up to
+// kRowsPerItem query rows (row = sequence * group + head of the group).
+struct ChunkItem {
+  int first, count;        // shared chunks [first, first + count)
+  int row_begin, row_end;  // query rows of this KV head
+  int kv_head;
+};
+
+struct Params {
+  const void* q;        // [num_seqs, num_heads, head_dim]
+  const void* k_cache;  // [capacity, num_kv_heads, chunk_size, head_dim]
+  const void* v_cache;
+  void* out;            // [num_seqs, num_heads, head_dim]
+  float* partial_o;     // [num_pairs, num_heads, head_dim]
+  float* partial_m;     // [num_pairs, num_heads]; -inf marks a slot merged into an earlier slot
+  float* partial_n;     // [num_pairs, num_heads]
+  float* q_t;           // [num_kv_heads, head_dim, q_t_stride]: Q^T per KV head, pre-scaled
+  float* workspace;     // [num_threads, workspace_stride]: each thread's buffers
+  const int64_t* shared_chunk_ids;   // [num_shared]
+  const int64_t* shared_begin;       // [num_shared] first plan row under the chunk
+  const int64_t* shared_end;         // [num_shared] one past the last
+  const int64_t* shared_depth;       // [num_shared] position on the paths through it
+  const int64_t* private_chunk_ids;  // [num_seqs, max_private]
+  const int64_t* num_shared_tokens;  // [num_seqs]
+  const int64_t* seq_lens;           // [num_seqs]
+  const int64_t* seq_pair_ptr;       // [num_seqs + 1]
+  const ChunkItem* items;            // [num_items] phase-1 work (see schedule.h)
+  int64_t workspace_stride;
+  int num_items, num_threads;
+  int num_seqs, num_heads, num_kv_heads, head_dim, chunk_size, num_shared, max_private;
+  DType dtype;
+  float scale;
+};
+
+constexpr int kRowsPerItem = 128;  // bounds a phase-1 item's O buffer; more rows split into items
+constexpr int kMaxBlockRows = 64;  // widest phase-1 row block of any variant (kRowVecs * kLanes)
+
+static inline bool supports(int chunk_size, int head_dim) {
+  return chunk_size > 0 && chunk_size % 16 == 0 && (head_dim == 64 || head_dim == 128 || head_dim == 256);
+}
+
+static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+// Q^T rows are padded (with zeros) so that a row block starting at any row stays
+// inside; rounded to 16 floats to keep each dimension's row 64-byte aligned.
+static inline int64_t q_t_stride(int num_seqs, int num_heads, int num_kv_heads) {
+  return round_up(static_cast<int64_t>(num_seqs) * (num_heads / num_kv_heads) + kMaxBlockRows, 16);
+}
+
+// Floats of one thread's buffers, the larger of the two phases' needs (rounded to
+// 64 bytes so that no two threads share a cache line).
+//   phase 1: O^T [D][kRowsPerItem], m and n [kRowsPerItem], scores [C][kMaxBlockRows],
+//            the chunk's K and V as fp32 [C][D] each (bf16 storage)
+//   phase 2: q and O [group][D], m and n [group]
+static inline int64_t workspace_floats(int chunk_size, int head_dim, int group) {
+  const int64_t c = chunk_size, d = head_dim, g = group;
+  const int64_t phase1 = kRowsPerItem * (d + 2) + c * kMaxBlockRows + 2 * c * d;
+  const int64_t phase2 = g * (2 * d + 2);
+  return round_up(phase1 > phase2 ? phase1 : phase2, 16);
+}
+
+// Scratch floats the caller provides: partials, Q^T, then the threads' workspaces.
+static inline int64_t scratch_floats(int64_t num_pairs, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                                     int chunk_size, int num_threads) {
+  return num_pairs * num_heads * (head_dim + 2) +
+         static_cast<int64_t>(num_kv_heads) * head_dim * q_t_stride(num_seqs, num_heads, num_kv_heads) +
+         static_cast<int64_t>(num_threads) * workspace_floats(chunk_size, head_dim, num_heads / num_kv_heads);
+}
+
+// Entry points of the variants (one translation unit each, kernel_<isa>.cpp). Which
+// ones a build holds depends on the architecture (see variants.h).
+namespace avx512 { void tpp_decode(const Params& p); }
+namespace avx2 { void tpp_decode(const Params& p); }
+namespace neon { void tpp_decode(const Params& p); }
+namespace generic { void tpp_decode(const Params& p); }
+
+}  // namespace chunk_attn_cpu

@@ -1,0 +1,16 @@
+// What every kernel variant's translation unit includes before its target pragma:
+// system headers, the parameters and the scalar helpers, all compiled as baseline
+// code (see params.h on why nothing with external linkage may follow the pragma
+// outside the variant's namespace).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "params.h"
+#include "scalar.h"

@@ -1,0 +1,44 @@
+// The kernel variants a build holds (by architecture) and whether this CPU runs each.
+// Used by the torch glue and the test driver; baseline code.
+#pragma once
+
+#include <cstring>
+
+#include "params.h"
+
+namespace chunk_attn_cpu {
+
+struct Variant {
+  const char* name;
+  void (*run)(const Params&);
+  bool (*host_runs)();
+};
+
+#if defined(__x86_64__) || defined(_M_X64)
+// __builtin_cpu_supports also checks that the OS saves the wider registers.
+static inline bool host_runs_avx512() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+static inline bool host_runs_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+#endif
+static inline bool host_runs_always() { return true; }
+
+// Best first; the last one (generic) runs everywhere.
+static const Variant kVariants[] = {
+#if defined(__x86_64__) || defined(_M_X64)
+    {"avx512", avx512::tpp_decode, host_runs_avx512},
+    {"avx2", avx2::tpp_decode, host_runs_avx2},
+#elif defined(__aarch64__)
+    {"neon", neon::tpp_decode, host_runs_always},  // Advanced SIMD is part of ARMv8-A
+#endif
+    {"generic", generic::tpp_decode, host_runs_always},
+};
+constexpr int kNumVariants = sizeof(kVariants) / sizeof(kVariants[0]);
+
+static inline const Variant* find_variant(const char* name) {
+  for (const Variant& v : kVariants)
+    if (std::strcmp(v.name, name) == 0) return &v;
+  return nullptr;
+}
+
+}  // namespace chunk_attn_cpu

@@ -1,0 +1,54 @@
+// Test-only: the AVX-512 intrinsics kernel_avx512.cpp uses, on any CPU, from SIMDe
+// (Debian's libsimde-dev), so that the AVX-512 variant's code is tested on machines
+// without AVX-512 (the kernel_avx512.cpp built with CHUNK_ATTN_EMULATE_AVX512).
+// SIMDe 0.7.4 lacks a few of them; they are defined here lane by lane from Intel's
+// definitions of each instruction.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+
+#ifndef _MM_FROUND_NO_EXC
+#define _MM_FROUND_NO_EXC 0x08
+#endif
+
+static inline float _mm512_reduce_add_ps(__m512 a) {
+  float x[16], s = 0.f;
+  _mm512_storeu_ps(x, a);
+  for (float lane : x) s += lane;
+  return s;
+}
+static inline float _mm512_reduce_max_ps(__m512 a) {
+  float x[16];
+  _mm512_storeu_ps(x, a);
+  float m = x[0];
+  for (float lane : x) m = lane > m ? lane : m;
+  return m;
+}
+// vpmovzxwd: 16 unsigned 16-bit lanes zero-extended to 32 bits
+static inline __m512i _mm512_cvtepu16_epi32(__m256i a) {
+  uint16_t x[16];
+  int32_t r[16];
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), a);
+  for (int i = 0; i < 16; ++i) r[i] = x[i];
+  return _mm512_loadu_si512(r);
+}
+// vpmovdw: 16 32-bit lanes truncated to their low 16 bits
+static inline __m256i _mm512_cvtepi32_epi16(__m512i a) {
+  int32_t x[16];
+  uint16_t r[16];
+  _mm512_storeu_si512(x, a);
+  for (int i = 0; i < 16; ++i) r[i] = static_cast<uint16_t>(static_cast<uint32_t>(x[i]) & 0xffffu);
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r));
+}
+// vcvtps2dq with the default rounding (to nearest even)
+static inline __m512i _mm512_cvtps_epi32(__m512 a) {
+  float x[16];
+  int32_t r[16];
+  _mm512_storeu_ps(x, a);
+  for (int i = 0; i < 16; ++i) r[i] = static_cast<int32_t>(std::nearbyint(x[i]));
+  return _mm512_loadu_si512(r);
+}

@@ -1,0 +1,66 @@
+"""The torch-free C++ test of the CPU kernel variants (tests/cpp/kernel_test.cpp), built
+natively: random trees, GQA groups, head dims and both dtypes against a scalar
+double-precision reference, every x86 variant included. The AVX-512 variant runs on
+the CPU where it has AVX-512 and, everywhere, on SIMDe's portable AVX-512 (Debian's
+libsimde-dev, installed by scripts/setup_env.sh), so its code is tested on CPUs
+without it. test_cpu_kernel_arm.py builds the same test for aarch64."""
+
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from chunk_llama.ops import isa
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_SRC = ROOT / "csrc" / "cpu"
+DRIVER = ROOT / "tests" / "cpp" / "kernel_test.cpp"
+# -O2 without OpenMP: the kernel runs its items serially, which is all a correctness test needs
+FLAGS = ["-std=c++17", "-O2", "-fno-math-errno", "-fno-trapping-math", "-Wall", "-Wextra", "-Werror",
+         "-Wno-psabi", "-Wno-unknown-pragmas", f"-I{CPU_SRC}", f"-I{ROOT / 'tests' / 'cpp'}"]
+
+
+def build_driver(compiler: str, variants: list[str], out_dir: Path, *, extra: dict[str, list[str]] | None = None,
+                 link: list[str] = ()) -> Path:
+    """Compiles the driver and kernel_<variant>.cpp of each variant in parallel, links them."""
+    extra = extra or {}
+    units = [(DRIVER, extra.get("driver", []))] + [(CPU_SRC / f"kernel_{v}.cpp", extra.get(v, [])) for v in variants]
+
+    def compile_one(unit):
+        source, flags = unit
+        obj = out_dir / f"{source.stem}.o"
+        done = subprocess.run([compiler, *FLAGS, *flags, "-c", str(source), "-o", str(obj)], check=False,
+                              capture_output=True, text=True)
+        assert done.returncode == 0, f"{compiler} {source.name} failed:\n{done.stderr[-4000:]}"
+        return obj
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        objects = list(pool.map(compile_one, units))
+    binary = out_dir / "kernel_test"
+    done = subprocess.run([compiler, *map(str, objects), *link, "-o", str(binary)], check=False,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return binary
+
+
+def run_driver(command: list[str], variants: list[str], timeout: float) -> str:
+    done = subprocess.run([*command, *variants], check=False, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{' '.join([*command, *variants])}:\n{done.stdout[-4000:]}{done.stderr[-2000:]}"
+    for variant in variants:
+        assert f"variant {variant}: 38 cases" in done.stdout, done.stdout
+    assert "0 failing" in done.stdout, done.stdout
+    return done.stdout
+
+
+@pytest.mark.skipif(isa.host_arch() != "x86_64", reason="the x86 variants build only on x86-64")
+def test_x86_variants_with_avx512_on_simde(tmp_path):
+    if shutil.which("g++") is None:
+        pytest.fail("g++ is missing (scripts/setup_env.sh expects a C++ compiler)")
+    if not Path("/usr/include/simde/x86/avx512.h").exists():
+        pytest.fail("SIMDe is missing: scripts/setup_env.sh installs Debian's libsimde-dev")
+    emulate = ["-DCHUNK_ATTN_EMULATE_AVX512"]
+    binary = build_driver("g++", ["avx512", "avx2", "generic"], tmp_path, extra={"driver": emulate, "avx512": emulate})
+    runnable = [v for v in ("avx2", "generic") if v in isa.host_variants()]
+    run_driver([str(binary)], ["avx512", *runnable], timeout=120)
