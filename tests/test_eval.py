@@ -1,4 +1,5 @@
-"""Prompt sets, scoring, sharding and `chunk-llama eval` in one and in two processes."""
+"""Prompt sets, scoring, sharding and `chunk-llama eval` in one and in two processes
+(resume and merge details: test_eval_resume.py)."""
 
 import json
 import os
@@ -124,3 +125,8 @@ def test_two_processes_with_accelerate_equal_one(tiny_model_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert read_results(tmp_path / "two") == read_results(tmp_path / "one")
     assert json.load(open(tmp_path / "two" / "summary.json"))["num_processes"] == 2
+    # rank 0 gathered both journals (gather_object over gloo) and each rank then removed its own
+    assert sorted(os.listdir(tmp_path / "two")) == ["results.jsonl", "runs.jsonl", "summary.json",
+                                                    "summary.md"]
+    with open(tmp_path / "two" / "runs.jsonl") as f:
+        assert sorted({json.loads(line)["rank"] for line in f}) == [0, 1]

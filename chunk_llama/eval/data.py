@@ -1,4 +1,5 @@
-"""Prompt sets as `datasets.Dataset`s with columns app, system_prompt, question, answer.
+"""Prompt sets as `datasets.Dataset`s with columns app, system_prompt, question, answer,
+and their rows as chat-templated token ids.
 
 The shipped set (`toolqa`) is four ToolQA-style applications written for this
 project (`scripts/make_prompt_sets.py`): each a long system prompt of tool
@@ -71,3 +72,21 @@ def _builtin() -> datasets.Dataset:
         "question": [r["question"] for r in rows],
         "answer": [r["answer"] for r in rows],
     })
+
+
+def prompt_ids(tokenizer, row: dict) -> list[int]:
+    """The chat-templated token ids of a row: its system prompt, then its question."""
+    chat = [{"role": "system", "content": row["system_prompt"]}, {"role": "user", "content": row["question"]}]
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def shared_prefix_lengths(rows: list[dict], prompts: dict[int, list[int]]) -> dict[str, int]:
+    """Per app: how many tokens all its prompts start with (what the prefix tree shares)."""
+    shared: dict[str, list[int]] = {}
+    for r in rows:
+        ids = prompts[r["id"]]
+        prefix = shared.setdefault(r["app"], ids)
+        n = next((i for i, (a, b) in enumerate(zip(prefix, ids)) if a != b), min(len(prefix), len(ids)))
+        shared[r["app"]] = prefix[:n]
+    return {app: len(p) for app, p in shared.items()}

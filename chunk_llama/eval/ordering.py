@@ -65,3 +65,18 @@ def simulate_prefill_tokens(prompts: list[list[int]], capacity: int, chunk_size:
         live.append(seq_id)
         computed += len(prompt) - min(matched, len(prompt))
     return computed
+
+
+def compare_orders(shards: list[list[int]], app_of: dict[int, str], prompts: dict[int, list[int]], *,
+                   capacity: int, chunk_size: int, max_batch_size: int, max_new_tokens: int) -> dict:
+    """Prefill tokens of every shard served in input order vs grouped by app (as the eval runs)."""
+    def prefill_tokens(order: list[list[int]]) -> int:
+        return sum(simulate_prefill_tokens([prompts[i] for i in ids], capacity, chunk_size, max_batch_size,
+                                           max_new_tokens) for ids in order)
+
+    def grouped(ids: list[int]) -> list[int]:
+        first_seen = {app: n for n, app in enumerate(dict.fromkeys(app_of[i] for i in ids))}
+        return sorted(ids, key=lambda i: (first_seen[app_of[i]], i))
+
+    return dict(input_order=prefill_tokens(shards),  # each shard lists its ids in input order
+                grouped_order=prefill_tokens([grouped(s) for s in shards]))

@@ -1,26 +1,46 @@
-"""`run_eval`: a prompt set through the engine, app by app, written as it goes.
+"""`run_eval`: a prompt set through the engine, app by app, written as it goes and resumable.
 
-Output folder: `results.jsonl` (one record per request, appended as requests
-finish, so an interrupted run resumes where it stopped), `runs.jsonl` (timing and
-memory of each application run), `summary.json` and `summary.md`. With several
-processes (accelerate), each writes its own part files and rank 0 merges.
+Each process takes its shard (`shard_by_app`), skips the ids that a results file
+in the output folder already holds, and runs the rest app by app (an app's
+prefix stays resident), appending each finished request to its results journal
+at once and each application run to its runs journal (see `records.py`). A crash
+loses at most the line being written; running the same command again resumes.
+
+Several processes (accelerate): each appends to its own journals during the run,
+because that is what survives a crash. At the end each rank reads its journals
+back (this run's records and those of an earlier stopped run with the same number
+of processes) and `accelerate.utils.gather_object` brings them to rank 0, which
+adds the files no rank of this run owns (the merged files of earlier runs, the
+journals of a stopped run with another number of processes), writes the merged
+`results.jsonl` (sorted by id: any number of processes gives the same file),
+`runs.jsonl` and the summary. Only then (after a barrier) are the journals
+deleted, so a crash at any moment leaves every record in some file, and the merge
+drops the copies that a crash between the two steps leaves. No rank reads another
+live rank's journal except to learn which ids are done. One process needs no
+torch.distributed: its journals are the merged files.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import datasets
+from accelerate.utils import gather_object
 from transformers import GenerationConfig
 
 from chunk_llama.engine import ChunkLlamaEngine
-from chunk_llama.eval.ordering import shard_by_app, simulate_prefill_tokens
-from chunk_llama.eval.parity import stock_generate_tokens
+from chunk_llama.eval.data import prompt_ids, shared_prefix_lengths
+from chunk_llama.eval.ordering import compare_orders, shard_by_app
+from chunk_llama.eval.parity import count_equal, parity_sample
+from chunk_llama.eval.records import (REQUIRED_FIELDS, STEMS, append_record, existing_files, journal_path,
+                                      merge_results, merge_runs, read_jsonl, repair, write_jsonl)
 from chunk_llama.eval.scoring import extract_tool_call, is_correct
-from chunk_llama.eval.summary import write_summary
+from chunk_llama.eval.summary import summarize, write_summary
+
+__all__ = ["EvalConfig", "run_eval", "prompt_ids"]
 
 
 @dataclass
@@ -38,56 +58,77 @@ class EvalConfig:
 
 
 def run_eval(model, tokenizer, dataset: datasets.Dataset, config: EvalConfig, *, rank: int = 0,
-             num_processes: int = 1, barrier=lambda: None) -> dict | None:
+             num_processes: int = 1, barrier: Callable[[], None] = lambda: None,
+             gather: Callable[[list], list] = gather_object) -> dict | None:
     """Evaluate `dataset` (columns app, system_prompt, question, answer, id); returns
-    the summary on rank 0 (None on other ranks)."""
-    os.makedirs(config.output_dir, exist_ok=True)
+    the summary on rank 0 (None on other ranks).
+
+    barrier: waits for every process (accelerate's `PartialState.wait_for_everyone`).
+    gather: given this rank's one-item list, returns every rank's items in rank
+    order (accelerate's `gather_object`); not called with one process.
+    """
+    if not 0 <= rank < num_processes:
+        raise ValueError(f"rank must be in [0, {num_processes}), got {rank}")
+    output_dir = config.output_dir
+    os.makedirs(output_dir, exist_ok=True)
     rows = dataset.to_list()
     prompts = {r["id"]: prompt_ids(tokenizer, r) for r in rows}
-    shared = _shared_prefix_lengths(rows, prompts)
+    shared = shared_prefix_lengths(rows, prompts)
     shards = shard_by_app([(r["id"], r["app"], len(prompts[r["id"]])) for r in rows], num_processes)
+    journals = {stem: journal_path(output_dir, stem, rank, num_processes) for stem in STEMS}
+    owned = {journal_path(output_dir, stem, r, num_processes) for stem in STEMS for r in range(num_processes)}
+    for path in journals.values():
+        repair(path)
+    if rank == 0:  # files of earlier runs that no rank of this one appends to
+        for path in [p for stem in STEMS for p in existing_files(output_dir, stem) if p not in owned]:
+            repair(path)
+    done = _done_ids(output_dir)
     mine = set(shards[rank])
-    suffix = "" if num_processes == 1 else f".rank{rank}-of-{num_processes}"
-    results_path = os.path.join(config.output_dir, f"results{suffix}.jsonl")
-    runs_path = os.path.join(config.output_dir, f"runs{suffix}.jsonl")
-    done = _done_ids(config.output_dir)
     todo = [r for r in rows if r["id"] in mine and r["id"] not in done]
-    engine = ChunkLlamaEngine(model, tokenizer, max_batch_size=config.max_batch_size, chunk_size=config.chunk_size,
-                              kv_cache_bytes=config.kv_cache_bytes)
+    engine = ChunkLlamaEngine(model, tokenizer, max_batch_size=config.max_batch_size,
+                              chunk_size=config.chunk_size, kv_cache_bytes=config.kv_cache_bytes)
     gen_config = GenerationConfig(max_new_tokens=config.max_new_tokens, do_sample=False)
-    parity_ids = set(_spread([r["id"] for r in rows], config.check_parity)) & mine
+    parity_ids = set(parity_sample([r["id"] for r in rows], config.check_parity))
     bar = None
     if config.progress and todo:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(todo), desc=f"eval[{rank}]" if num_processes > 1 else "eval", unit="req")
-    with open(results_path, "a", encoding="utf-8") as results, open(runs_path, "a", encoding="utf-8") as runs:
+    with open(journals["results"], "a", encoding="utf-8") as results, \
+            open(journals["runs"], "a", encoding="utf-8") as runs:
         for app in dict.fromkeys(r["app"] for r in todo):  # grouped: an app's prefix stays resident
             app_rows = [r for r in todo if r["app"] == app]
-            run = _run_app(engine, app_rows, prompts, shared, gen_config, results, bar)
-            run["parity"] = _check_parity(model, [r for r in app_rows if r["id"] in parity_ids], prompts, gen_config,
-                                          run.pop("outputs"))
-            runs.write(json.dumps(dict(app=app, rank=rank, **run)) + "\n")
-            runs.flush()
+            run, outputs = _run_app(engine, app_rows, prompts, shared, gen_config, results, bar)
+            sample = [r["id"] for r in app_rows if r["id"] in parity_ids]
+            run["parity"] = count_equal(model, [prompts[i] for i in sample], [outputs[i] for i in sample],
+                                        gen_config)
+            append_record(runs, dict(app=app, rank=rank, num_processes=num_processes, **run))
     if bar is not None:
         bar.close()
     capacity = engine.cache.pool.capacity
     engine.close()
-    barrier()
-    if rank != 0:
-        return None
-    def prefill_tokens(order: list[list[int]]) -> int:
-        return sum(simulate_prefill_tokens([prompts[i] for i in ids], capacity, config.chunk_size,
-                                           config.max_batch_size, config.max_new_tokens) for ids in order)
+    part = {stem: read_jsonl(path, required=REQUIRED_FIELDS[stem]) for stem, path in journals.items()}
+    parts = [part] if num_processes == 1 else gather([part])
+    summary = None
+    if rank == 0:
+        merged = _merge(output_dir, parts, owned)
+        ordering = compare_orders(shards, {r["id"]: r["app"] for r in rows}, prompts, capacity=capacity,
+                                  chunk_size=config.chunk_size, max_batch_size=config.max_batch_size,
+                                  max_new_tokens=config.max_new_tokens)
+        summary = summarize(merged["results"], merged["runs"], ordering, num_processes)
+        write_summary(output_dir, summary)
+    barrier()  # the merged files are written: the journals are no longer the only copy
+    if num_processes > 1:
+        for path in journals.values():
+            os.remove(path)
+    return summary
 
-    ordering = dict(input_order=prefill_tokens(shards),  # each shard lists its ids in input order
-                    grouped_order=prefill_tokens([_grouped(rows, s) for s in shards]))
-    return write_summary(config.output_dir, ordering, num_processes)
 
-
-def _run_app(engine, app_rows, prompts, shared, gen_config, results, bar) -> dict:
+def _run_app(engine, app_rows, prompts, shared, gen_config, results, bar) -> tuple[dict, dict]:
+    """One app's requests through the engine; the run's record and each request's tokens."""
     engine.reset_peaks()
     before = engine.stats
+    started_at = time.time()  # wall clock: comparable across processes, for the summary's wall time
     start = time.perf_counter()
     row_of = {engine.add_request(prompts[r["id"]], gen_config): r for r in app_rows}
     outputs = {}
@@ -97,68 +138,46 @@ def _run_app(engine, app_rows, prompts, shared, gen_config, results, bar) -> dic
                 continue
             row, out = row_of[delta.request_id], delta.output
             outputs[row["id"]] = out.token_ids
-            record = dict(id=row["id"], app=row["app"], question=row["question"], answer=row["answer"],
-                          output=out.text, tool_call=extract_tool_call(out.text), correct=is_correct(out.text, row["answer"]),
-                          prompt_tokens=len(prompts[row["id"]]), shared_tokens=shared[row["app"]],
-                          generated_tokens=len(out.token_ids))
-            results.write(json.dumps(record) + "\n")
-            results.flush()
+            append_record(results, dict(
+                id=row["id"], app=row["app"], question=row["question"], answer=row["answer"], output=out.text,
+                tool_call=extract_tool_call(out.text), correct=is_correct(out.text, row["answer"]),
+                prompt_tokens=len(prompts[row["id"]]), shared_tokens=shared[row["app"]],
+                generated_tokens=len(out.token_ids)))
             if bar is not None:
                 bar.update(1)
     stats = engine.stats
-    return dict(
+    run = dict(
         requests=len(app_rows),
+        started_at=started_at,
         seconds=time.perf_counter() - start,
         generated_tokens=sum(len(t) for t in outputs.values()),
         peak_kv_bytes=stats["peak_kv_bytes"],
         peak_unshared_kv_bytes=stats["peak_unshared_kv_bytes"],
         prefill_tokens_reused=stats["prefill_tokens_reused"] - before["prefill_tokens_reused"],
         prefill_tokens_computed=stats["prefill_tokens_computed"] - before["prefill_tokens_computed"],
-        outputs=outputs,
     )
-
-
-def _check_parity(model, rows, prompts, gen_config, outputs) -> dict:
-    eos = model.generation_config.eos_token_id
-    equal = sum(stock_generate_tokens(model, prompts[r["id"]], gen_config, eos) == outputs[r["id"]] for r in rows)
-    return dict(checked=len(rows), equal=equal)
-
-
-def prompt_ids(tokenizer, row) -> list[int]:
-    """The chat-templated token ids of a row: its system prompt, then its question."""
-    chat = [{"role": "system", "content": row["system_prompt"]}, {"role": "user", "content": row["question"]}]
-    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _shared_prefix_lengths(rows, prompts) -> dict[str, int]:
-    """Per app: the tokens all its prompts start with (what the tree shares)."""
-    shared: dict[str, list[int]] = {}
-    for r in rows:
-        ids = prompts[r["id"]]
-        prefix = shared.setdefault(r["app"], ids)
-        n = next((i for i, (a, b) in enumerate(zip(prefix, ids)) if a != b), min(len(prefix), len(ids)))
-        shared[r["app"]] = prefix[:n]
-    return {app: len(p) for app, p in shared.items()}
+    return run, outputs
 
 
 def _done_ids(output_dir: str) -> set[int]:
-    done = set()
-    for name in os.listdir(output_dir):
-        if name.startswith("results") and name.endswith(".jsonl"):
-            with open(os.path.join(output_dir, name), encoding="utf-8") as f:
-                done.update(json.loads(line)["id"] for line in f if line.strip())
-    return done
+    """Ids any results file holds. Another rank may be appending to its journal right
+    now, so a torn last line is skipped here (its id is that rank's, not ours)."""
+    return {r["id"] for path in existing_files(output_dir, "results")
+            for r in read_jsonl(path, required=REQUIRED_FIELDS["results"], allow_torn_tail=True)}
 
 
-def _spread(ids: list[int], count: int) -> list[int]:
-    if count <= 0 or not ids:
-        return []
-    step = max(1, len(ids) // count)
-    return ids[::step][:count]
-
-
-def _grouped(rows, ids) -> list[int]:
-    app_of = {r["id"]: r["app"] for r in rows}
-    order = list(dict.fromkeys(app_of[i] for i in ids))
-    return sorted(ids, key=lambda i: (order.index(app_of[i]), i))
+def _merge(output_dir: str, parts: list[dict], owned: set[str]) -> dict[str, list[dict]]:
+    """Rank 0: the gathered journals plus the files no rank of this run owns, written
+    as the merged files; those other files are then deleted (their records are in)."""
+    merged = {}
+    for stem in STEMS:
+        merged_path = os.path.join(output_dir, f"{stem}.jsonl")
+        earlier = [p for p in existing_files(output_dir, stem) if p not in owned]
+        records = [r for p in earlier for r in read_jsonl(p, required=REQUIRED_FIELDS[stem])]
+        records += [r for part in parts for r in part[stem]]
+        merged[stem] = merge_results(records) if stem == "results" else merge_runs(records)
+        write_jsonl(merged_path, merged[stem])
+        for path in earlier:
+            if path != merged_path:
+                os.remove(path)
+    return merged

@@ -1,40 +1,36 @@
-"""Merging the per-process outputs of an eval and writing `summary.json` / `summary.md`."""
+"""Statistics of an eval: per-app and overall figures from the merged results and runs,
+written as `summary.json` and `summary.md`.
+
+Throughput is generated tokens over wall time, and the wall time of a group of
+runs is the length of the union of their intervals `[started_at, started_at +
+seconds]`: the time during which at least one process was generating. Runs of
+several processes at once overlap and count once (summing their seconds would
+divide by the parallelism); runs of a resumed eval, hours apart, add up without
+the gap between them. Per app this is the same rule over that app's runs (an app
+split over processes runs in parallel too). KV peaks are per process (each holds
+its own pool): the largest any single run reached.
+"""
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 
 
-def _read_jsonl(path: str) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+def wall_seconds(runs: list[dict]) -> float:
+    """Length of the union of the runs' intervals (see the module docstring)."""
+    intervals = sorted((r["started_at"], r["started_at"] + r["seconds"]) for r in runs)
+    total = 0.0
+    covered_until = float("-inf")
+    for start, end in intervals:
+        if end > covered_until:
+            total += end - max(start, covered_until)
+            covered_until = end
+    return total
 
 
-def merge_parts(output_dir: str, stem: str) -> list[dict]:
-    """Fold `{stem}.rank*.jsonl` into `{stem}.jsonl`; results are rewritten sorted by id
-    (they are appended as requests finish), so any number of processes gives one file."""
-    path = os.path.join(output_dir, f"{stem}.jsonl")
-    records = _read_jsonl(path) if os.path.exists(path) else []
-    parts = sorted(glob.glob(os.path.join(output_dir, f"{stem}.rank*.jsonl")))
-    for part in parts:
-        records += _read_jsonl(part)
-    if stem == "results":
-        records.sort(key=lambda r: r["id"])
-    if parts or stem == "results":
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
-        os.replace(path + ".tmp", path)
-        for part in parts:
-            os.remove(part)
-    return records
-
-
-def write_summary(output_dir: str, ordering: dict, num_processes: int) -> dict:
-    """Per app and overall figures from all results and runs so far (resumed runs included)."""
-    results = merge_parts(output_dir, "results")
-    runs = merge_parts(output_dir, "runs")
+def summarize(results: list[dict], runs: list[dict], ordering: dict, num_processes: int) -> dict:
+    """Per app (in order of first result) and `overall` figures from all results and runs so far."""
     apps = list(dict.fromkeys(r["app"] for r in results))
     summary = dict(apps={}, ordering=ordering, num_processes=num_processes)
     for app in apps + ["overall"]:
@@ -42,8 +38,8 @@ def write_summary(output_dir: str, ordering: dict, num_processes: int) -> dict:
         ru = [r for r in runs if app == "overall" or r["app"] == app]
         prompt_tokens = sum(r["prompt_tokens"] for r in rs)
         shared_tokens = sum(r["shared_tokens"] for r in rs)
-        seconds = sum(r["seconds"] for r in ru)
         generated = sum(r["generated_tokens"] for r in ru)
+        wall = wall_seconds(ru)
         summary["apps"][app] = dict(
             requests=len(rs),
             prompt_tokens=prompt_tokens,
@@ -53,16 +49,21 @@ def write_summary(output_dir: str, ordering: dict, num_processes: int) -> dict:
             peak_unshared_kv_bytes=max((r["peak_unshared_kv_bytes"] for r in ru), default=0),
             prefill_tokens_reused=sum(r["prefill_tokens_reused"] for r in ru),
             prefill_tokens_computed=sum(r["prefill_tokens_computed"] for r in ru),
-            throughput_tokens_per_s=generated / seconds if seconds else 0.0,
+            generated_tokens=generated,
+            wall_seconds=wall,
+            throughput_tokens_per_s=generated / wall if wall else 0.0,
             accuracy=sum(r["correct"] for r in rs) / len(rs) if rs else 0.0,
             parity_checked=sum(r["parity"]["checked"] for r in ru),
             parity_equal=sum(r["parity"]["equal"] for r in ru),
         )
+    return summary
+
+
+def write_summary(output_dir: str, summary: dict) -> None:
     with open(os.path.join(output_dir, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2)
     with open(os.path.join(output_dir, "summary.md"), "w", encoding="utf-8") as f:
         f.write(render_markdown(summary) + "\n")
-    return summary
 
 
 def render_markdown(summary: dict) -> str:
@@ -77,7 +78,8 @@ def render_markdown(summary: dict) -> str:
         )
     o = summary["ordering"]
     saved = 1 - o["grouped_order"] / o["input_order"] if o["input_order"] else 0.0
+    wall = summary["apps"]["overall"]["wall_seconds"]
     lines += ["", f"Prefill tokens by order (replayed on the prefix tree with this KV budget): input order "
               f"{o['input_order']}, grouped by app {o['grouped_order']} ({saved:.1%} saved). "
-              f"Processes: {summary['num_processes']}."]
+              f"Processes: {summary['num_processes']}, generating for {wall:.1f} s of wall time."]
     return "\n".join(lines)
