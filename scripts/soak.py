@@ -16,6 +16,7 @@ import random
 import sys
 import time
 
+import psutil
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -23,8 +24,7 @@ from chunk_llama import ChunkLlamaEngine
 
 
 def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
+    return psutil.Process().memory_info().rss
 
 
 def tiny_model(seed: int = 0):

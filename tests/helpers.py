@@ -70,9 +70,10 @@ def dense_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     return out[0, :, 0, :]
 
 
-def tiny_llama(*, num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, seed=0, init=0.2, eos=5, **overrides):
-    """A 2-layer random Llama whose logits are far from ties (large init), so greedy
-    decoding is stable under float reordering."""
+def tiny_llama(*, num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, seed=0, init=0.2, eos=5, num_layers=2,
+               **overrides):
+    """A small random Llama (2 layers by default) whose logits are far from ties (large
+    init), so greedy decoding is stable under float reordering."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -81,7 +82,7 @@ def tiny_llama(*, num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
         hidden_size=num_heads * head_dim,
         head_dim=head_dim,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=512,
@@ -150,3 +151,54 @@ def stock_greedy(model, prompt: list[int], config) -> list[int]:
             torch.tensor([prompt]), generation_config=config, attention_mask=torch.ones(1, len(prompt), dtype=torch.long)
         )
     return out[0, len(prompt) :].tolist()
+
+
+def assert_tree_consistent(tree) -> None:
+    """The tree's invariants, checked from outside: each chunk's reference count is the
+    number of live sequences through it; a chunk no sequence uses is a retained, full,
+    findable one; every chunk is in the tree or free, never both."""
+    pool = tree.pool
+    users: dict[int, int] = {}
+    for seq_id in tree.seq_ids:
+        for chunk_id in tree.chunk_ids(seq_id):
+            users[chunk_id] = users.get(chunk_id, 0) + 1
+    nodes = tree.nodes()
+    for node in nodes:
+        assert pool.ref_counts[node.chunk_id] == users.get(node.chunk_id, 0)
+        if users.get(node.chunk_id, 0) == 0:
+            assert tree.is_retained(node.chunk_id)
+            assert len(node.tokens) == pool.chunk_size and node.is_indexed()
+    assert tree.num_retained == sum(1 for n in nodes if users.get(n.chunk_id, 0) == 0)
+    in_tree = [n.chunk_id for n in nodes]
+    free = {c for c in range(pool.capacity) if pool.is_free(c)}
+    assert len(in_tree) == len(set(in_tree)) and len(free) == pool.num_free
+    assert set(in_tree).isdisjoint(free) and set(in_tree) | free == set(range(pool.capacity))
+
+
+def tree_snapshot(tree) -> dict:
+    """Everything a rolled-back step must restore: sequences and their chunks, every node
+    with its tokens and reference count, the content index, LRU order, counters."""
+    pool = tree.pool
+    return dict(
+        seqs={s: (tree.chunk_ids(s), tree.tokens(s)) for s in tree.seq_ids},
+        nodes=sorted((n.chunk_id, n.parent.chunk_id, tuple(n.tokens), pool.ref_counts[n.chunk_id]) for n in tree.nodes()),
+        index=sorted((n.chunk_id, k) for n in [tree.root, *tree.nodes()] for k, c in n.full_children.items()),
+        retained=tree.retained_ids(),
+        free=sorted(c for c in range(pool.capacity) if pool.is_free(c)),
+        counters=(tree.num_revived, tree.num_evicted, tree.peak_live_chunks, pool.peak_used),
+    )
+
+
+def tiny_bpe_tokenizer():
+    """A byte-level BPE tokenizer with 96 ids (for `tiny_llama`), trained here on a few
+    sentences: unlike `tiny_tokenizer`, stock `generate`'s stop-string matching can read it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = ["the quick brown fox jumps over the lazy dog", "abcdef ghijkl mnopqr stuvwx yz stop here then go",
+              "tool call: weather(city) observation: sunny"] * 5
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=96, special_tokens=["<pad>", "<bos>", "<eos>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")

@@ -74,3 +74,14 @@ def test_cli_generate_writes_jsonl_and_summary(default_model, tmp_path, monkeypa
     summary = capsys.readouterr().out
     assert "sharing ratio" in summary and "one copy per request" in summary
     assert os.path.exists(DEFAULT_SYSTEM)
+
+
+def test_streamed_text_adds_up_to_the_output_with_multibyte_characters(default_model):
+    model, tokenizer = default_model
+    engine = ChunkLlamaEngine(model, tokenizer, max_batch_size=4, chunk_size=64)
+    chat = [{"role": "user", "content": "Répète exactement: «café, naïve, 東京, 😀» puis 'ok'."}]
+    config = GenerationConfig(max_new_tokens=24, do_sample=False)
+    pieces = list(engine.stream(chat, config))
+    out = engine.generate([chat], config)[0]
+    assert "".join(pieces) == out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert len(pieces) > 3 and any(ord(ch) > 127 for ch in out.text)

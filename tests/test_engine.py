@@ -128,5 +128,5 @@ def test_small_memory_budget_preempts_and_still_matches_stock():
     outputs = engine.generate(prompts, config)
     for prompt, out in zip(prompts, outputs):
         assert out.token_ids == stock_greedy(stock, prompt, config)
-    assert engine.stats["peak_chunks_used"] <= 12
+    assert engine.stats["peak_chunks_used"] <= 12 and engine.stats["preemptions"] > 0
     assert engine.stats["chunks_in_use"] == engine.stats["retained_chunks"]

@@ -148,7 +148,12 @@ def test_unsupported_architecture_and_settings():
         patch_model(tiny_llama(dtype=torch.float64))
 
 
-def test_patch_is_idempotent():
+def test_patch_is_idempotent_and_keeps_the_forward_signature():
+    import inspect
+
     model = tiny_llama()
+    stock_signature = inspect.signature(model.forward)
     assert patch_model(patch_model(model)) is model
-    assert len(model._forward_pre_hooks) == 1
+    wrapped = model.forward
+    assert wrapped.func.__name__ == "_chunk_forward" and wrapped.args[0].__func__ is type(model).forward
+    assert inspect.signature(model.forward) == stock_signature  # generate inspects it for attention_mask

@@ -1,5 +1,6 @@
 """Property-based tests of the pool and tree: random insert, append, extend, remove,
-retain and evict, with every invariant checked after every operation.
+retain and evict, inside and outside steps that commit or roll back, with queued
+copies drained at random times; every invariant checked after every operation.
 
 CI runs at least 10,000 operations; CHUNK_LLAMA_FUZZ_EXAMPLES raises the count.
 """
@@ -13,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from chunk_llama.kv import ChunkPool, KVCacheFull, PrefixTree
 from chunk_llama.kv.plan import depth_first_order
+from helpers import assert_tree_consistent
 
 NUM_EXAMPLES = int(os.environ.get("CHUNK_LLAMA_FUZZ_EXAMPLES", "160"))
 STEPS = 100
@@ -30,9 +32,57 @@ class TreeMachine(RuleBasedStateMachine):
         self.tree = PrefixTree(self.pool, retain_prefixes=retain)
         self.expected: dict[int, list[int]] = {}
         self.next_id = 0
+        self.at_begin = None  # (sequences, their chunk ids) when the open step began
 
     def _count(self):
         TreeMachine.num_operations += 1
+
+    def _removal_may_be_refused(self, seq_id: int) -> bool:
+        """A removal could not be undone, or might free a queued copy's source (a chunk
+        only this sequence uses, or anything under it)."""
+        if self.tree._journal:
+            return True
+        sources = {c.src for c in self.tree._pending_copies}
+        own = [n for n in self.tree.path(seq_id) if self.pool.ref_counts[n.chunk_id] == 1]
+        return any(sources & self.tree._subtree_ids(n) for n in own)
+
+    @precondition(lambda self: not self.tree.in_step)
+    @rule()
+    def begin_step(self):
+        self._count()
+        self.tree.begin_step()
+        self.at_begin = ({s: list(t) for s, t in self.expected.items()},
+                         {s: self.tree.chunk_ids(s) for s in self.expected})
+
+    @precondition(lambda self: self.tree.in_step)
+    @rule()
+    def commit(self):
+        """The forward pass completed: it performed the queued copies first."""
+        self._count()
+        self._drain()
+        self.tree.commit()
+
+    @precondition(lambda self: self.tree.in_step)
+    @rule()
+    def rollback(self):
+        """The forward pass failed: everything of the step goes, chunk for chunk."""
+        self._count()
+        self.tree.rollback()
+        seqs, chunk_ids = self.at_begin
+        self.expected = {s: list(t) for s, t in seqs.items()}
+        assert {s: self.tree.chunk_ids(s) for s in self.expected} == chunk_ids
+        assert self.tree.take_pending_copies() == []
+
+    @rule()
+    def drain_copies(self):
+        self._count()
+        self._drain()
+
+    def _drain(self):
+        """A forward pass starts: the copies it performs must read and write chunks in use."""
+        for copy in self.tree.take_pending_copies():
+            assert not self.pool.is_free(copy.src) and not self.pool.is_free(copy.dst)
+            assert 0 < copy.num_tokens <= self.pool.chunk_size
 
     @rule(tokens=tokens_strategy, cut=st.integers(0, 14), data=st.data())
     def insert(self, tokens, cut, data):
@@ -48,7 +98,6 @@ class TreeMachine(RuleBasedStateMachine):
             assert self.pool.num_free == free_before and self.next_id not in self.tree
             return
         assert 0 <= matched <= len(tokens)
-        self.tree.take_pending_copies()
         self.expected[self.next_id] = list(tokens)
         self.next_id += 1
 
@@ -81,36 +130,33 @@ class TreeMachine(RuleBasedStateMachine):
     def remove(self, data):
         self._count()
         seq_id = data.draw(st.sampled_from(sorted(self.expected)))
-        self.tree.remove(seq_id)
+        in_step_changed = bool(self.tree._journal)
+        try:
+            self.tree.remove(seq_id)
+        except RuntimeError as error:  # refused, with nothing changed, and only for a reason
+            assert self._removal_may_be_refused(seq_id), error
+            assert ("uncommitted" in str(error)) == in_step_changed
+            assert self.tree.tokens(seq_id) == self.expected[seq_id]
+            return
+        assert not in_step_changed  # the invariants check that no queued copy lost its source
         del self.expected[seq_id]
+        if self.tree.in_step:  # nothing changed yet in this step: as if removed before it
+            del self.at_begin[0][seq_id], self.at_begin[1][seq_id]
 
     @rule()
     def evict_all(self):
         self._count()
         self.tree.evict_all()
-        assert self.tree.num_retained == 0
+        assert self.tree.num_retained == len(self.tree._blocked())  # only queued copies' sources stay
 
     @invariant()
-    def reference_counts_equal_the_sequences_through_each_chunk(self):
-        users: dict[int, int] = {}
-        for seq_id in self.expected:
-            for c in self.tree.chunk_ids(seq_id):
-                users[c] = users.get(c, 0) + 1
-        nodes = self.tree.nodes()
-        for node in nodes:
-            assert self.pool.ref_counts[node.chunk_id] == users.get(node.chunk_id, 0)
-            if users.get(node.chunk_id, 0) == 0:  # no owner: a retained, full, findable prefix chunk
-                assert self.tree.is_retained(node.chunk_id)
-                assert len(node.tokens) == self.pool.chunk_size and node.is_indexed()
-        assert self.tree.num_retained == sum(1 for n in nodes if users.get(n.chunk_id, 0) == 0)
+    def tree_is_consistent(self):
+        assert_tree_consistent(self.tree)
 
     @invariant()
-    def every_chunk_is_in_the_tree_or_free(self):
-        in_tree = [n.chunk_id for n in self.tree.nodes()]
-        assert len(in_tree) == len(set(in_tree))
-        free = {c for c in range(self.pool.capacity) if self.pool.is_free(c)}
-        assert len(free) == self.pool.num_free
-        assert set(in_tree).isdisjoint(free) and set(in_tree) | free == set(range(self.pool.capacity))
+    def queued_copies_read_and_write_chunks_in_use(self):
+        for copy in self.tree._pending_copies:
+            assert not self.pool.is_free(copy.src) and not self.pool.is_free(copy.dst)
 
     @invariant()
     def sequences_under_every_chunk_are_contiguous(self):
@@ -128,6 +174,9 @@ class TreeMachine(RuleBasedStateMachine):
             assert self.tree.tokens(seq_id) == tokens and self.tree.seq_len(seq_id) == len(tokens)
 
     def teardown(self):
+        if self.tree.in_step:
+            self.rollback()
+        self._drain()
         for seq_id in list(self.expected):
             self.tree.remove(seq_id)
         self.tree.evict_all()

@@ -1,25 +1,35 @@
 """`ChunkLlamaEngine`: iteration-level batching over the prefix-aware cache.
 
-Offline use is `generate(prompts)`. Online use is `add_request` (from any thread),
-`step()` in a loop (one thread), `abort` and `stream`.
+Offline use is `generate(prompts)`. Online use is `add_request`, `step()` in a
+loop, `abort` and `stream`.
+
+Threads: every entry point may be called from any number of threads at once. One
+iteration runs at a time (the step lock). `add_request` and `abort` only queue;
+`step()` runs an iteration and returns the deltas of requests submitted with
+`add_request`; `generate` and `stream` drive iterations themselves (whichever caller
+takes the step lock runs one for everyone) and each receives exactly its own
+requests' deltas through a private channel. A caller of `generate` or `stream` that
+stops early (an exception, `KeyboardInterrupt`, a stream left unfinished) aborts its
+own requests; the others go on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-import time
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from transformers import GenerationConfig
 
 from chunk_llama.engine.inputs import InputProcessor, positive_int
+from chunk_llama.engine.outputs import make_delta
 from chunk_llama.engine.request import RequestDelta, RequestOutput, Sequence
 from chunk_llama.engine.runner import ModelRunner
 from chunk_llama.engine.scheduler import Scheduler
-from chunk_llama.engine.text import advance_text
 from chunk_llama.hf import ChunkCache, is_patched, patch_model
+from chunk_llama.ops import backend_info, prepare_backend
 
 
 class ChunkLlamaEngine:
@@ -31,7 +41,8 @@ class ChunkLlamaEngine:
     every running sequence. Finished sequences leave at once; with
     `retain_prefixes` their full chunks stay cached until the pool needs room
     (least recently used first), so a later request with the same prefix skips
-    its prefill.
+    its prefill. Generation options are resolved per request exactly as
+    transformers' `generate` resolves them (`generation.py`).
 
     Args:
         model: a Llama-family transformers model (patched here if it is not yet).
@@ -39,8 +50,8 @@ class ChunkLlamaEngine:
         max_batch_size: most sequences decoded at once.
         chunk_size: tokens per KV chunk (default: the patch's, 64).
         kv_cache_bytes: K/V budget for all layers (default: from free memory).
-        max_prefill_tokens: most new prompt tokens computed in one step (a longer
-            single prompt still runs, alone).
+        max_prefill_tokens: most uncached prompt tokens computed in one step (the
+            first request of a step always runs, however long).
         retain_prefixes: keep the chunks of finished sequences as a prefix cache.
     """
 
@@ -69,31 +80,51 @@ class ChunkLlamaEngine:
             kv_cache_bytes=kv_cache_bytes,
             retain_prefixes=retain_prefixes,
         )
-        self.inputs = InputProcessor(model, tokenizer, self.cache.chunk_size, self.cache.pool.capacity)
+        pool = self.cache.pool
+        # The native kernel is built now (first use only, announced on stderr), not in
+        # the first step a user times; a CPU variant this host cannot run fails here.
+        prepare_backend(pool.device, pool.dtype, pool.head_dim, pool.chunk_size)
+        self.inputs = InputProcessor(model, tokenizer, self.cache.chunk_size, pool.capacity, max_batch_size)
         self.scheduler = Scheduler(self.cache, max_batch_size, max_prefill_tokens)
         self.runner = ModelRunner(model, self.cache, self.scheduler, self.inputs)
         self.max_batch_size = max_batch_size
         self.device = model.device
-        self._lock = threading.Lock()  # guards the inbox, aborts and id counters
-        self._inbox: list[Sequence] = []
+        self._step_lock = threading.Lock()  # one iteration at a time
+        self._step_owner: int | None = None
+        self._lock = threading.Lock()  # guards everything below
+        self._inbox: list[list[Sequence]] = []
         self._aborts: list[int] = []
         self._live: dict[int, list[Sequence]] = {}  # request id -> its sequences, until all finish
-        self._undelivered: list[RequestDelta] = []  # deltas `stream`/`generate` saw for others
+        self._channels: dict[int, deque[RequestDelta]] = {}  # requests of a generate / stream call
+        self._undelivered: list[RequestDelta] = []  # deltas of add_request's requests, for step()
+        self._num_submitting = 0  # add_request calls still tokenizing
         self._next_request_id = 0
         self._next_seq_id = 0
         self._closed = False
 
     # ------------------------------------------------------------ online API
-    def add_request(self, prompt, generation_config: GenerationConfig | None = None) -> int:
-        """Queue a request (thread-safe); returns its id. It is admitted at the next `step()`.
+    def add_request(self, prompt, generation_config: GenerationConfig | None = None, *, logits_processor=None,
+                    stopping_criteria=None) -> int:
+        """Queue a request (thread-safe); returns its id. It is admitted at the next step.
 
         prompt: a string, a list of chat messages (chat template applied) or token ids.
+        generation_config: merged over the model's own, as `generate` does.
+        logits_processor, stopping_criteria: extra ones, as `generate` takes them.
         Raises ValueError/TypeError for a bad prompt or config; nothing is queued then.
         """
-        return self._submit(prompt, generation_config, track_text=True)
+        self._check_open()
+        with self._lock:
+            self._num_submitting += 1
+        try:
+            seqs = self.inputs.make_sequences(prompt, generation_config, True, logits_processor=logits_processor,
+                                              stopping_criteria=stopping_criteria)
+            return self._enqueue([seqs])[0]
+        finally:
+            with self._lock:
+                self._num_submitting -= 1
 
     def abort(self, request_id: int) -> None:
-        """Cancel a request (thread-safe). At the next `step()` its sequences leave and
+        """Cancel a request (thread-safe). At the next step its sequences leave and
         their final deltas carry `finish_reason="abort"`; a finished request is left as is."""
         with self._lock:
             if not isinstance(request_id, int) or not 0 <= request_id < self._next_request_id:
@@ -101,49 +132,57 @@ class ChunkLlamaEngine:
             self._aborts.append(request_id)
 
     def has_unfinished_requests(self) -> bool:
+        """Whether a request is queued, running, being submitted, or has deltas `step()`
+        has not returned yet."""
         with self._lock:
-            return bool(self._inbox or self._live or self._undelivered)
+            return bool(self._inbox or self._live or self._undelivered or self._num_submitting)
 
     def step(self) -> list[RequestDelta]:
-        """Run one engine iteration; returns the new tokens of every sample that advanced."""
+        """Run one engine iteration; returns the new tokens of every sample of an
+        `add_request` request that advanced (here or in an iteration a `generate` or
+        `stream` call ran). If the iteration raises, what advanced before is kept for
+        the next call."""
         self._check_open()
+        with self._stepping():
+            self._iterate()
         with self._lock:
-            inbox, self._inbox = self._inbox, []
-            aborts, self._aborts = self._aborts, []
             deltas, self._undelivered = self._undelivered, []
-        for seq in inbox:
-            self.scheduler.add(seq)
-        for request_id in aborts:
-            for seq in self.scheduler.abort(request_id):
-                seq.finish_reason = "abort"
-                deltas.append(self._delta(seq))
-        if self.scheduler.has_work():
-            deltas += [self._delta(seq) for seq in self.runner.run_iteration()]
         return deltas
 
-    def stream(self, prompt, generation_config: GenerationConfig | None = None) -> Iterator[str]:
-        """Generate for one prompt, yielding text as it is produced.
+    def stream(self, prompt, generation_config: GenerationConfig | None = None, *, logits_processor=None,
+               stopping_criteria=None) -> Iterator[str]:
+        """Generate for one prompt, yielding its text as it is produced.
 
-        This drives `step()` itself, so it must not run while another thread does;
-        deltas of other requests it meets are kept for the next `step()`.
+        The request is validated now and queued when iteration starts; leaving the
+        loop early aborts it. For `num_return_sequences > 1` use `add_request` and
+        `step()`, whose deltas carry each sample's index.
         """
-        request_id = self.add_request(prompt, generation_config)
-        while True:
-            finished = False
-            for delta in self.step():
-                if delta.request_id != request_id:
-                    self._keep_for_step(delta)
-                    continue
-                if delta.text:
-                    yield delta.text
-                finished = delta.finished and request_id not in self._live
-            if finished:
-                return
+        self._check_open()
+        seqs = self.inputs.make_sequences(prompt, generation_config, True, logits_processor=logits_processor,
+                                          stopping_criteria=stopping_criteria)
+        if len(seqs) > 1:
+            raise ValueError(f"stream() yields one text; num_return_sequences={len(seqs)} needs add_request and "
+                             "step(), whose deltas carry each sample's index")
+        return self._stream(seqs)
+
+    def _stream(self, seqs: list[Sequence]) -> Iterator[str]:
+        channel: deque[RequestDelta] = deque()
+        (request_id,) = self._enqueue([seqs], channel)
+        finished = False
+        try:
+            while not finished:
+                self._wait(channel)
+                while channel:
+                    delta = channel.popleft()
+                    finished = finished or delta.finished
+                    if delta.text:
+                        yield delta.text
+        finally:
+            self._leave([request_id], aborted=not finished)
 
     # ----------------------------------------------------------- offline API
-    def generate(
-        self, prompts: list, generation_config: GenerationConfig | None = None, *, progress: bool = False
-    ) -> list[RequestOutput]:
+    def generate(self, prompts: list, generation_config: GenerationConfig | None = None, *, progress: bool = False,
+                 logits_processor=None, stopping_criteria=None) -> list[RequestOutput]:
         """Generate for every prompt; results in input order, the samples of a
         prompt together (like `generate` with `num_return_sequences`).
 
@@ -153,38 +192,47 @@ class ChunkLlamaEngine:
         self._check_open()
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a list, got {type(prompts).__name__}")
-        config = self.inputs.resolve_config(generation_config)
-        pending: dict[tuple[int, int], RequestOutput | None] = {}
-        batches = [self._build(prompt, config, track_text=False) for prompt in prompts]
-        with self._lock:
-            for seqs in batches:
-                self._enqueue(seqs)
-                pending.update({(s.request_id, s.index): None for s in seqs})
+        batches = [
+            self.inputs.make_sequences(p, generation_config, False, logits_processor=logits_processor,
+                                       stopping_criteria=stopping_criteria)
+            for p in prompts
+        ]
+        channel: deque[RequestDelta] = deque()
+        request_ids = self._enqueue(batches, channel)
+        pending: dict[tuple[int, int], RequestOutput | None] = {
+            (s.request_id, s.index): None for seqs in batches for s in seqs
+        }
+        remaining = len(pending)
         bar = None
         if progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(pending), desc="chunk-llama", unit="seq")
-        remaining = len(pending)
-        while remaining:
-            for delta in self.step():
-                key = (delta.request_id, delta.index)
-                if key not in pending:
-                    self._keep_for_step(delta)
-                elif delta.finished:
-                    pending[key] = delta.output
-                    remaining -= 1
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+            bar = tqdm(total=remaining, desc="chunk-llama", unit="seq")
+        try:
+            while remaining:
+                self._wait(channel)
+                while channel:
+                    delta = channel.popleft()
+                    if delta.finished:
+                        pending[(delta.request_id, delta.index)] = delta.output
+                        remaining -= 1
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+            self._leave(request_ids, aborted=remaining > 0)
         return list(pending.values())
 
+    # ------------------------------------------------------------- figures
     @property
     def stats(self) -> dict[str, Any]:
         """Counters and memory peaks. `peak_kv_bytes` counts chunks held by live
-        sequences; `peak_pool_bytes` also counts retained (cached) prefixes."""
+        sequences; `peak_pool_bytes` also counts retained (cached) prefixes.
+        `attention_backend` is the decode kernel in use ("cpu:avx2", "cuda", "reference",
+        ...) and `attention_fallback_reason` why the reference runs, if it does."""
         pool, tree = self.cache.pool, self.cache.tree
+        backend = backend_info(pool.device, pool.dtype, pool.head_dim, pool.chunk_size)
         return dict(
             self.runner.counters,
             peak_kv_bytes=tree.peak_live_chunks * pool.bytes_per_chunk,
@@ -202,86 +250,118 @@ class ChunkLlamaEngine:
             kv_capacity_chunks=pool.capacity,
             bytes_per_chunk=pool.bytes_per_chunk,
             chunk_size=pool.chunk_size,
+            attention_backend=":".join(filter(None, (backend["backend"], backend["isa"]))),
+            attention_fallback_reason=backend["reason"],
         )
 
     def reset_peaks(self) -> None:
         """Start the peak figures of `stats` over from the current state."""
-        self.cache.tree.peak_live_chunks = self.cache.tree.num_live_chunks
-        self.cache.pool.peak_used = self.cache.pool.num_used
-        self.runner.peak_batch_size = len(self.scheduler.running)
-        self.runner.peak_unshared_chunks = 0
+        with self._stepping():
+            self.cache.tree.peak_live_chunks = self.cache.tree.num_live_chunks
+            self.cache.pool.peak_used = self.cache.pool.num_used
+            self.runner.peak_batch_size = len(self.scheduler.running)
+            self.runner.peak_unshared_chunks = 0
 
     def close(self) -> None:
         """Release the cache; the engine refuses further work."""
-        self._closed = True
-        self.scheduler.waiting.clear()
-        self.scheduler.running.clear()
-        self._live.clear()
-        self.cache = None
+        with self._stepping():
+            self._closed = True
+            self.scheduler.waiting.clear()
+            self.scheduler.running.clear()
+            with self._lock:
+                self._inbox.clear()
+                self._live.clear()
+            self.cache = None
 
     def tokenize(self, prompt) -> list[int]:
         """Token ids of a prompt: a string, a chat message list or a list of token ids."""
         return self.inputs.tokenize(prompt)
 
-    # ------------------------------------------------------------- requests
+    # ------------------------------------------------------------ internals
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this ChunkLlamaEngine was closed; create a new one")
 
-    def _submit(self, prompt, config: GenerationConfig | None, track_text: bool) -> int:
-        self._check_open()
-        seqs = self._build(prompt, self.inputs.resolve_config(config), track_text)
+    @contextlib.contextmanager
+    def _stepping(self):
+        """Hold the step lock; re-entering from inside a step (a processor calling the
+        engine) would deadlock, so it raises instead."""
+        if self._step_owner == threading.get_ident():
+            raise RuntimeError("the engine was called from inside one of its own steps")
+        with self._step_lock:
+            self._step_owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._step_owner = None
+
+    def _enqueue(self, batches: list[list[Sequence]], channel: deque | None = None) -> list[int]:
+        """Number the requests (arrival order) and queue them; returns their ids."""
+        request_ids = []
         with self._lock:
-            self._enqueue(seqs)
-        return seqs[0].request_id
+            for seqs in batches:
+                request_id = self._next_request_id
+                self._next_request_id += 1
+                for seq in seqs:
+                    seq.request_id, seq.seq_id = request_id, self._next_seq_id
+                    self._next_seq_id += 1
+                self._inbox.append(seqs)
+                self._live[request_id] = seqs
+                if channel is not None:
+                    self._channels[request_id] = channel
+                request_ids.append(request_id)
+        return request_ids
 
-    def _build(self, prompt, config: GenerationConfig, track_text: bool) -> list[Sequence]:
-        with self._lock:  # reserve ids; building (tokenizing) runs outside the lock
-            request_id = self._next_request_id
-            first_seq_id = self._next_seq_id
-            self._next_request_id += 1
-            self._next_seq_id += config.num_return_sequences or 1
-        return self.inputs.make_sequences(request_id, first_seq_id, prompt, config, track_text)
+    def _wait(self, channel: deque) -> None:
+        """Until `channel` has a delta: run an iteration unless another caller's run filled it."""
+        with self._stepping():
+            if not channel:
+                self._check_open()
+                self._iterate()
 
-    def _keep_for_step(self, delta: RequestDelta) -> None:
-        """A delta for another consumer: returned again by the next `step()`."""
+    def _leave(self, request_ids: list[int], aborted: bool) -> None:
+        """A generate / stream call is done with its requests: drop its channel, and
+        abort those still unfinished (the caller stopped early)."""
+        if aborted:
+            with self._stepping():
+                if not self._closed:
+                    wanted = set(request_ids)
+                    with self._lock:
+                        self._inbox = [seqs for seqs in self._inbox if seqs[0].request_id not in wanted]
+                    for request_id in request_ids:
+                        self.scheduler.abort(request_id)
         with self._lock:
-            self._undelivered.append(delta)
+            for request_id in request_ids:
+                self._channels.pop(request_id, None)
+                if aborted:
+                    self._live.pop(request_id, None)
 
-    def _enqueue(self, seqs: list[Sequence]) -> None:
-        """Caller holds the lock."""
-        self._inbox.extend(seqs)
-        self._live[seqs[0].request_id] = list(seqs)
+    def _iterate(self) -> None:
+        """One iteration (caller holds the step lock); every delta goes to its consumer,
+        those that advanced before an exception included."""
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for seqs in inbox:
+            self.scheduler.add(seqs)
+        deltas = []
+        for request_id in aborts:
+            for seq in self.scheduler.abort(request_id):
+                seq.finish_reason = "abort"
+                deltas.append(self._delta(seq))
+        try:
+            if self.scheduler.has_work():
+                self.runner.run_iteration()
+        finally:
+            deltas += [self._delta(seq) for seq in self.runner.take_advanced()]
+            with self._lock:
+                for delta in deltas:
+                    self._channels.get(delta.request_id, self._undelivered).append(delta)
 
     def _delta(self, seq: Sequence) -> RequestDelta:
-        new_ids = seq.output_ids[seq.num_reported :]
-        seq.num_reported = len(seq.output_ids)
-        text = None
-        if seq.track_text:
-            with self.inputs.tokenizer_lock:
-                advance_text(seq, self.tokenizer, flush=seq.is_finished)
-            text, seq.num_reported_chars = seq.text[seq.num_reported_chars :], len(seq.text)
-        output = None
-        if seq.is_finished:
-            output = self._output(seq)
+        delta = make_delta(seq, self.inputs)
+        if delta.finished:
             with self._lock:
-                siblings = self._live.get(seq.request_id, [])
-                if all(s.is_finished for s in siblings):
+                if all(s.is_finished for s in self._live.get(seq.request_id, [])):
                     self._live.pop(seq.request_id, None)
-        return RequestDelta(seq.request_id, seq.index, new_ids, text, seq.is_finished, seq.finish_reason, output)
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        seq.finish_time = seq.finish_time or time.perf_counter()
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_ids,
-            token_ids=list(seq.output_ids),
-            text=self.inputs.decode(seq.output_ids),
-            finish_reason=seq.finish_reason,
-            logits=torch.stack(seq.logits) if seq.keep_logits and seq.logits else None,
-            index=seq.index,
-            arrival_time=seq.arrival_time,
-            first_token_time=seq.first_token_time,
-            finish_time=seq.finish_time,
-        )
+        return delta

@@ -7,15 +7,15 @@ never disturbs the requests already running.
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 
 import torch
 from transformers import GenerationConfig
 
-from chunk_llama.engine.request import Sequence
-from chunk_llama.engine.sampler import build_processors
+from chunk_llama.engine import generation
+from chunk_llama.engine.request import SampleGroup, Sequence
+from chunk_llama.engine.text import decode
 
 
 def positive_int(name: str, value) -> int:
@@ -29,33 +29,14 @@ def positive_int(name: str, value) -> int:
 class InputProcessor:
     """Tokenizes prompts and builds the sequences of a request."""
 
-    def __init__(self, model, tokenizer, chunk_size: int, capacity_chunks: int):
+    def __init__(self, model, tokenizer, chunk_size: int, capacity_chunks: int, max_batch_size: int):
         self.model = model
         self.tokenizer = tokenizer
         self.chunk_size = chunk_size
         self.capacity_chunks = capacity_chunks
+        self.max_batch_size = max_batch_size
         # Fast tokenizers are not safe to call from several threads at once.
         self.tokenizer_lock = threading.Lock()
-
-    def resolve_config(self, config: GenerationConfig | None) -> GenerationConfig:
-        if config is None:
-            config = copy.deepcopy(self.model.generation_config)
-        elif not isinstance(config, GenerationConfig):
-            raise TypeError(f"generation_config must be a GenerationConfig, got {type(config).__name__}")
-        if config.max_new_tokens is None:
-            raise ValueError("generation_config.max_new_tokens must be set")
-        positive_int("max_new_tokens", config.max_new_tokens)
-        positive_int("num_return_sequences", config.num_return_sequences or 1)
-        if config.num_beams not in (None, 1):
-            raise ValueError("beam search is not supported (num_beams must be 1)")
-        stops = config.stop_strings
-        if stops is not None:
-            stops = [stops] if isinstance(stops, str) else stops
-            if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
-                raise TypeError("stop_strings must be a non-empty string or a list of them")
-            if self.tokenizer is None:
-                raise ValueError("stop_strings need a tokenizer; pass one to ChunkLlamaEngine")
-        return config
 
     def tokenize(self, prompt) -> list[int]:
         """Token ids of a prompt: a string, a chat message list or a list of token ids."""
@@ -82,12 +63,17 @@ class InputProcessor:
         if self.tokenizer is None:
             return None
         with self.tokenizer_lock:
-            return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+            return decode(self.tokenizer, token_ids)
 
     def make_sequences(
-        self, request_id: int, first_seq_id: int, prompt, config: GenerationConfig, track_text: bool
+        self, prompt, config: GenerationConfig | None, track_text: bool, *, logits_processor=None,
+        stopping_criteria=None,
     ) -> list[Sequence]:
-        """One sequence per returned sample; all share the prompt (and its chunks)."""
+        """One sequence per returned sample; all share the prompt (and its chunks). The
+        engine numbers them (`request_id`, `seq_id`) when it queues them."""
+        generation.check_config(config)
+        if config is not None and config.max_new_tokens is not None:
+            positive_int("max_new_tokens", config.max_new_tokens)
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("empty prompt: a prompt needs at least one token")
@@ -95,51 +81,55 @@ class InputProcessor:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        settings = generation.resolve(
+            self.model, config, ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria
+        )
+        max_new, num_samples = settings.max_new_tokens, settings.num_samples
         max_positions = getattr(self.model.config, "max_position_embeddings", None)
-        if max_positions and len(ids) + config.max_new_tokens > max_positions:
+        if max_positions and len(ids) + max_new > max_positions:
             raise ValueError(
-                f"prompt of {len(ids)} tokens plus max_new_tokens={config.max_new_tokens} exceeds "
+                f"prompt of {len(ids)} tokens plus max_new_tokens={max_new} exceeds "
                 f"the model's max_position_embeddings={max_positions}"
             )
-        chunks = -(-(len(ids) + config.max_new_tokens) // self.chunk_size)
+        if num_samples > self.max_batch_size:
+            raise ValueError(
+                f"num_return_sequences={num_samples} exceeds max_batch_size={self.max_batch_size}: "
+                "a request's samples run together"
+            )
+        # worst case: the prompt's full chunks once, then each sample's tail and new tokens
+        c = self.chunk_size
+        shared = (len(ids) - 1) // c
+        chunks = shared + num_samples * -(-(len(ids) - shared * c + max_new) // c)
         if chunks > self.capacity_chunks:
             raise ValueError(
-                f"a request of {len(ids)} prompt tokens and {config.max_new_tokens} new tokens needs {chunks} "
-                f"chunks but the KV cache holds {self.capacity_chunks}; raise kv_cache_bytes"
+                f"a request of {len(ids)} prompt tokens, {max_new} new tokens and {num_samples} samples needs "
+                f"{chunks} chunks but the KV cache holds {self.capacity_chunks}; raise kv_cache_bytes"
             )
-        stops = config.stop_strings
-        stops = (stops,) if isinstance(stops, str) else tuple(stops or ())
-        seed = getattr(config, "seed", None)
+        if settings.stop_strings and self.tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer; pass one to ChunkLlamaEngine")
+        generator = None
+        if settings.do_sample and settings.seed is not None:  # as `torch.manual_seed(seed)` before generate
+            generator = torch.Generator(device=self.model.device).manual_seed(settings.seed)
+        group = SampleGroup(num_samples, generator)
         arrival = time.perf_counter()
-        seqs = []
-        for index in range(config.num_return_sequences or 1):
-            generator = None
-            if config.do_sample and seed is not None:  # sample i draws from its own stream
-                generator = torch.Generator(device=self.model.device).manual_seed(int(seed) + index)
-            seqs.append(
-                Sequence(
-                    seq_id=first_seq_id + index,
-                    request_id=request_id,
-                    index=index,
-                    prompt=prompt,
-                    prompt_ids=ids,
-                    max_new_tokens=config.max_new_tokens,
-                    eos_token_ids=self._eos_ids(config),
-                    processors=build_processors(config),
-                    do_sample=bool(config.do_sample),
-                    generator=generator,
-                    keep_logits=bool(config.output_logits),
-                    stop_strings=stops,
-                    track_text=(track_text and self.tokenizer is not None) or bool(stops),
-                    arrival_time=arrival,
-                )
+        return [
+            Sequence(
+                seq_id=-1,
+                request_id=-1,
+                index=index,
+                prompt=prompt,
+                prompt_ids=ids,
+                max_new_tokens=max_new,
+                eos_token_ids=settings.eos_token_ids,
+                processors=settings.processors[index],
+                criteria=settings.criteria[index],
+                do_sample=settings.do_sample,
+                group=group,
+                keep_logits=bool(settings.config.output_logits),
+                keep_scores=bool(settings.config.output_scores),
+                stop_strings=settings.stop_strings,
+                track_text=(track_text and self.tokenizer is not None) or bool(settings.stop_strings),
+                arrival_time=arrival,
             )
-        return seqs
-
-    def _eos_ids(self, config: GenerationConfig) -> frozenset[int]:
-        eos = config.eos_token_id  # unset falls back like `generate`: model config, then tokenizer
-        if eos is None:
-            eos = self.model.generation_config.eos_token_id
-        if eos is None and self.tokenizer is not None:
-            eos = self.tokenizer.eos_token_id
-        return frozenset([eos] if isinstance(eos, int) else (eos or []))
+            for index in range(num_samples)
+        ]

@@ -15,8 +15,10 @@ class RequestOutput:
 
     index: which of the request's `num_return_sequences` samples this is
     token_ids: generated tokens (the EOS token included when generation stopped on it)
-    finish_reason: "stop" (EOS or stop string), "length" (max_new_tokens) or "abort"
+    finish_reason: "stop" (EOS, stop string or a stopping criterion), "length"
+        (max_new_tokens or max_time) or "abort"
     logits: [num_generated, vocab] raw logits when `output_logits` was set, else None
+    scores: [num_generated, vocab] the processed scores when `output_scores` was set, else None
     arrival_time, first_token_time, finish_time: `time.perf_counter()` stamps
     """
 
@@ -27,6 +29,7 @@ class RequestOutput:
     text: str | None
     finish_reason: str
     logits: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
     index: int = 0
     arrival_time: float = 0.0
     first_token_time: float | None = None
@@ -52,6 +55,18 @@ class RequestDelta:
     output: RequestOutput | None = None
 
 
+@dataclass(eq=False)
+class SampleGroup:
+    """The samples of one request. Like the `num_return_sequences` rows of one `generate`
+    call, they draw their tokens together, one multinomial over all of them per step
+    from one generator (the request's `seed`), so a seeded request gets the tokens
+    stock `generate` gives it after `torch.manual_seed(seed)`. The scheduler keeps a
+    request's unfinished samples together (admitted, preempted and decoded at once)."""
+
+    num_samples: int
+    generator: torch.Generator | None
+
+
 @dataclass(eq=False)  # identity: the scheduler's lists hold and remove the objects
 class Sequence:
     """A sample in flight. Its cached tokens are `prompt_ids + output_ids[:-1]`
@@ -64,10 +79,12 @@ class Sequence:
     prompt_ids: list[int]
     max_new_tokens: int
     eos_token_ids: frozenset[int]
-    processors: Any
+    processors: Any  # LogitsProcessorList, this sample's own
+    criteria: Any  # StoppingCriteriaList: max_time and the user's
     do_sample: bool
-    generator: torch.Generator | None
-    keep_logits: bool
+    group: SampleGroup
+    keep_logits: bool = False
+    keep_scores: bool = False
     stop_strings: tuple[str, ...] = ()
     track_text: bool = False  # decode text as tokens arrive (streaming, stop strings)
     arrival_time: float = 0.0
@@ -75,10 +92,11 @@ class Sequence:
     finish_time: float | None = None
     output_ids: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
+    scores: list[torch.Tensor] = field(default_factory=list)
     finish_reason: str | None = None
-    text: str = ""  # text of output_ids[:read_offset]
-    prefix_offset: int = 0  # incremental detokenization window, see `text.py`
-    read_offset: int = 0
+    text: str = ""  # text streamed so far (see `text.py`)
+    decoder: Any = None  # tokenizers.decoders.DecodeStream while text is tracked
+    num_decoded: int = 0  # tokens fed to the text decoder
     num_reported: int = 0  # tokens already returned in a `RequestDelta`
     num_reported_chars: int = 0  # characters of `text` already returned
 
@@ -90,10 +108,12 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
-    def add_token(self, token: int, logits: torch.Tensor | None) -> None:
+    def add_token(self, token: int, logits: torch.Tensor | None, scores: torch.Tensor | None) -> None:
         self.output_ids.append(token)
         if logits is not None:
             self.logits.append(logits)
+        if scores is not None:
+            self.scores.append(scores)
         if token in self.eos_token_ids:
             self.finish_reason = "stop"
         elif len(self.output_ids) >= self.max_new_tokens:

@@ -1,10 +1,19 @@
-"""One engine iteration on the model: admit, prefill the admitted, decode everyone."""
+"""One engine iteration on the model: admit, prefill the admitted, decode everyone.
+
+Each forward pass is one atomic step of the cache: it is committed only after the
+forward completed and its tokens were selected, and rolled back if anything in
+between raised (an exception, `KeyboardInterrupt`, a user's hook or processor).
+A failed prefill puts its sequences back in the queue in arrival order; a failed
+decode leaves the running sequences as they were, to be decoded again. Nothing
+that advanced before the failure is lost: `take_advanced` still returns it.
+"""
 
 from __future__ import annotations
 
 import time
 
 import torch
+from transformers.generation.stopping_criteria import MaxTimeCriteria
 
 from chunk_llama.engine.inputs import InputProcessor
 from chunk_llama.engine.request import Sequence
@@ -27,79 +36,126 @@ class ModelRunner:
         self.peak_batch_size = 0
         self.peak_unshared_chunks = 0  # what the live sequences would hold with no sharing
         self.counters = dict(prefill_tokens_computed=0, prefill_tokens_reused=0, decode_steps=0, prefill_steps=0)
+        self._advanced: dict[int, Sequence] = {}
 
-    def run_iteration(self) -> list[Sequence]:
-        """Admit and prefill, then decode everyone; returns the sequences that got a token."""
-        advanced: list[Sequence] = []
-        admitted = self.scheduler.admit()
-        self.peak_batch_size = max(self.peak_batch_size, len(self.scheduler.running))
-        if admitted:
-            advanced += self._prefill(admitted)
-        if self.scheduler.running:  # the just prefilled decode their second token too
-            advanced += self._decode(list(self.scheduler.running))
-        return list({seq.seq_id: seq for seq in advanced}.values())
+    def run_iteration(self) -> None:
+        """Admit and prefill, then decode everyone (the just prefilled decode their second token too)."""
+        try:
+            admitted = self.scheduler.admit()
+            self.peak_batch_size = max(self.peak_batch_size, len(self.scheduler.running))
+            if admitted:
+                self._prefill(admitted)
+            if self.scheduler.running:
+                self._decode(list(self.scheduler.running))
+        except BaseException:
+            self.cache.end_step(completed=False)  # whatever raised, no step stays open (a no-op if ended)
+            raise
+
+    def take_advanced(self) -> list[Sequence]:
+        """The sequences that got a token (or finished) since the last call."""
+        advanced, self._advanced = list(self._advanced.values()), {}
+        return advanced
 
     @torch.no_grad()
-    def _prefill(self, admitted: list[tuple[Sequence, int]]) -> list[Sequence]:
+    def _prefill(self, admitted: list[tuple[Sequence, int]]) -> None:
         seqs = [seq for seq, _ in admitted]
         starts = [matched for _, matched in admitted]
-        input_ids, position_ids, last_index = self.cache.begin_prefill([s.seq_id for s in seqs], starts)
+        try:
+            input_ids, position_ids, last_index = self.cache.begin_prefill([s.seq_id for s in seqs], starts)
+            logits = self._forward(input_ids, position_ids, logits_to_keep=last_index)[0]
+            tokens, scores = self._select(seqs, logits)
+            stopped = self._stopped_by_criteria(seqs, tokens, scores)
+        except BaseException:
+            self.cache.end_step(completed=False)
+            self.scheduler.requeue(seqs)
+            raise
+        self.cache.end_step(completed=True)
         self.counters["prefill_tokens_computed"] += input_ids.shape[1]
         self.counters["prefill_tokens_reused"] += sum(starts)
         self.counters["prefill_steps"] += 1
-        logits = self._forward(seqs, input_ids, position_ids, logits_to_keep=last_index)
-        return self._accept(seqs, logits[0])
+        self._apply(seqs, logits, tokens, scores, stopped)
 
     @torch.no_grad()
-    def _decode(self, decoding: list[Sequence]) -> list[Sequence]:
+    def _decode(self, decoding: list[Sequence]) -> None:
         while True:
             try:
                 order = self.cache.begin_decode({s.seq_id: s.output_ids[-1] for s in decoding})
                 break
             except KVCacheFull:
-                if len(self.scheduler.running) == 1:
+                if len({s.request_id for s in self.scheduler.running}) == 1:
                     raise
-                victim = self.scheduler.preempt_newest()
-                decoding = [s for s in decoding if s is not victim]
+                victims = set(map(id, self.scheduler.preempt_newest()))
+                decoding = [s for s in decoding if id(s) not in victims]
                 if not decoding:
-                    return []
+                    return
         by_id = {s.seq_id: s for s in decoding}
         seqs = [by_id[i] for i in order]
-        input_ids = torch.tensor([[s.output_ids[-1]] for s in seqs], device=self.device)
-        position_ids = torch.tensor([[len(s.all_ids) - 1] for s in seqs], device=self.device)
+        try:
+            input_ids = torch.tensor([[s.output_ids[-1]] for s in seqs], device=self.device)
+            position_ids = torch.tensor([[len(s.all_ids) - 1] for s in seqs], device=self.device)
+            logits = self._forward(input_ids, position_ids, logits_to_keep=1)[:, -1]
+            tokens, scores = self._select(seqs, logits)
+            stopped = self._stopped_by_criteria(seqs, tokens, scores)
+        except BaseException:
+            self.cache.end_step(completed=False)
+            raise
+        self.cache.end_step(completed=True)
         chunk_size = self.cache.chunk_size
         unshared = sum(-(-len(s.all_ids) // chunk_size) for s in seqs)
         self.peak_unshared_chunks = max(self.peak_unshared_chunks, unshared)
         self.counters["decode_steps"] += 1
-        logits = self._forward(seqs, input_ids, position_ids, logits_to_keep=1)
-        return self._accept(seqs, logits[:, -1])
+        self._apply(seqs, logits, tokens, scores, stopped)
 
-    def _forward(self, seqs: list[Sequence], input_ids, position_ids, logits_to_keep) -> torch.Tensor:
+    def _forward(self, input_ids, position_ids, logits_to_keep) -> torch.Tensor:
+        return self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        ).logits
+
+    @staticmethod
+    def _select(seqs: list[Sequence], logits: torch.Tensor):
+        """`select_tokens`, leaving the requests' generators as they were if it raises."""
+        generators = {s.group.generator for s in seqs if s.do_sample and s.group.generator is not None}
+        states = [(g, g.get_state()) for g in generators]
         try:
-            out = self.model(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                past_key_values=self.cache,
-                use_cache=True,
-                logits_to_keep=logits_to_keep,
-            )
+            return select_tokens(seqs, logits)
         except BaseException:
-            # The step's tokens have no K/V: drop these sequences from the tree and requeue them.
-            for seq in seqs:
-                if seq in self.scheduler.running:
-                    self.scheduler.running.remove(seq)
-                    self.cache.remove_sequence(seq.seq_id)
-                    self.scheduler.waiting.appendleft(seq)
+            for generator, state in states:
+                generator.set_state(state)
             raise
-        return out.logits
 
-    def _accept(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
-        """logits: [num_seqs, vocab] for the next token of each sequence."""
-        tokens = select_tokens(seqs, logits)
+    def _stopped_by_criteria(self, seqs: list[Sequence], tokens: list[int], scores) -> dict[int, str]:
+        """Finish reasons from max_time and the user's stopping criteria, each sample on its
+        own ids with the new token (what `generate` passes them). User code may raise, so
+        this runs before the step commits."""
+        stopped: dict[int, str] = {}
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
+            if not seq.criteria:
+                continue
+            input_ids = torch.tensor([seq.all_ids + [token]], device=self.device)
+            kept = tuple(s[None] for s in [*seq.scores, scores[i]]) if seq.keep_scores else None
+            for criterion in seq.criteria:
+                if bool(criterion(input_ids, kept).all()):
+                    stopped[i] = "length" if isinstance(criterion, MaxTimeCriteria) else "stop"
+                    break
+        return stopped
+
+    def _apply(self, seqs: list[Sequence], logits: torch.Tensor, tokens: list[int], scores, stopped) -> None:
+        """Give each sequence its token; finish those that stop. logits: [num_seqs, vocab]"""
         now = time.perf_counter()
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
-            seq.add_token(token, logits[i].float().cpu() if seq.keep_logits else None)
+            seq.add_token(
+                token,
+                logits[i].float().cpu() if seq.keep_logits else None,
+                scores[i].cpu() if scores[i] is not None else None,
+            )
             seq.first_token_time = seq.first_token_time or now
+            self._advanced[seq.seq_id] = seq
+            if not seq.is_finished and i in stopped:
+                seq.finish_reason = stopped[i]
             if seq.stop_strings and not seq.is_finished:
                 with self.inputs.tokenizer_lock:
                     delta = advance_text(seq, self.inputs.tokenizer)
@@ -108,4 +164,3 @@ class ModelRunner:
             if seq.is_finished:
                 seq.finish_time = now
                 self.scheduler.finish(seq)
-        return seqs

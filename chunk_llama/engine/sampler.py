@@ -1,59 +1,52 @@
-"""Next-token selection with transformers' logits processors, per request."""
+"""Next-token selection, per request, as `generate`'s sampling loop does it.
+
+Each sample's scores go through its own logits processors (built by
+`generation.resolve`) on its own `input_ids`; greedy samples take the argmax.
+Sampled samples of one request draw together: one `torch.multinomial` over a
+`[num_samples, vocab]` matrix from the request's generator, with a row of ones
+standing in for each sample that already finished (stock `generate` keeps
+drawing for finished rows too), so the draws consume the random stream exactly
+as `generate` does for that request alone.
+"""
 
 from __future__ import annotations
 
 import torch
-from transformers import GenerationConfig
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
-from chunk_llama.engine.request import Sequence
+from chunk_llama.engine.request import SampleGroup, Sequence
 
 
-def build_processors(config: GenerationConfig) -> LogitsProcessorList:
-    """The processors `generate` would apply for these settings, in its order."""
-    processors = LogitsProcessorList()
-    if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
-        processors.append(RepetitionPenaltyLogitsProcessor(penalty=config.repetition_penalty))
-    if config.do_sample:
-        if config.temperature is not None and config.temperature != 1.0:
-            processors.append(TemperatureLogitsWarper(config.temperature))
-        if config.top_k is not None and config.top_k != 0:
-            processors.append(TopKLogitsWarper(top_k=config.top_k, min_tokens_to_keep=1))
-        if config.top_p is not None and config.top_p < 1.0:
-            processors.append(TopPLogitsWarper(top_p=config.top_p, min_tokens_to_keep=1))
-        if config.min_p is not None:
-            processors.append(MinPLogitsWarper(min_p=config.min_p, min_tokens_to_keep=1))
-    return processors
-
-
-def select_tokens(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+def select_tokens(seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[torch.Tensor | None]]:
     """Pick the next token of each sequence.
 
     logits: [num_seqs, vocab] raw logits of the last position of each sequence
+    returns the tokens and, per sequence, its processed scores [vocab] (None when
+    it keeps none and needs none)
     """
-    logits = logits.float()
-    tokens: list[int] = []
-    greedy_rows = [i for i, s in enumerate(seqs) if not s.do_sample and not s.processors]
-    greedy = logits[greedy_rows].argmax(dim=-1).tolist() if greedy_rows else []
-    by_row = dict(zip(greedy_rows, greedy))
+    tokens: list[int | None] = [None] * len(seqs)
+    scores: list[torch.Tensor | None] = [None] * len(seqs)
+    plain = [i for i, s in enumerate(seqs) if not s.do_sample and not s.processors]
+    if plain:  # no processors: one batched argmax, no copies
+        for i, token in zip(plain, logits[plain].argmax(dim=-1).tolist()):
+            tokens[i] = token
+    groups: dict[SampleGroup, dict[int, int]] = {}  # sampled: group -> sample index -> row
     for i, seq in enumerate(seqs):
-        if i in by_row:
-            tokens.append(by_row[i])
+        if i in plain and not seq.keep_scores:
             continue
-        scores = logits[i : i + 1]
+        # float32 copy, as generate takes it (processors may work in place)
+        row = logits[i : i + 1].to(dtype=torch.float32, copy=True)
         if seq.processors:
-            input_ids = torch.tensor([seq.all_ids], device=logits.device)
-            scores = seq.processors(input_ids, scores)
+            row = seq.processors(torch.tensor([seq.all_ids], device=logits.device), row)
+        scores[i] = row[0]
         if seq.do_sample:
-            probs = torch.softmax(scores, dim=-1)
-            tokens.append(int(torch.multinomial(probs, 1, generator=seq.generator)))
-        else:
-            tokens.append(int(scores.argmax(dim=-1)))
-    return tokens
+            groups.setdefault(seq.group, {})[seq.index] = i
+        elif tokens[i] is None:
+            tokens[i] = int(row.argmax(dim=-1))
+    for group, rows in groups.items():
+        probs = torch.ones(group.num_samples, logits.shape[-1], device=logits.device)
+        for index, i in rows.items():
+            probs[index] = torch.softmax(scores[i], dim=-1)
+        drawn = torch.multinomial(probs, num_samples=1, generator=group.generator).squeeze(1).tolist()
+        for index, i in rows.items():
+            tokens[i] = drawn[index]
+    return tokens, [s if seq.keep_scores else None for s, seq in zip(scores, seqs)]

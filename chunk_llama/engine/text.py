@@ -1,28 +1,60 @@
-"""Incremental detokenization and stop strings.
+"""Incremental detokenization (`tokenizers`' `DecodeStream`) and stop strings.
 
-Decoding the whole output after every token costs O(n^2); instead each step
-decodes a short window: the tokens from `prefix_offset` (a few tokens of context,
-so tokenizers that merge spaces into the next token render correctly) to the end,
-and emits what extends past the text of the window's already-emitted part. A
-trailing U+FFFD means a UTF-8 character is split across tokens: it is held back.
+Each sample with tracked text owns a `DecodeStream`, which decodes one token at a
+time in constant work and holds back bytes of a UTF-8 character split across
+tokens. When the sample finishes, the rest of `tokenizer.decode(output_ids)` is
+flushed, so the deltas add up to the output text. A tokenizer without a
+`tokenizers` backend decodes the whole output each time instead (logged once).
 """
 
 from __future__ import annotations
 
+import logging
+
+from tokenizers.decoders import DecodeStream
+
 from chunk_llama.engine.request import Sequence
+
+logger = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message)
+
+
+def decode(tokenizer, token_ids: list[int]) -> str:
+    return tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
 def advance_text(seq: Sequence, tokenizer, flush: bool = False) -> str:
-    """Append the text of the tokens added since the last call; returns the new text."""
-    ids = seq.output_ids
-    if seq.read_offset >= len(ids):
-        return ""
-    emitted = tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=True)
-    window = tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=True)
-    if not flush and (window.endswith("\ufffd") or len(window) <= len(emitted)):
-        return ""
-    delta = window[len(emitted) :] if window.startswith(emitted) else window
-    seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+    """Append the text of the tokens added since the last call; returns the new text.
+
+    flush: the sample finished: also append what the stream held back.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    new_ids = seq.output_ids[seq.num_decoded :]
+    seq.num_decoded = len(seq.output_ids)
+    if backend is None:
+        _warn_once("no-backend", f"{type(tokenizer).__name__} has no `tokenizers` backend: streamed text "
+                   "re-decodes the whole output every step")
+        full = decode(tokenizer, seq.output_ids)
+        delta = full[len(seq.text) :] if full.startswith(seq.text) and not full.endswith("\ufffd") else ""
+    else:
+        if seq.decoder is None:
+            seq.decoder = DecodeStream(skip_special_tokens=True)
+        pieces = [seq.decoder.step(backend, token) for token in new_ids]
+        delta = "".join(piece for piece in pieces if piece)
+    if flush:
+        full = decode(tokenizer, seq.output_ids)
+        so_far = seq.text + delta
+        if full.startswith(so_far):
+            delta += full[len(so_far) :]
+        elif full != so_far:
+            _warn_once("mismatch", f"{type(tokenizer).__name__}.decode differs from its streamed text "
+                       "(e.g. clean_up_tokenization_spaces): outputs keep decode()'s text")
     seq.text += delta
     return delta
 

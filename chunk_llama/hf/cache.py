@@ -4,8 +4,15 @@ Two ways to drive it:
 - the engine calls `add_sequence` / `begin_prefill` / `begin_decode` / `remove_sequence`
   around each forward pass, with sequences identified by id;
 - stock `model.generate(..., past_key_values=ChunkCache(model))` on a patched model:
-  a forward pre-hook (see `patch.py`) passes `input_ids` to `begin_rows`, and each
+  the patched forward (see `patch.py`) passes `input_ids` to `begin_rows`, and each
   batch row is one sequence. Rows with equal prefixes share chunks.
+
+Every forward is one atomic step of the tree: the first change after the last
+step ended opens it, and `end_step` ends it, committed when the forward completed
+(and, in the engine, its tokens were chosen) or rolled back when anything raised,
+so no later request can ever read K/V that a failed forward left half written.
+Under stock `generate` the patched forward ends its steps; the engine ends its own. The building of each step is in
+`step.py`, the per-layer writes and attention in `dispatch.py`.
 """
 
 from __future__ import annotations
@@ -13,11 +20,10 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from chunk_llama.hf.step import ForwardStep, Segment
-from chunk_llama.kv import ChunkPool, KVCacheFull, PrefixTree, build_decode_plan
-from chunk_llama.kv.plan import DecodePlan, to_device
+from chunk_llama.hf import dispatch
+from chunk_llama.hf.step import ForwardStep, StepBuilder
+from chunk_llama.kv import ChunkPool, KVCacheFull, PrefixTree
 from chunk_llama.models import check_supported, default_kv_cache_bytes, kv_geometry
-from chunk_llama.ops import prefill_attention, tpp_decode_attention
 
 
 class ChunkCache(Cache):
@@ -71,10 +77,8 @@ class ChunkCache(Cache):
             device=device,
         )
         self.tree = PrefixTree(self.pool, retain_prefixes=retain_prefixes)
-        self.num_plan_rebuilds = 0
-        self.num_plan_updates = 0
-        self._group = config.num_attention_heads // num_kv_heads
-        self._plan: DecodePlan | None = None
+        self._builder = StepBuilder(self.tree, self.pool.device, config.num_attention_heads // num_kv_heads)
+        self._plan_counters_at_open = (0, 0)
         self._step: ForwardStep | None = None
         self._row_seq_ids: list[int] = []  # generate mode: sequence of each batch row
 
@@ -85,7 +89,16 @@ class ChunkCache(Cache):
 
     @property
     def in_step(self) -> bool:
+        """Whether a forward step is prepared (the layers attend through the tree)."""
         return self._step is not None
+
+    @property
+    def num_plan_rebuilds(self) -> int:
+        return self._builder.num_plan_rebuilds
+
+    @property
+    def num_plan_updates(self) -> int:
+        return self._builder.num_plan_updates
 
     def add_sequence(self, seq_id: int, tokens: list[int]) -> int:
         """Insert a new sequence; returns how many leading tokens need no compute.
@@ -93,6 +106,7 @@ class ChunkCache(Cache):
         The last token is always computed so that the forward yields its logits.
         Raises `KVCacheFull` (nothing changed) when the pool cannot hold it.
         """
+        self._open_step()
         return self.tree.insert(seq_id, tokens, max_match=len(tokens) - 1)
 
     def remove_sequence(self, seq_id: int) -> None:
@@ -111,7 +125,7 @@ class ChunkCache(Cache):
             ids.extend(tokens[start:])
             positions.extend(range(start, len(tokens)))
             last_index.append(len(ids) - 1)
-        self._step = self._prefill_step(segments, past_len=0)
+        self._step = self._builder.prefill(segments)
         device = self.pool.device
         return (
             torch.tensor([ids], device=device),
@@ -126,24 +140,39 @@ class ChunkCache(Cache):
         which lets the kernel slice queries per shared chunk). Raises `KVCacheFull`
         (nothing changed) when a new chunk is needed and none is free.
         """
-        seq_ids = list(tokens_by_seq)
-        chunk_ids, offsets = self.tree.append(seq_ids, [tokens_by_seq[s] for s in seq_ids])
-        slot = dict(zip(seq_ids, zip(chunk_ids, offsets)))
-        plan = self._decode_plan(seq_ids)
-        device = self.pool.device
-        write_chunk, write_offset = to_device(
-            [[slot[s][0] for s in plan.seq_ids], [slot[s][1] for s in plan.seq_ids]], torch.long, device
-        )
-        self._step = ForwardStep(
-            write_token_index=torch.arange(len(seq_ids), device=device),
-            write_chunk=write_chunk,
-            write_offset=write_offset,
-            plan=plan,
-        )
-        return plan.seq_ids
+        self._open_step()
+        self._step = self._builder.decode(tokens_by_seq)
+        return self._step.plan.seq_ids
 
-    def end_step(self) -> None:
+    def end_step(self, completed: bool) -> None:
+        """End the step: commit it if its forward completed, else roll it back, so the
+        tree, the pool and the counters are as they were before it (a no-op when no step
+        is open, e.g. when it was already ended)."""
         self._step = None
+        if not self.tree.in_step:
+            return
+        if completed:
+            self.tree.commit()
+            return
+        self.tree.rollback()
+        self._builder.discard_plan()
+        self._builder.num_plan_rebuilds, self._builder.num_plan_updates = self._plan_counters_at_open
+        if any(seq_id not in self.tree for seq_id in self._row_seq_ids):
+            self._row_seq_ids = []  # the first forward of stock generate failed
+
+    def savepoint(self) -> tuple[int, int]:
+        """A mark in the current step (opened if needed) for `rollback_to`."""
+        self._open_step()
+        return self.tree.savepoint()
+
+    def rollback_to(self, savepoint: tuple[int, int]) -> None:
+        """Undo what the current step did after `savepoint` (e.g. a request that does not fit)."""
+        self.tree.rollback(savepoint)
+
+    def _open_step(self) -> None:
+        if not self.tree.in_step:
+            self.tree.begin_step()
+            self._plan_counters_at_open = (self._builder.num_plan_rebuilds, self._builder.num_plan_updates)
 
     # -------------------------------------------------- generate (row) mode
     def begin_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
@@ -157,12 +186,13 @@ class ChunkCache(Cache):
             )
         batch, q_len = input_ids.shape
         rows = input_ids.tolist()
+        self._open_step()
         if not self._row_seq_ids:
             # negative ids: engine sequences are >= 0, so the two never collide
             self._row_seq_ids = [-1 - r for r in range(batch)]
             matched = self._insert_rows(rows)
             segments = [(s, r * q_len, 0, q_len, m) for r, (s, m) in enumerate(zip(self._row_seq_ids, matched))]
-            self._step = self._prefill_step(segments, past_len=0)
+            self._step = self._builder.prefill(segments)
             return
         if batch != len(self._row_seq_ids):
             raise ValueError(
@@ -184,65 +214,14 @@ class ChunkCache(Cache):
         for seq_id, row in zip(self._row_seq_ids, rows):
             self.tree.extend(seq_id, row)
         segments = [(s, r * q_len, past_len, q_len, past_len) for r, s in enumerate(self._row_seq_ids)]
-        self._step = self._prefill_step(segments, past_len=past_len)
+        self._step = self._builder.prefill(segments, past_len=past_len)
 
     def _insert_rows(self, rows: list[list[int]]) -> list[int]:
-        matched = []
         try:
-            for seq_id, row in zip(self._row_seq_ids, rows):
-                matched.append(self.tree.insert(seq_id, row))
+            return [self.tree.insert(seq_id, row) for seq_id, row in zip(self._row_seq_ids, rows)]
         except KVCacheFull:
-            for seq_id in self._row_seq_ids[: len(matched)]:
-                self.tree.remove(seq_id)
-            self._row_seq_ids = []
+            self.end_step(completed=False)  # drops the rows inserted so far and their queued copies
             raise
-        return matched
-
-    # ------------------------------------------------------------ internals
-    def _prefill_step(self, segments, past_len: int) -> ForwardStep:
-        """segments: (seq_id, token_start, q_start, num_tokens, write_from) each.
-
-        Token `token_start + j` of the flattened batch is position `q_start + j` of its
-        sequence; positions from `write_from` on are new and get their K/V stored.
-        """
-        device = self.pool.device
-        index, chunks, offsets = [], [], []
-        for seq_id, token_start, q_start, num_tokens, write_from in segments:
-            end = q_start + num_tokens
-            seq_chunks, seq_offsets = self.tree.slots(seq_id, write_from, end)
-            index.extend(range(token_start + write_from - q_start, token_start + num_tokens))
-            chunks.extend(seq_chunks)
-            offsets.extend(seq_offsets)
-        return ForwardStep(
-            write_token_index=torch.tensor(index, dtype=torch.long, device=device),
-            write_chunk=torch.tensor(chunks, dtype=torch.long, device=device),
-            write_offset=torch.tensor(offsets, dtype=torch.long, device=device),
-            copies=self.tree.take_pending_copies(),
-            segments=[
-                Segment(t, n, q, torch.tensor(self.tree.chunk_ids(s), device=device))
-                for s, t, q, n, _ in segments
-            ],
-            past_len=past_len,
-        )
-
-    def _decode_plan(self, seq_ids: list[int]) -> DecodePlan:
-        """The plan for this decode step: rebuilt after joins and leaves, else updated."""
-        events = self.tree.take_chunk_events()
-        plan = self._plan
-        if (
-            plan is not None
-            and plan.structure_version == self.tree.structure_version
-            and len(seq_ids) == plan.num_seqs
-            and all(s in plan.row_of for s in seq_ids)
-        ):
-            if events:
-                plan.add_private_chunks(events)
-                self.num_plan_updates += 1
-            plan.advance()
-            return plan
-        self._plan = build_decode_plan(self.tree, seq_ids, device=self.pool.device, group=self._group)
-        self.num_plan_rebuilds += 1
-        return self._plan
 
     # ------------------------------------------------- transformers Cache API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -256,22 +235,13 @@ class ChunkCache(Cache):
                 "ChunkCache.update outside a prepared step: call chunk_llama.patch_model(model) "
                 "before using ChunkCache with the model"
             )
-        batch, num_kv_heads, q_len, head_dim = key_states.shape
         k_layer, v_layer = self.pool.k[layer_idx], self.pool.v[layer_idx]
         if key_states.device != k_layer.device or key_states.dtype != k_layer.dtype:
             raise ValueError(
                 f"the model computes {key_states.dtype} on {key_states.device} but this ChunkCache holds "
                 f"{k_layer.dtype} on {k_layer.device}; create the cache (or engine) after moving the model"
             )
-        if step.write_token_index.numel():
-            # [batch * q_len, num_kv_heads, head_dim] rows of the tokens to store
-            flat_k = key_states.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
-            flat_v = value_states.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
-            k_layer[step.write_chunk, :, step.write_offset] = flat_k[step.write_token_index]
-            v_layer[step.write_chunk, :, step.write_offset] = flat_v[step.write_token_index]
-        for copy in step.copies:
-            k_layer[copy.dst, :, : copy.num_tokens] = k_layer[copy.src, :, : copy.num_tokens]
-            v_layer[copy.dst, :, : copy.num_tokens] = v_layer[copy.src, :, : copy.num_tokens]
+        dispatch.store_kv(step, k_layer, v_layer, key_states, value_states)
         return key_states, value_states
 
     def attend(self, layer_idx: int, query: torch.Tensor, scale: float) -> torch.Tensor:
@@ -279,23 +249,7 @@ class ChunkCache(Cache):
 
         query: [batch, num_heads, q_len, head_dim]; returns [batch, q_len, num_heads, head_dim]
         """
-        step = self._step
-        k_layer, v_layer = self.pool.k[layer_idx], self.pool.v[layer_idx]
-        batch, num_heads, q_len, head_dim = query.shape
-        if step.is_decode:
-            q = query[:, :, 0, :]  # [num_seqs, num_heads, head_dim]
-            if step.row_order is not None:
-                q = q[step.row_order]
-            out = tpp_decode_attention(q.to(k_layer.dtype), k_layer, v_layer, step.plan, scale)
-            if step.inverse_row_order is not None:
-                out = out[step.inverse_row_order]
-            return out.to(query.dtype).unsqueeze(1)
-        flat_q = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_dim).to(k_layer.dtype)
-        out = torch.empty_like(flat_q)
-        for seg in step.segments:
-            rows = slice(seg.token_start, seg.token_start + seg.num_tokens)
-            out[rows] = prefill_attention(flat_q[rows], k_layer, v_layer, seg.chunk_ids, seg.q_start, scale)
-        return out.view(batch, q_len, num_heads, head_dim).to(query.dtype)
+        return dispatch.attend(self._step, self.pool.k[layer_idx], self.pool.v[layer_idx], query, scale)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if self._step is not None:

@@ -1,6 +1,16 @@
-"""`patch_model`: one call that makes a transformers Llama model use `ChunkCache`."""
+"""`patch_model`: one call that makes a transformers Llama model use `ChunkCache`.
+
+The model's `forward` is wrapped (on the instance, like accelerate's hooks) rather
+than hooked: forward hooks do not run when a forward raises a `BaseException` such
+as `KeyboardInterrupt`, and a step left open would leave the cache half written and
+this thread's masks switched off. Under stock `generate` the wrapper opens each
+step (`begin_rows`) and ends it: committed when the forward completed, rolled back
+when it raised. The engine opens and ends its own steps (after choosing tokens).
+"""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -9,26 +19,31 @@ from chunk_llama.hf.cache import ChunkCache
 from chunk_llama.models import check_dtype, check_supported
 
 
-def _pre_forward(module, args, kwargs):
+def _chunk_forward(original_forward, *args, **kwargs):
     cache = kwargs.get("past_key_values")
     if not isinstance(cache, ChunkCache):
-        return None
+        return original_forward(*args, **kwargs)
     if args:
         raise TypeError("call a patched model with keyword arguments (input_ids=...) when using ChunkCache")
-    if not cache.in_step:  # stock generate: rows are sequences
-        cache.begin_rows(kwargs.get("input_ids"), kwargs.get("attention_mask"))
-    kwargs["attention_mask"] = None  # the tree implies the mask
-    kwargs["chunk_cache"] = cache
+    # Stock generate: this forward's rows are the sequences and the step is ours to end.
+    # The engine prepares its steps itself and ends them after choosing the tokens.
+    owns_step = not cache.in_step
     attention.enter_chunk_forward()
-    return args, kwargs
-
-
-def _post_forward(module, args, kwargs, output):
-    cache = kwargs.get("past_key_values")
-    if isinstance(cache, ChunkCache):
+    try:
+        if owns_step:
+            cache.begin_rows(kwargs.get("input_ids"), kwargs.get("attention_mask"))
+        kwargs["attention_mask"] = None  # the tree implies the mask
+        kwargs["chunk_cache"] = cache
+        output = original_forward(**kwargs)
+    except BaseException:
+        if owns_step:
+            cache.end_step(completed=False)
+        raise
+    finally:
         attention.exit_chunk_forward()
-        cache.end_step()
-    return None
+    if owns_step:
+        cache.end_step(completed=True)
+    return output
 
 
 def patch_model(model: torch.nn.Module, *, chunk_size: int = 64) -> torch.nn.Module:
@@ -46,13 +61,13 @@ def patch_model(model: torch.nn.Module, *, chunk_size: int = 64) -> torch.nn.Mod
     attention.register()
     model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
     model.chunk_llama_chunk_size = chunk_size
-    if not getattr(model, "_chunk_llama_hooks", None):
-        model._chunk_llama_hooks = (
-            model.register_forward_pre_hook(_pre_forward, with_kwargs=True),
-            model.register_forward_hook(_post_forward, with_kwargs=True, always_call=True),
-        )
+    if not is_patched(model):
+        original = model.forward
+        # update_wrapper keeps the signature visible (generate inspects forward's parameters)
+        model.forward = functools.update_wrapper(functools.partial(_chunk_forward, original), original)
+        model._chunk_llama_patched = True
     return model
 
 
 def is_patched(model: torch.nn.Module) -> bool:
-    return bool(getattr(model, "_chunk_llama_hooks", None))
+    return bool(getattr(model, "_chunk_llama_patched", False))

@@ -1,7 +1,9 @@
-"""Per-forward metadata: which K/V slots to write and how each layer attends.
+"""Building a step: the per-forward metadata, made once from the tree and read by all layers.
 
-Built once before a forward pass (by the engine, or from `input_ids` when stock
-`generate` drives the cache) and read by every layer.
+`StepBuilder` turns the tree's state into a `ForwardStep`: which K/V slots the
+forward writes, which partial-chunk copies follow the writes, and how each layer
+attends (a decode plan, or per-sequence prefill segments). The decode plan is
+rebuilt only after joins and leaves; otherwise its lengths advance in place.
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from chunk_llama.kv.plan import DecodePlan
-from chunk_llama.kv.tree import PendingCopy
+from chunk_llama.kv import PrefixTree, build_decode_plan
+from chunk_llama.kv.node import PendingCopy
+from chunk_llama.kv.plan import DecodePlan, to_device
 
 
 @dataclass
@@ -54,3 +57,82 @@ class ForwardStep:
     @property
     def is_decode(self) -> bool:
         return self.plan is not None
+
+
+class StepBuilder:
+    """Makes the `ForwardStep`s of one tree; owns the decode plan between steps."""
+
+    def __init__(self, tree: PrefixTree, device: torch.device, group: int):
+        self.tree = tree
+        self.device = device
+        self.group = group  # query heads per KV head
+        self.plan: DecodePlan | None = None
+        self.num_plan_rebuilds = 0
+        self.num_plan_updates = 0
+
+    def prefill(self, segments: list[tuple[int, int, int, int, int]], past_len: int = 0) -> ForwardStep:
+        """segments: (seq_id, token_start, q_start, num_tokens, write_from) each.
+
+        Token `token_start + j` of the flattened batch is position `q_start + j` of its
+        sequence; positions from `write_from` on are new and get their K/V stored.
+        """
+        index, chunks, offsets = [], [], []
+        for seq_id, token_start, q_start, num_tokens, write_from in segments:
+            seq_chunks, seq_offsets = self.tree.slots(seq_id, write_from, q_start + num_tokens)
+            index.extend(range(token_start + write_from - q_start, token_start + num_tokens))
+            chunks.extend(seq_chunks)
+            offsets.extend(seq_offsets)
+        write_index, write_chunk, write_offset = to_device([index, chunks, offsets], torch.long, self.device)
+        return ForwardStep(
+            write_token_index=write_index,
+            write_chunk=write_chunk,
+            write_offset=write_offset,
+            copies=self.tree.take_pending_copies(),
+            segments=[
+                Segment(t, n, q, torch.tensor(self.tree.chunk_ids(s), device=self.device))
+                for s, t, q, n, _ in segments
+            ],
+            past_len=past_len,
+        )
+
+    def decode(self, tokens_by_seq: dict[int, int]) -> ForwardStep:
+        """Append one token to each sequence; the step's plan orders them depth-first.
+
+        Raises `KVCacheFull` (nothing changed) when a new chunk is needed and none is free.
+        """
+        seq_ids = list(tokens_by_seq)
+        chunk_ids, offsets = self.tree.append(seq_ids, [tokens_by_seq[s] for s in seq_ids])
+        slot = dict(zip(seq_ids, zip(chunk_ids, offsets)))
+        plan = self._decode_plan(seq_ids)
+        write_chunk, write_offset = to_device(
+            [[slot[s][0] for s in plan.seq_ids], [slot[s][1] for s in plan.seq_ids]], torch.long, self.device
+        )
+        return ForwardStep(
+            write_token_index=torch.arange(len(seq_ids), device=self.device),
+            write_chunk=write_chunk,
+            write_offset=write_offset,
+            plan=plan,
+        )
+
+    def discard_plan(self) -> None:
+        """After a rollback: the plan's lengths and chunk tables ran ahead of the tree."""
+        self.plan = None
+
+    def _decode_plan(self, seq_ids: list[int]) -> DecodePlan:
+        """The plan for this decode step: rebuilt after joins and leaves, else updated."""
+        events = self.tree.take_chunk_events()
+        plan = self.plan
+        if (
+            plan is not None
+            and plan.structure_version == self.tree.structure_version
+            and len(seq_ids) == plan.num_seqs
+            and all(s in plan.row_of for s in seq_ids)
+        ):
+            if events:
+                plan.add_private_chunks(events)
+                self.num_plan_updates += 1
+            plan.advance()
+            return plan
+        self.plan = build_decode_plan(self.tree, seq_ids, device=self.device, group=self.group)
+        self.num_plan_rebuilds += 1
+        return self.plan

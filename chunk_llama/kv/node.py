@@ -1,4 +1,5 @@
-"""The records the prefix tree is made of: chunk nodes, sequence paths, pending copies."""
+"""The records the prefix tree is made of: chunk nodes, sequence paths, pending copies,
+and the journal entries that let a failed step be rolled back."""
 
 from __future__ import annotations
 
@@ -44,3 +45,23 @@ class SeqPath:
     def __init__(self) -> None:
         self.nodes: list[ChunkNode] = []
         self.length = 0
+
+
+@dataclass
+class InsertRecord:
+    """Journal: sequence `seq_id` was inserted. `revived` are the retained chunks it took
+    out of the prefix cache and `touched` the retained copy sources it refreshed,
+    each with its LRU stamp from before, so a rollback puts them back in place."""
+
+    seq_id: int
+    revived: list[tuple[ChunkNode, int]]
+    touched: list[tuple[ChunkNode, int]]
+
+
+@dataclass
+class GrowRecord:
+    """Journal: sequence `seq_id` grew from `length` tokens held in `num_nodes` chunks."""
+
+    seq_id: int
+    length: int
+    num_nodes: int

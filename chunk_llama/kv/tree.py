@@ -14,21 +14,25 @@ sequence's own chunk. The source slots may belong to a sequence prefilled in the
 same forward pass, so the copy is queued (`take_pending_copies`) and performed by
 the cache after each layer has written its new K/V.
 
+Steps are atomic (`journal.py`): what a step inserts or grows becomes findable by
+later steps only once the caller commits it after its forward pass completed; a
+failed step is rolled back.
+
 Prefix retention (`retain_prefixes=True`): when the last sequence through a full
-chunk leaves, the chunk stays in the tree with no owner, so a later request with
-the same prefix finds it. Retained chunks are evicted least recently used, leaves
-first, only when an allocation finds no free chunk.
+chunk leaves, the chunk stays in the tree with no owner (`retention.py`), so a
+later request with the same prefix finds it. Retained chunks are evicted least
+recently used, leaves first, only when an allocation finds no free chunk.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
-from chunk_llama.kv.node import ChunkNode, PendingCopy, SeqPath
+from chunk_llama.kv.journal import StepJournal
+from chunk_llama.kv.node import ChunkNode, GrowRecord, InsertRecord, PendingCopy, SeqPath
 from chunk_llama.kv.pool import ChunkPool, KVCacheFull
+from chunk_llama.kv.retention import Eviction, RetainedChunks
 
 
-class PrefixTree:
+class PrefixTree(StepJournal, Eviction):
     """The forest of chunk paths of all live sequences, under one virtual root."""
 
     def __init__(self, pool: ChunkPool, *, retain_prefixes: bool = False):
@@ -38,16 +42,16 @@ class PrefixTree:
         self.root = ChunkNode(-1, None)
         self._seqs: dict[int, SeqPath] = {}
         self._pending_copies: list[PendingCopy] = []
-        # Retained chunks, least recently used first. A node is added after its
-        # descendants, so the oldest entries are leaves.
-        self._retained: OrderedDict[int, ChunkNode] = OrderedDict()
-        # Bumped when sequences join or leave or grow by several tokens at once: a
-        # plan built before is stale. A decode step's new chunks only extend one
-        # sequence's private list; they are reported by `take_chunk_events` instead.
+        self._retained = RetainedChunks()
+        self._journal: list[InsertRecord | GrowRecord] | None = None  # None: no step open
+        self._peaks_at_begin = (0, 0)
+        # Bumped when sequences join or leave or grow by several tokens at once, and by
+        # a rollback: a plan built before is stale. A decode step's new chunks only extend
+        # one sequence's private list; they are reported by `take_chunk_events` instead.
         self.structure_version = 0
         self._chunk_events: list[tuple[int, int]] = []
         self.num_evicted = 0  # retained chunks given back to the pool
-        self.num_revived = 0  # retained chunks a new sequence matched (prefix cache hits)
+        self.num_revived = 0  # retained chunks a new sequence reused, shared or copied (prefix cache hits)
         self.peak_live_chunks = 0  # chunks held by live sequences, at most at once
 
     # ----------------------------------------------------------------- queries
@@ -70,12 +74,16 @@ class PrefixTree:
     def num_live_chunks(self) -> int:
         return self.pool.num_used - len(self._retained)
 
+    @property
+    def in_step(self) -> bool:
+        return self._journal is not None
+
     def is_retained(self, chunk_id: int) -> bool:
         return chunk_id in self._retained
 
     def retained_ids(self) -> list[int]:
         """Retained chunk ids, least recently used first."""
-        return list(self._retained)
+        return self._retained.ids()
 
     def nodes(self) -> list[ChunkNode]:
         """Every node under the root, parents before children."""
@@ -119,10 +127,12 @@ class PrefixTree:
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
-    def match_len(self, tokens: list[int]) -> int:
-        """Length of the longest prefix of `tokens` whose K/V the tree holds."""
-        node, matched = self._match_full(tokens, len(tokens))
-        best = self._best_partial(node, tokens, matched, len(tokens))
+    def match_len(self, tokens: list[int], max_match: int | None = None) -> int:
+        """How many leading tokens `insert(_, tokens, max_match)` would find cached (shared
+        full chunks plus a copied partial match)."""
+        max_match = self._clamp_match(tokens, max_match)
+        node, matched = self._match_full(tokens, max_match)
+        best = self._best_partial(node, tokens, matched, max_match)
         return matched + (best[1] if best else 0)
 
     def chunks_needed(self, tokens: list[int], max_match: int | None = None) -> int:
@@ -130,10 +140,6 @@ class PrefixTree:
         its new chunks plus the retained chunks it would revive."""
         node, matched = self._match_full(tokens, self._clamp_match(tokens, max_match))
         return -(-(len(tokens) - matched) // self.chunk_size) + self._num_retained_on_path(node)
-
-    def num_available(self) -> int:
-        """Chunks an allocation can get: free ones plus evictable retained ones."""
-        return self.pool.num_free + len(self._retained) - len(self._blocked())
 
     # -------------------------------------------------------------- mutations
     def insert(self, seq_id: int, tokens: list[int], max_match: int | None = None) -> int:
@@ -158,27 +164,36 @@ class PrefixTree:
         available = self.pool.num_free + len(self._retained) - len(blocked)
         if num_new_chunks > available:
             raise KVCacheFull(f"need {num_new_chunks} free chunks for sequence {seq_id}, {available} available")
-        seq = SeqPath()
-        walk = node
-        while walk is not self.root:  # share the matched full chunks
-            self._acquire(walk)
-            seq.nodes.append(walk)
-            walk = walk.parent
-        seq.nodes.reverse()
+        seq = self._seqs[seq_id] = SeqPath()
+        record = InsertRecord(seq_id, [], [])
+        self._journal_append(record)
+        matched_path = []
+        while node is not self.root:
+            matched_path.append(node)
+            node = node.parent
+        for shared in reversed(matched_path):  # share the matched full chunks, root first
+            revived = self._retained.pop(shared.chunk_id)
+            if revived is not None:
+                record.revived.append(revived)
+                self.num_revived += 1
+            self.pool.incref(shared.chunk_id)
+            seq.nodes.append(shared)
         seq.length = matched
-        self._seqs[seq_id] = seq
         self._make_room(num_new_chunks, blocked)
         if best is not None:
             src, num_copied = best
-            new = self._new_node(node, tokens[matched : matched + num_copied])
-            seq.nodes.append(new)
+            if src.chunk_id in self._retained:  # a copy source is a hit too, and now recently used
+                record.touched.append((src, self._retained.stamp(src.chunk_id)))
+                self._retained.touch(src.chunk_id)
+                self.num_revived += 1
+            parent = seq.nodes[-1] if seq.nodes else self.root
+            seq.nodes.append(self._new_node(parent, tokens[matched : matched + num_copied]))
             seq.length += num_copied
-            self._pending_copies.append(PendingCopy(src.chunk_id, new.chunk_id, num_copied))
-            matched += num_copied
-        self._grow(seq, tokens[seq.length :])
-        self.peak_live_chunks = max(self.peak_live_chunks, self.num_live_chunks)
+            self._pending_copies.append(PendingCopy(src.chunk_id, seq.nodes[-1].chunk_id, num_copied))
+        num_cached = seq.length
+        self._grow(seq, tokens[num_cached:])
         self.structure_version += 1
-        return matched
+        return num_cached
 
     def append(self, seq_ids: list[int], tokens: list[int]) -> tuple[list[int], list[int]]:
         """Append one token to each sequence; returns the (chunk ids, offsets) to write.
@@ -194,6 +209,7 @@ class PrefixTree:
         chunk_ids, offsets = [], []
         for seq_id, seq, token in zip(seq_ids, seqs, tokens):
             offset = seq.length % c
+            self._journal_append(GrowRecord(seq_id, seq.length, len(seq.nodes)))
             self._grow(seq, [token])
             chunk_ids.append(seq.nodes[-1].chunk_id)
             offsets.append(offset)
@@ -206,17 +222,20 @@ class PrefixTree:
         seq = self._seqs[seq_id]
         room = (-seq.length) % self.chunk_size
         self._reserve(-(-max(0, len(tokens) - room) // self.chunk_size), f"to extend sequence {seq_id}")
+        self._journal_append(GrowRecord(seq_id, seq.length, len(seq.nodes)))
         self._grow(seq, tokens)
         self.structure_version += 1
 
     def remove(self, seq_id: int) -> None:
         """Release a sequence. Chunks no other sequence goes through are retained
         (full, findable chunks under a kept parent, when retention is on) or freed."""
-        seq = self._seqs.pop(seq_id)
+        if self._journal:  # a removal cannot be undone; an open step with nothing in it is fine
+            raise RuntimeError(f"cannot remove sequence {seq_id} in a step with uncommitted changes")
+        seq = self._seqs[seq_id]
         retained, freed = [], []
         parent_kept = True
         for node in seq.nodes:  # root first: a chunk is retained only under a kept parent
-            if self.pool.decref(node.chunk_id) > 0:
+            if self.pool.ref_counts[node.chunk_id] > 1:
                 continue
             if (
                 parent_kept
@@ -228,17 +247,21 @@ class PrefixTree:
             else:
                 parent_kept = False
                 freed.append(node)
+        if self._pending_copies:
+            gone = set().union(*(self._subtree_ids(node) for node in freed))
+            if any(c.src in gone and c.dst not in gone for c in self._pending_copies):
+                # a queued copy reads its source in the next forward: the source must outlive it
+                raise RuntimeError(f"cannot remove sequence {seq_id}: it would free the source of a queued copy")
+            # copies into the chunks that go are cancelled: their memory may serve someone else next
+            self._pending_copies = [c for c in self._pending_copies if c.dst not in gone]
+        del self._seqs[seq_id]
+        for node in seq.nodes:
+            self.pool.decref(node.chunk_id)
         for node in reversed(freed):
             self._release(node)
         for node in reversed(retained):  # deepest first: ancestors become the more recent
-            self._retained[node.chunk_id] = node
+            self._retained.add(node)
         self.structure_version += 1
-
-    def evict_all(self) -> int:
-        """Drop every retained chunk that nothing protects; returns how many."""
-        before = len(self._retained)
-        self._make_room(self.num_available(), self._blocked())
-        return before - len(self._retained)
 
     # ---------------------------------------------------------------- helpers
     @staticmethod
@@ -280,45 +303,6 @@ class PrefixTree:
             node = node.parent
         return count
 
-    def _blocked(self, *nodes: ChunkNode | None) -> set[int]:
-        """Retained chunks that may not be evicted now: those on the paths to `nodes`
-        and to the sources of queued copies (read by the next forward pass)."""
-        sources = [self._retained[c.src] for c in self._pending_copies if c.src in self._retained]
-        starts = [n for n in nodes if n is not None] + sources
-        blocked: set[int] = set()
-        for node in starts:
-            while node is not self.root and node.chunk_id in self._retained and node.chunk_id not in blocked:
-                blocked.add(node.chunk_id)
-                node = node.parent
-        return blocked
-
-    def _reserve(self, num_chunks: int, what: str) -> None:
-        """Make `num_chunks` free (evicting) or raise `KVCacheFull` with nothing changed."""
-        if num_chunks > self.pool.num_free:
-            blocked = self._blocked()
-            available = self.pool.num_free + len(self._retained) - len(blocked)
-            if num_chunks > available:
-                raise KVCacheFull(f"need {num_chunks} free chunks {what}, {available} available")
-            self._make_room(num_chunks, blocked)
-
-    def _make_room(self, num_chunks: int, blocked: set[int]) -> None:
-        """Evict least recently used retained leaves until `num_chunks` are free."""
-        while self.pool.num_free < num_chunks:
-            victim = next(
-                (n for n in self._retained.values() if not n.children and n.chunk_id not in blocked), None
-            )
-            if victim is None:
-                raise RuntimeError("no evictable retained chunk although the capacity check passed")
-            del self._retained[victim.chunk_id]
-            self._release(victim)
-            self.num_evicted += 1
-
-    def _acquire(self, node: ChunkNode) -> None:
-        """Add a sequence to a matched chunk, reviving it if it was retained."""
-        if self._retained.pop(node.chunk_id, None) is not None:
-            self.num_revived += 1
-        self.pool.incref(node.chunk_id)
-
     def _grow(self, seq: SeqPath, tokens: list[int]) -> None:
         """Append tokens to a sequence's private tail (capacity checked by caller)."""
         c = self.chunk_size
@@ -343,22 +327,3 @@ class PrefixTree:
             parent.full_children.setdefault(tuple(node.tokens), node)
         self.peak_live_chunks = max(self.peak_live_chunks, self.num_live_chunks)
         return node
-
-    def _release(self, node: ChunkNode) -> None:
-        """Detach a chunk with no references from the tree and free it, with the
-        retained chunks under it (they could never be matched again)."""
-        for child in list(node.children.values()):
-            del self._retained[child.chunk_id]  # no live sequence below a chunk at 0
-            self.num_evicted += 1
-            self._release(child)
-        parent = node.parent
-        del parent.children[node.chunk_id]
-        key = tuple(node.tokens)
-        if parent.full_children.get(key) is node:
-            del parent.full_children[key]
-            # Another full child with the same tokens can take over the index.
-            for sibling in parent.children.values():
-                if len(sibling.tokens) == self.chunk_size and tuple(sibling.tokens) == key:
-                    parent.full_children[key] = sibling
-                    break
-        self.pool.free(node.chunk_id)

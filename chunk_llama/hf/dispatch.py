@@ -1,0 +1,62 @@
+"""Attention dispatch for one layer of a prepared step: store the new K/V, then attend.
+
+Decode (one query per sequence) runs the two-phase-partition kernel over the plan;
+prefill runs each sequence's new tokens against its whole context.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from chunk_llama.hf.step import ForwardStep
+from chunk_llama.ops import prefill_attention, tpp_decode_attention
+
+
+def store_kv(
+    step: ForwardStep,
+    k_layer: torch.Tensor,
+    v_layer: torch.Tensor,
+    key_states: torch.Tensor,
+    value_states: torch.Tensor,
+) -> None:
+    """Write the step's new K/V of one layer into their slots, then run the queued copies
+    (a copy's source may be a slot written just now, by a sequence of the same step).
+
+    k_layer, v_layer: [capacity, num_kv_heads, chunk_size, head_dim]
+    key_states, value_states: [batch, num_kv_heads, q_len, head_dim]
+    """
+    batch, num_kv_heads, q_len, head_dim = key_states.shape
+    if step.write_token_index.numel():
+        # [batch * q_len, num_kv_heads, head_dim] rows of the tokens to store
+        flat_k = key_states.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
+        flat_v = value_states.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
+        k_layer[step.write_chunk, :, step.write_offset] = flat_k[step.write_token_index]
+        v_layer[step.write_chunk, :, step.write_offset] = flat_v[step.write_token_index]
+    for copy in step.copies:
+        k_layer[copy.dst, :, : copy.num_tokens] = k_layer[copy.src, :, : copy.num_tokens]
+        v_layer[copy.dst, :, : copy.num_tokens] = v_layer[copy.src, :, : copy.num_tokens]
+
+
+def attend(
+    step: ForwardStep, k_layer: torch.Tensor, v_layer: torch.Tensor, query: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of the step's queries over the cache of one layer.
+
+    query: [batch, num_heads, q_len, head_dim]; returns [batch, q_len, num_heads, head_dim]
+    """
+    batch, num_heads, q_len, head_dim = query.shape
+    if step.is_decode:
+        q = query[:, :, 0, :]  # [num_seqs, num_heads, head_dim]
+        if step.row_order is not None:
+            q = q[step.row_order]
+        out = tpp_decode_attention(q.to(k_layer.dtype), k_layer, v_layer, step.plan, scale)
+        if step.inverse_row_order is not None:
+            out = out[step.inverse_row_order]
+        return out.to(query.dtype).unsqueeze(1)
+    # [batch * q_len, num_heads, head_dim]
+    flat_q = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_dim).to(k_layer.dtype)
+    out = torch.empty_like(flat_q)
+    for seg in step.segments:
+        rows = slice(seg.token_start, seg.token_start + seg.num_tokens)
+        out[rows] = prefill_attention(flat_q[rows], k_layer, v_layer, seg.chunk_ids, seg.q_start, scale)
+    return out.view(batch, q_len, num_heads, head_dim).to(query.dtype)
