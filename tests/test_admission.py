@@ -31,12 +31,14 @@ def test_the_prefill_budget_counts_uncached_tokens_only():
     while engine.has_unfinished_requests():
         outputs.update({d.request_id: d.output for d in engine.step() if d.finished})
     assert [outputs[i].token_ids for i in ids] == [stock_greedy(stock, p, GREEDY) for p in prompts]
-    # a budget still holds for uncached prompts: one 300-token prompt per step
+    # the budget holds for uncached prompts: a 300-token prompt goes in 64-token pieces
     fresh = [[rng.randrange(6, 96) for _ in range(300)] for _ in range(3)]
     for p in fresh:
         engine.add_request(p, GREEDY)
+    computed = engine.stats["prefill_tokens_computed"]
     engine.step()
-    assert len(engine.scheduler.running) == 1
+    assert engine.stats["prefill_tokens_computed"] - computed == 64
+    assert not engine.scheduler.running and len(engine.scheduler.partial) == 1
 
 
 def test_preemption_takes_the_request_that_arrived_last_not_the_last_admitted():

@@ -134,7 +134,7 @@ def test_unsupported_architecture_and_settings():
         MistralConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, sliding_window=16)
     )
-    with pytest.raises(ValueError, match="Llama"):
+    with pytest.raises(ValueError, match="mistral: sliding-window attention .window 16"):
         patch_model(mistral)
     config = LlamaConfig(vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
     config.sliding_window = 8

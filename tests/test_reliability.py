@@ -108,7 +108,7 @@ def test_bad_engine_and_cache_configuration():
             ChunkLlamaEngine(model, **kwargs)
     mistral = MistralForCausalLM(MistralConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                num_attention_heads=2, num_key_value_heads=1))
-    with pytest.raises(ValueError, match="supports Llama-family.*got model_type=.mistral"):
+    with pytest.raises(ValueError, match="mistral: sliding-window attention .window 4096"):
         ChunkLlamaEngine(mistral)
     # a cache in another dtype than the model: a clear error, not silent casts
     cache = ChunkCache(model, chunk_size=16, kv_cache_bytes=1 << 20, dtype=torch.float64)

@@ -37,21 +37,23 @@ class ChunkLlamaEngine:
 
     Each step admits waiting requests in arrival order (batch and memory
     permitting), prefills them in one packed forward pass computing only the
-    tokens after the longest prefix already cached, then decodes one token for
-    every running sequence. Finished sequences leave at once; with
+    tokens after the longest prefix already cached (at most `max_prefill_tokens`
+    per step: a longer prompt continues in the next steps), then decodes one token
+    for every running sequence. Finished sequences leave at once; with
     `retain_prefixes` their full chunks stay cached until the pool needs room
     (least recently used first), so a later request with the same prefix skips
     its prefill. Generation options are resolved per request exactly as
     transformers' `generate` resolves them (`generation.py`).
 
     Args:
-        model: a Llama-family transformers model (patched here if it is not yet).
+        model: a transformers causal LM (see `models.check_supported`), patched here if it is not yet.
         tokenizer: needed for text and chat prompts, text deltas and stop strings.
         max_batch_size: most sequences decoded at once.
         chunk_size: tokens per KV chunk (default: the patch's, 64).
         kv_cache_bytes: K/V budget for all layers (default: from free memory).
-        max_prefill_tokens: most uncached prompt tokens computed in one step (the
-            first request of a step always runs, however long).
+        max_prefill_tokens: most uncached prompt tokens computed in one step; a
+            longer prompt is prefilled in pieces over several steps, between which
+            the running requests decode (chunked prefill).
         retain_prefixes: keep the chunks of finished sequences as a prefix cache.
     """
 
@@ -63,7 +65,7 @@ class ChunkLlamaEngine:
         max_batch_size: int = 32,
         chunk_size: int | None = None,
         kv_cache_bytes: int | None = None,
-        max_prefill_tokens: int = 4096,
+        max_prefill_tokens: int = 1024,
         retain_prefixes: bool = True,
     ):
         positive_int("max_batch_size", max_batch_size)
@@ -268,6 +270,7 @@ class ChunkLlamaEngine:
             self._closed = True
             self.scheduler.waiting.clear()
             self.scheduler.running.clear()
+            self.scheduler.partial.clear()
             with self._lock:
                 self._inbox.clear()
                 self._live.clear()

@@ -3,8 +3,9 @@
 Each forward pass is one atomic step of the cache: it is committed only after the
 forward completed and its tokens were selected, and rolled back if anything in
 between raised (an exception, `KeyboardInterrupt`, a user's hook or processor).
-A failed prefill puts its sequences back in the queue in arrival order; a failed
-decode leaves the running sequences as they were, to be decoded again. Nothing
+A failed prefill puts the queue, the running list and a partly prefilled prompt
+back as they were (its requests wait in arrival order, to be prefilled again); a
+failed decode leaves the running sequences as they were, to be decoded again. Nothing
 that advanced before the failure is lost: `take_advanced` still returns it.
 """
 
@@ -18,7 +19,7 @@ from transformers.generation.stopping_criteria import MaxTimeCriteria
 from chunk_llama.engine.inputs import InputProcessor
 from chunk_llama.engine.request import Sequence
 from chunk_llama.engine.sampler import select_tokens
-from chunk_llama.engine.scheduler import Scheduler
+from chunk_llama.engine.scheduler import PrefillWork, Scheduler
 from chunk_llama.engine.text import advance_text, hit_stop_string
 from chunk_llama.hf import ChunkCache
 from chunk_llama.kv import KVCacheFull
@@ -57,23 +58,30 @@ class ModelRunner:
         return advanced
 
     @torch.no_grad()
-    def _prefill(self, admitted: list[tuple[Sequence, int]]) -> None:
-        seqs = [seq for seq, _ in admitted]
-        starts = [matched for _, matched in admitted]
+    def _prefill(self, work: list[PrefillWork]) -> None:
+        """One packed forward over this step's prompt pieces; the sequences whose prompt it
+        completes get their first token."""
+        seqs = [w.seq for w in work]
+        complete = [i for i, s in enumerate(seqs) if self.cache.tree.seq_len(s.seq_id) == len(s.all_ids)]
+        done = [seqs[i] for i in complete]
         try:
-            input_ids, position_ids, last_index = self.cache.begin_prefill([s.seq_id for s in seqs], starts)
-            logits = self._forward(input_ids, position_ids, logits_to_keep=last_index)[0]
-            tokens, scores = self._select(seqs, logits)
-            stopped = self._stopped_by_criteria(seqs, tokens, scores)
+            input_ids, position_ids, last_index = self.cache.begin_prefill(
+                [s.seq_id for s in seqs], [w.start for w in work]
+            )
+            logits = self._forward(input_ids, position_ids, logits_to_keep=last_index[complete])[0]
+            if done:
+                tokens, scores = self._select(done, logits)
+                stopped = self._stopped_by_criteria(done, tokens, scores)
         except BaseException:
             self.cache.end_step(completed=False)
-            self.scheduler.requeue(seqs)
+            self.scheduler.undo_admission()
             raise
         self.cache.end_step(completed=True)
         self.counters["prefill_tokens_computed"] += input_ids.shape[1]
-        self.counters["prefill_tokens_reused"] += sum(starts)
+        self.counters["prefill_tokens_reused"] += sum(w.reused for w in work)
         self.counters["prefill_steps"] += 1
-        self._apply(seqs, logits, tokens, scores, stopped)
+        if done:
+            self._apply(done, logits, tokens, scores, stopped)
 
     @torch.no_grad()
     def _decode(self, decoding: list[Sequence]) -> None:
@@ -82,7 +90,7 @@ class ModelRunner:
                 order = self.cache.begin_decode({s.seq_id: s.output_ids[-1] for s in decoding})
                 break
             except KVCacheFull:
-                if len({s.request_id for s in self.scheduler.running}) == 1:
+                if not self.scheduler.can_preempt():
                     raise
                 victims = set(map(id, self.scheduler.preempt_newest()))
                 decoding = [s for s in decoding if id(s) not in victims]

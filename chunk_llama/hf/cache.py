@@ -27,7 +27,7 @@ from chunk_llama.models import check_supported, default_kv_cache_bytes, kv_geome
 
 
 class ChunkCache(Cache):
-    """Prefix-aware KV cache for a Llama-family model.
+    """Prefix-aware KV cache for a causal LM that `patch_model` accepts.
 
     Args:
         model: the (patched or not) model, or its config.
@@ -108,6 +108,12 @@ class ChunkCache(Cache):
         """
         self._open_step()
         return self.tree.insert(seq_id, tokens, max_match=len(tokens) - 1)
+
+    def extend_sequence(self, seq_id: int, tokens: list[int]) -> None:
+        """Add the next piece of a sequence's prompt (chunked prefill), to be computed by
+        `begin_prefill` from its old length. Raises `KVCacheFull` (nothing changed)."""
+        self._open_step()
+        self.tree.extend(seq_id, tokens)
 
     def remove_sequence(self, seq_id: int) -> None:
         self.tree.remove(seq_id)

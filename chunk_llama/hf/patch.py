@@ -1,4 +1,4 @@
-"""`patch_model`: one call that makes a transformers Llama model use `ChunkCache`.
+"""`patch_model`: one call that makes a transformers causal LM use `ChunkCache`.
 
 The model's `forward` is wrapped (on the instance, like accelerate's hooks) rather
 than hooked: forward hooks do not run when a forward raises a `BaseException` such
@@ -47,7 +47,8 @@ def _chunk_forward(original_forward, *args, **kwargs):
 
 
 def patch_model(model: torch.nn.Module, *, chunk_size: int = 64) -> torch.nn.Module:
-    """Route a Llama-family model's attention through chunk-llama (idempotent).
+    """Route a causal LM's attention through chunk-llama (idempotent); raises ValueError
+    naming the feature for a model it cannot run (see `models.check_supported`).
 
     After patching, `model(..., past_key_values=ChunkCache(model))` and
     `model.generate(..., past_key_values=ChunkCache(model))` use the prefix tree;
@@ -56,6 +57,8 @@ def patch_model(model: torch.nn.Module, *, chunk_size: int = 64) -> torch.nn.Mod
     """
     check_supported(model.config)
     check_dtype(model.dtype)
+    if any(name.endswith(".sinks") for name, _ in model.named_parameters()):
+        raise ValueError(f"{model.config.model_type}: attention sinks are not supported by chunk-llama's kernels")
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     attention.register()

@@ -1,0 +1,92 @@
+"""Model families beyond Llama: tiny random Qwen2, Qwen3, Mistral, Phi-3 and Gemma 3
+models through the engine equal stock `generate`; what the kernels cannot run is
+refused by name, before any weights are read."""
+
+import copy
+import json
+import random
+
+import pytest
+import torch
+import transformers
+from transformers import GenerationConfig
+
+from chunk_llama import ChunkLlamaEngine, load_model
+
+COMMON = dict(vocab_size=96, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=512,
+              initializer_range=0.2, bos_token_id=1, eos_token_id=5, pad_token_id=0)
+
+# (config class, geometry): MHA, GQA and MQA; head dims 16 (the reference), 64 and
+# 256 (the native CPU kernel)
+FAMILIES = {
+    "qwen2": ("Qwen2Config", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)),
+    "qwen3": ("Qwen3Config", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=64)),
+    "mistral": ("MistralConfig", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                                      sliding_window=None)),
+    "phi3": ("Phi3Config", dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2)),
+    "gemma3_text": ("Gemma3TextConfig", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
+                                             head_dim=256, query_pre_attn_scalar=64,
+                                             layer_types=["full_attention"] * 2)),
+}
+
+
+def tiny(family: str, **overrides):
+    config_name, geometry = FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_name)(**{**COMMON, **geometry, **overrides})
+    return transformers.AutoModelForCausalLM.from_config(config).float().eval()
+
+
+def prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    system = [rng.randrange(6, 96) for _ in range(40)]
+    return [system[: rng.randint(0, 40)] + [rng.randrange(6, 96) for _ in range(rng.randint(1, 25))]
+            for _ in range(7)]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_engine_equals_stock_generate(family):
+    stock = tiny(family)
+    assert stock.config.model_type == family
+    engine = ChunkLlamaEngine(copy.deepcopy(stock), max_batch_size=3, chunk_size=16, kv_cache_bytes=1 << 23)
+    config = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0,
+                              output_logits=True)
+    batch = prompts(seed=len(family))
+    for prompt, out in zip(batch, engine.generate(batch, config)):  # joins and leaves: 7 requests, 3 at a time
+        with torch.no_grad():
+            ref = stock.generate(torch.tensor([prompt]), generation_config=config, return_dict_in_generate=True,
+                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        assert out.token_ids == ref.sequences[0, len(prompt):].tolist()
+        assert (out.logits - torch.stack([step[0] for step in ref.logits])).abs().max() <= 1e-4
+    assert engine.stats["prefill_tokens_reused"] > 0
+
+
+@pytest.mark.parametrize("config_name,kwargs,feature", [
+    ("Gemma3TextConfig", dict(sliding_window=32, max_position_embeddings=512), "sliding-window attention .window 32"),
+    ("MistralConfig", dict(sliding_window=32, max_position_embeddings=512), "sliding-window attention .window 32"),
+    ("Qwen2Config", dict(use_sliding_window=True, sliding_window=32, max_window_layers=0), "sliding-window"),
+    ("Gemma2Config", dict(), "attention logit softcapping"),
+    ("DeepseekV3Config", dict(), "multi-head latent attention"),
+    ("GPT2Config", dict(), "positions without RoPE"),
+    ("BloomConfig", dict(), "attention interface"),
+    ("T5Config", dict(), "encoder-decoder"),
+])
+def test_unsupported_features_are_refused_by_name(config_name, kwargs, feature):
+    from chunk_llama.models import check_supported
+
+    with pytest.raises(ValueError, match=feature):
+        check_supported(getattr(transformers, config_name)(**kwargs))
+
+
+def test_a_window_no_prompt_can_exceed_is_full_attention():
+    model = tiny("mistral", sliding_window=512)  # = max_position_embeddings
+    ChunkLlamaEngine(model, chunk_size=16, kv_cache_bytes=1 << 20).close()
+
+
+def test_load_model_refuses_before_reading_weights(tmp_path):
+    config = transformers.Gemma2Config(**COMMON, hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
+                                       head_dim=16)
+    config.save_pretrained(tmp_path)  # a config and no weights: reading them would fail otherwise
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gemma2"
+    with pytest.raises(ValueError, match="gemma2: attention logit softcapping"):
+        load_model(str(tmp_path))
