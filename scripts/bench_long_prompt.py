@@ -18,7 +18,10 @@ K/V it holds, i.e. what a run needs beyond weights and cache.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import datetime
+import gc
 import json
 import platform
 import threading
@@ -33,10 +36,16 @@ import chunk_llama
 from chunk_llama import ChunkLlamaEngine
 
 
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if platform.system() == "Linux" else None
+
+
 class PeakRss:
     """Peak resident-set growth over a `with` block, sampled in a thread."""
 
     def __enter__(self):
+        gc.collect()
+        if _LIBC is not None:  # hand freed heap back to the OS, or a run reuses it unseen
+            _LIBC.malloc_trim(0)
         self._process = psutil.Process()
         self.start = self.peak = self._process.memory_info().rss
         self._stop = threading.Event()
@@ -129,6 +138,8 @@ def main() -> None:
     print(f"# {len(prompt)}-token prompt, default model, fp32, {torch.get_num_threads()} threads, "
           f"{platform.processor() or platform.machine()}, decode backend {backend['backend']}:{backend['isa']}, "
           f"{datetime.date.today()}")
+    run_stock(model, prompt[:256])  # warm-up: first-touch of weights and thread pools
+    run_engine(model, prompt[:256], args.budgets[0])
     rows = []
     for _ in range(args.repeat):
         stock = run_stock(model, prompt)

@@ -1,6 +1,6 @@
 """The torch-free C++ test of the CPU kernel variants (tests/cpp/kernel_test.cpp), built
-natively: random trees, GQA groups, head dims and both dtypes against a scalar
-double-precision reference, every x86 variant included. The AVX-512 variant runs on
+natively: random trees (decode) and packed steps (prefill), GQA groups, head dims and both
+dtypes against a scalar double-precision reference, every x86 variant included. The AVX-512 variant runs on
 the CPU where it has AVX-512 and, everywhere, on SIMDe's portable AVX-512 (Debian's
 libsimde-dev, installed by scripts/setup_env.sh), so its code is tested on CPUs
 without it. test_cpu_kernel_arm.py builds the same test for aarch64."""
@@ -17,6 +17,7 @@ from chunk_llama.ops import isa
 ROOT = Path(__file__).resolve().parents[1]
 CPU_SRC = ROOT / "csrc" / "cpu"
 DRIVER = ROOT / "tests" / "cpp" / "kernel_test.cpp"
+PREFILL_CASES = ROOT / "tests" / "cpp" / "prefill_cases.cpp"  # linked beside the driver
 # -O2 without OpenMP: the kernel runs its items serially, which is all a correctness test needs
 FLAGS = ["-std=c++17", "-O2", "-fno-math-errno", "-fno-trapping-math", "-Wall", "-Wextra", "-Werror",
          "-Wno-psabi", "-Wno-unknown-pragmas", f"-I{CPU_SRC}", f"-I{ROOT / 'tests' / 'cpp'}"]
@@ -26,7 +27,7 @@ def build_driver(compiler: str, variants: list[str], out_dir: Path, *, extra: di
                  link: list[str] = ()) -> Path:
     """Compiles the driver and kernel_<variant>.cpp of each variant in parallel, links them."""
     extra = extra or {}
-    units = [(DRIVER, extra.get("driver", []))] + [(CPU_SRC / f"kernel_{v}.cpp", extra.get(v, [])) for v in variants]
+    units = [(DRIVER, extra.get("driver", [])), (PREFILL_CASES, extra.get("driver", []))] + [(CPU_SRC / f"kernel_{v}.cpp", extra.get(v, [])) for v in variants]
 
     def compile_one(unit):
         source, flags = unit
@@ -50,6 +51,7 @@ def run_driver(command: list[str], variants: list[str], timeout: float) -> str:
     assert done.returncode == 0, f"{' '.join([*command, *variants])}:\n{done.stdout[-4000:]}{done.stderr[-2000:]}"
     for variant in variants:
         assert f"variant {variant}: 38 cases" in done.stdout, done.stdout
+        assert f"variant {variant} prefill: 18 cases" in done.stdout, done.stdout
     assert "0 failing" in done.stdout, done.stdout
     return done.stdout
 

@@ -1,7 +1,8 @@
 """Attention dispatch for one layer of a prepared step: store the new K/V, then attend.
 
 Decode (one query per sequence) runs the two-phase-partition kernel over the plan;
-prefill runs each sequence's new tokens against its whole context.
+prefill runs the new tokens of every sequence of the step against their whole
+contexts in one packed call per layer, K/V read in place from the pool.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from chunk_llama.hf.step import ForwardStep
-from chunk_llama.ops import prefill_attention, tpp_decode_attention
+from chunk_llama.ops import packed_prefill_attention, tpp_decode_attention
 
 
 def store_kv(
@@ -55,8 +56,5 @@ def attend(
         return out.to(query.dtype).unsqueeze(1)
     # [batch * q_len, num_heads, head_dim]
     flat_q = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_dim).to(k_layer.dtype)
-    out = torch.empty_like(flat_q)
-    for seg in step.segments:
-        rows = slice(seg.token_start, seg.token_start + seg.num_tokens)
-        out[rows] = prefill_attention(flat_q[rows], k_layer, v_layer, seg.chunk_ids, seg.q_start, scale)
+    out = packed_prefill_attention(flat_q, k_layer, v_layer, step.prefill, scale)
     return out.view(batch, q_len, num_heads, head_dim).to(query.dtype)

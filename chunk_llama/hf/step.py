@@ -2,7 +2,7 @@
 
 `StepBuilder` turns the tree's state into a `ForwardStep`: which K/V slots the
 forward writes, which partial-chunk copies follow the writes, and how each layer
-attends (a decode plan, or per-sequence prefill segments). The decode plan is
+attends (a decode plan, or a packed prefill plan). The decode plan is
 rebuilt only after joins and leaves; otherwise its lengths advance in place.
 """
 
@@ -15,21 +15,7 @@ import torch
 from chunk_llama.kv import PrefixTree, build_decode_plan
 from chunk_llama.kv.node import PendingCopy
 from chunk_llama.kv.plan import DecodePlan, to_device
-
-
-@dataclass
-class Segment:
-    """Consecutive query tokens of one sequence inside the flattened batch.
-
-    token_start: index of the first token in the flattened [batch * q_len] axis
-    q_start: position of that token in its sequence
-    chunk_ids: [num_chunks] the sequence's path after this step's writes
-    """
-
-    token_start: int
-    num_tokens: int
-    q_start: int
-    chunk_ids: torch.Tensor
+from chunk_llama.ops.prefill_plan import PrefillPlan, build_prefill_plan
 
 
 @dataclass
@@ -40,7 +26,8 @@ class ForwardStep:
     write_chunk, write_offset: [num_writes] the slot of each stored token
     copies: partial-chunk copies to run after each layer's writes
     plan / row_order: decode only; plan rows are batch rows `row_order` (None: same order)
-    segments: prefill (or multi-token extension) only
+    prefill: prefill (or multi-token extension) only: every sequence's new tokens, one plan
+        for all layers (`ops/prefill_plan.py`)
     past_len: tokens cached before this step (what `get_seq_length` reports meanwhile)
     """
 
@@ -51,7 +38,7 @@ class ForwardStep:
     plan: DecodePlan | None = None
     row_order: torch.Tensor | None = None
     inverse_row_order: torch.Tensor | None = None
-    segments: list[Segment] = field(default_factory=list)
+    prefill: PrefillPlan | None = None
     past_len: int = 0
 
     @property
@@ -88,10 +75,10 @@ class StepBuilder:
             write_chunk=write_chunk,
             write_offset=write_offset,
             copies=self.tree.take_pending_copies(),
-            segments=[
-                Segment(t, n, q, torch.tensor(self.tree.chunk_ids(s), device=self.device))
-                for s, t, q, n, _ in segments
-            ],
+            prefill=build_prefill_plan(
+                [self.tree.chunk_ids(s) for s, *_ in segments], [(t, q, n) for _, t, q, n, _ in segments],
+                self.group, self.device,
+            ),
             past_len=past_len,
         )
 

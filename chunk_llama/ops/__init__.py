@@ -1,6 +1,6 @@
 """Attention kernels over the chunk pool, with backend dispatch.
 
-`tpp_decode_attention` picks the native kernel for the tensors' device (CUDA, or
+`tpp_decode_attention` (and `packed_prefill_attention`, CPU only so far) picks the native kernel for the tensors' device (CUDA, or
 C++/OpenMP on the CPU, in the variant `CHUNK_LLAMA_CPU_ISA` selects) when one is built
 and supports them, else the PyTorch reference (`reference.py`), which is also the
 oracle the native kernels are tested against. Every fallback to the reference is
@@ -17,6 +17,7 @@ import torch
 from chunk_llama.kv.plan import DecodePlan
 from chunk_llama.ops import reference
 from chunk_llama.ops.jit import force_reference
+from chunk_llama.ops.prefill_plan import PrefillPlan, build_prefill_plan
 from chunk_llama.ops.reference import gather_dense, prefill_attention
 
 logger = logging.getLogger(__name__)
@@ -117,5 +118,36 @@ def tpp_decode_attention(
     return reference.tpp_decode_attention(q, k_cache, v_cache, plan, scale)
 
 
-__all__ = ["backend_info", "decode_backend", "gather_dense", "prefill_attention", "prepare_backend",
+def prefill_backend(q: torch.Tensor, k_cache: torch.Tensor) -> str:
+    """'cpu' or 'reference': what `packed_prefill_attention` runs for these tensors. The
+    CPU kernel has the decode kernel's support set (dtype, head dim, chunk size); there
+    is no CUDA prefill kernel yet. A fallback is logged once per reason."""
+    info = _resolve(q.device, q.dtype, k_cache.dtype, q.shape[-1], k_cache.shape[2], build=True)
+    if info["backend"] == "cpu":
+        return "cpu"
+    reason = info["reason"] or f"there is no native prefill kernel for {q.device.type} tensors yet"
+    if f"prefill: {reason}" not in _logged:
+        _logged.add(f"prefill: {reason}")
+        logger.warning("chunk-llama: prefill attention runs the PyTorch reference: %s", reason)
+    return "reference"
+
+
+def packed_prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan, scale: float
+) -> torch.Tensor:
+    """Causal attention of every sequence prefilled in a step over its whole context.
+
+    q: [num_q_tokens, num_heads, head_dim], sequence s at rows plan.segments[s][0] ..
+    k_cache, v_cache: [capacity, num_kv_heads, chunk_size, head_dim]
+    returns [num_q_tokens, num_heads, head_dim] (rows of no sequence uninitialised)
+    """
+    if prefill_backend(q, k_cache) == "cpu":
+        from chunk_llama.ops.cpu import prefill_attention_cpu
+
+        return prefill_attention_cpu(q, k_cache, v_cache, plan, scale)
+    return reference.packed_prefill_attention(q, k_cache, v_cache, plan, scale)
+
+
+__all__ = ["PrefillPlan", "backend_info", "build_prefill_plan", "decode_backend", "gather_dense",
+           "packed_prefill_attention", "prefill_attention", "prefill_backend", "prepare_backend",
            "tpp_decode_attention"]

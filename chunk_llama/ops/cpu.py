@@ -1,4 +1,5 @@
-"""CPU two-phase-partition decode attention (csrc/cpu, C++ with OpenMP), built on first use.
+"""CPU attention kernels (csrc/cpu, C++ with OpenMP), built on first use: two-phase-partition
+decode and packed prefill.
 
 One build holds every kernel variant of this architecture (see `isa.py`): the torch
 glue is compiled once with baseline flags and each variant in its own small
@@ -16,6 +17,7 @@ import torch
 from chunk_llama.kv.plan import DecodePlan
 from chunk_llama.ops import isa
 from chunk_llama.ops.jit import CSRC, build_failure, load_extension
+from chunk_llama.ops.prefill_plan import PrefillPlan
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)  # chunk sizes: any multiple of 16
@@ -122,4 +124,26 @@ def tpp_decode_attention_cpu(
         q.contiguous(), k_cache, v_cache, plan.shared_chunk_ids, plan.shared_begin, plan.shared_end,
         plan.shared_depth, plan.private_chunk_ids.contiguous(), plan.num_shared_tokens, plan.seq_lens,
         plan.seq_pair_ptr, scratch, float(scale), max_chunks_per_item, variant or isa.selected_variant(),
+    )
+
+
+def prefill_attention_cpu(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan, scale: float,
+    variant: str | None = None,
+) -> torch.Tensor:
+    """Same contract as `reference.packed_prefill_attention`: K/V read in place from the pool.
+
+    q: [num_q_tokens, num_heads, head_dim]; k_cache, v_cache: [capacity, num_kv_heads, chunk_size, head_dim]
+    variant: the kernel variant (default: `isa.selected_variant()`)
+    """
+    module = _module()
+    if module is None:
+        raise RuntimeError(f"the CPU kernel is not available: {build_failed() or 'native kernels are disabled'}")
+    if q.shape[1] // k_cache.shape[1] != plan.group:
+        raise ValueError(f"the plan's tiles are for GQA group {plan.group}, q and the cache have "
+                         f"{q.shape[1]} / {k_cache.shape[1]} heads")
+    scratch = _scratch_for(module.prefill_scratch_floats(k_cache.shape[2], q.shape[-1], torch.get_num_threads()))
+    return module.tpp_prefill(
+        q.contiguous(), k_cache, v_cache, plan.chunk_table, plan.q_start, plan.num_tokens, plan.token_start,
+        plan.tiles, scratch, float(scale), variant or isa.selected_variant(),
     )

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from chunk_llama.kv.plan import DecodePlan
+from chunk_llama.ops.prefill_plan import PrefillPlan
 
 
 def _partial_softmax(scores: torch.Tensor, values: torch.Tensor):
@@ -164,3 +165,20 @@ def prefill_attention(
         enable_gqa=k.shape[0] != q.shape[1],
     )
     return out[0].transpose(0, 1)
+
+
+def packed_prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan, scale: float
+) -> torch.Tensor:
+    """Prefill attention of every sequence of a step, one `prefill_attention` each.
+
+    q: [num_q_tokens, num_heads, head_dim], sequence s at rows plan.segments[s][0] ..
+    returns [num_q_tokens, num_heads, head_dim]; rows of no sequence are left uninitialised
+    """
+    out = torch.empty_like(q)
+    chunk_size = k_cache.shape[2]
+    for seq, (token_start, q_start, num_tokens) in enumerate(plan.segments):
+        rows = slice(token_start, token_start + num_tokens)
+        num_chunks = -(-(q_start + num_tokens) // chunk_size)
+        out[rows] = prefill_attention(q[rows], k_cache, v_cache, plan.chunk_table[seq, :num_chunks], q_start, scale)
+    return out

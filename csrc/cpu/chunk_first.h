@@ -29,20 +29,22 @@ void transpose_q(const Params& p, int kv_head) {
     for (int64_t r = rows; r < stride; ++r) qt[d * stride + r] = 0.f;
 }
 
-// One block of RV * kLanes query rows against one chunk of C keys. Both products
-// broadcast values of the chunk and take vectors of rows, so a block reads the
-// chunk's K and V once, each row in order:
+// One block of RV * kLanes query rows against one chunk of keys, in three steps that
+// prefill (prefill.h) also uses, with its causal mask between the first two. Both
+// products broadcast values of the chunk and take vectors of rows, so a block reads
+// the chunk's K and V once, each row in order:
 //   S^T = K Q^T:        tiles of kKeyTile keys x RV row vectors; st = S^T, then P^T
 //   O^T = V^T P^T:      tiles of kPvDims dims x RV row vectors
 // qt: Q^T, row b of dim d at qt[d * stride + b]; k, v: [C][D] fp32; st: [C][RV * kLanes];
-// ot: O^T, row b of dim d at ot[d * kRowsPerItem + b]; m, n: [RV * kLanes] running
+// ot: O^T, row b of dim d at ot[d * kOtStride + b] (phase 1: kRowsPerItem); m, n: [RV * kLanes] running
 // max and sum.
+
+// S^T of keys [0, num_keys) (num_keys a multiple of kKeyTile) into st.
 template <int D, int RV>
-void block_update(const float* qt, int64_t stride, const float* k, const float* v, int C, float* st, float* ot,
-                  float* m, float* n, const Prefetch& next) {
+void block_scores(const float* qt, int64_t stride, const float* k, int num_keys, float* st, const Prefetch& next) {
   constexpr int L = RV * kLanes;
-  const int num_tiles = C / kKeyTile;  // C is a multiple of 16, kKeyTile divides 16
-  for (int j = 0; j < C; j += kKeyTile) {
+  const int num_tiles = num_keys / kKeyTile;
+  for (int j = 0; j < num_keys; j += kKeyTile) {
     next.part(j / kKeyTile, num_tiles);
     Vec acc[kKeyTile][RV];
 #pragma GCC unroll 16
@@ -65,14 +67,20 @@ void block_update(const float* qt, int64_t stride, const float* k, const float* 
 #pragma GCC unroll 4
       for (int r = 0; r < RV; ++r) vstore(st + (j + u) * L + r * kLanes, acc[u][r]);
   }
-  alignas(64) float corr[L];
+}
+
+// Online-softmax update over keys [0, num_keys) of st: st becomes P^T = 2^(S^T - m_new),
+// m and n advance, corr = 2^(m_old - m_new) per row (what O^T is rescaled by).
+template <int RV>
+void block_softmax(float* st, int num_keys, float* m, float* n, float* corr) {
+  constexpr int L = RV * kLanes;
   for (int r = 0; r < RV; ++r) {
     const Vec m_old = vload(m + r * kLanes);
     Vec m_new = m_old;
-    for (int j = 0; j < C; ++j) m_new = vmax(m_new, vload(st + j * L + r * kLanes));
+    for (int j = 0; j < num_keys; ++j) m_new = vmax(m_new, vload(st + j * L + r * kLanes));
     const Vec correction = vexp2(vsub(m_old, m_new));  // 0 on the first chunk (m_old = -inf)
     Vec sum = vmul(vload(n + r * kLanes), correction);
-    for (int j = 0; j < C; ++j) {
+    for (int j = 0; j < num_keys; ++j) {
       const Vec e = vexp2(vsub(vload(st + j * L + r * kLanes), m_new));
       vstore(st + j * L + r * kLanes, e);
       sum = vadd(sum, e);
@@ -81,22 +89,30 @@ void block_update(const float* qt, int64_t stride, const float* k, const float* 
     vstore(n + r * kLanes, sum);
     vstore(corr + r * kLanes, correction);
   }
-  // O^T = O^T * correction + V^T P^T in tiles of kPvDims dims x RV row vectors: each V
-  // value broadcast (the row's values in order), each P^T vector loaded once per key.
+}
+
+// O^T = O^T * correction + V^T P^T over keys [0, num_keys) in tiles of kPvDims dims x RV
+// row vectors: each V value broadcast (the row's values in order), each P^T vector
+// loaded once per key. Rows of V past num_keys are never read (they may be NaN).
+// kOtStride: O^T's row stride; kVStride: V's (phase 1: kRowsPerItem and D; constants, so
+// that phase 1's code is as before prefill shared it).
+template <int D, int RV, int kOtStride, int kVStride = D>
+void block_pv(const float* v, int num_keys, const float* st, const float* corr, float* ot) {
+  constexpr int L = RV * kLanes;
   for (int d0 = 0; d0 < D; d0 += kPvDims) {
     Vec acc[kPvDims][RV];
 #pragma GCC unroll 16
     for (int e = 0; e < kPvDims; ++e)
 #pragma GCC unroll 4
       for (int r = 0; r < RV; ++r)
-        acc[e][r] = vmul(vload(ot + (d0 + e) * kRowsPerItem + r * kLanes), vload(corr + r * kLanes));
-    for (int j = 0; j < C; ++j) {
+        acc[e][r] = vmul(vload(ot + (d0 + e) * kOtStride + r * kLanes), vload(corr + r * kLanes));
+    for (int j = 0; j < num_keys; ++j) {
       Vec pt[RV];
 #pragma GCC unroll 4
       for (int r = 0; r < RV; ++r) pt[r] = vload(st + j * L + r * kLanes), vpin(pt[r]);
 #pragma GCC unroll 16
       for (int e = 0; e < kPvDims; ++e) {
-        const Vec x = vset1(v[j * D + d0 + e]);
+        const Vec x = vset1(v[j * kVStride + d0 + e]);
 #pragma GCC unroll 4
         for (int r = 0; r < RV; ++r) acc[e][r] = vfma(x, pt[r], acc[e][r]);
       }
@@ -104,8 +120,18 @@ void block_update(const float* qt, int64_t stride, const float* k, const float* 
 #pragma GCC unroll 16
     for (int e = 0; e < kPvDims; ++e)
 #pragma GCC unroll 4
-      for (int r = 0; r < RV; ++r) vstore(ot + (d0 + e) * kRowsPerItem + r * kLanes, acc[e][r]);
+      for (int r = 0; r < RV; ++r) vstore(ot + (d0 + e) * kOtStride + r * kLanes, acc[e][r]);
   }
+}
+
+// A whole chunk of C keys, no mask (decode's shared chunks).
+template <int D, int RV>
+void block_update(const float* qt, int64_t stride, const float* k, const float* v, int C, float* st, float* ot,
+                  float* m, float* n, const Prefetch& next) {
+  alignas(64) float corr[RV * kLanes];
+  block_scores<D, RV>(qt, stride, k, C, st, next);  // C is a multiple of 16, kKeyTile divides 16
+  block_softmax<RV>(st, C, m, n, corr);
+  block_pv<D, RV, kRowsPerItem>(v, C, st, corr, ot);
 }
 
 // The last block of an item, narrower than kRowVecs vectors: `vectors` of them.

@@ -11,8 +11,11 @@ namespace chunk_attn_cpu {
 namespace CHUNK_ATTN_ISA {
 
 // Offset of one chunk's [C][D] block for one KV head in k_cache / v_cache.
+inline int64_t chunk_offset(int num_kv_heads, int chunk_size, int head_dim, int64_t chunk_id, int kv_head) {
+  return (chunk_id * num_kv_heads + kv_head) * static_cast<int64_t>(chunk_size) * head_dim;
+}
 inline int64_t chunk_offset(const Params& p, int64_t chunk_id, int kv_head) {
-  return (chunk_id * p.num_kv_heads + kv_head) * static_cast<int64_t>(p.chunk_size) * p.head_dim;
+  return chunk_offset(p.num_kv_heads, p.chunk_size, p.head_dim, chunk_id, kv_head);
 }
 
 // The next chunk's K and V (`bytes` each), prefetched (locality hint 2: the outer
@@ -39,6 +42,7 @@ struct Prefetch {
 
 #include "chunk_first.h"
 #include "seq_first.h"
+#include "prefill.h"
 
 namespace chunk_attn_cpu {
 namespace CHUNK_ATTN_ISA {

@@ -13,4 +13,5 @@
 #endif
 
 #include "params.h"
+#include "prefill_params.h"
 #include "scalar.h"

@@ -1,5 +1,5 @@
-// Torch glue of the CPU two-phase-partition kernel: checks, scratch layout, the
-// phase-1 schedule and the choice of variant, registered as torch ops
+// Torch glue of the CPU kernels (decode: the two-phase partition; prefill): checks,
+// scratch layout, the phase-1 schedule and the choice of variant, registered as torch ops
 // (torch.ops.chunk_llama_cpu.*). The only translation unit that includes torch, so
 // it is compiled once per build; it includes the light ATen headers rather than
 // torch/extension.h (about 11 s instead of 45 s here) and needs no pybind11.
@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "params.h"
+#include "prefill_params.h"
 #include "schedule.h"
 #include "variants.h"
 
@@ -36,15 +37,12 @@ void check_plan_tensor(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
 }
 
-at::Tensor tpp_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                      const at::Tensor& shared_chunk_ids, const at::Tensor& shared_begin, const at::Tensor& shared_end,
-                      const at::Tensor& shared_depth, const at::Tensor& private_chunk_ids,
-                      const at::Tensor& num_shared_tokens, const at::Tensor& seq_lens, const at::Tensor& seq_pair_ptr,
-                      const at::Tensor& scratch, double scale, int64_t max_chunks_per_item, const std::string& isa) {
-  const Variant& variant = variant_for(isa);
+// The checks both kernels make on q and the pool (q_shape: what q must be).
+void check_attention_tensors(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const char* q_shape) {
   TORCH_CHECK_TYPE(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
                    "the CPU kernel takes CPU tensors, got q on ", q.device(), ", k_cache on ", k_cache.device());
-  TORCH_CHECK_VALUE(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim], got ", q.sizes());
+  TORCH_CHECK_VALUE(q.dim() == 3, q_shape, q.sizes());
   TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
                     "k_cache and v_cache must both be [capacity, num_kv_heads, chunk_size, head_dim], got ",
                     k_cache.sizes(), " and ", v_cache.sizes());
@@ -55,7 +53,7 @@ at::Tensor tpp_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::
                    "the CPU kernel supports float32 and bfloat16, got ", q.scalar_type());
   TORCH_CHECK_VALUE(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
                     "q, k_cache and v_cache must be contiguous");
-  const int num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int num_heads = q.size(1), head_dim = q.size(2);
   const int num_kv_heads = k_cache.size(1), chunk_size = k_cache.size(2);
   TORCH_CHECK_VALUE(k_cache.size(3) == head_dim, "head_dim of q (", head_dim, ") and cache (", k_cache.size(3),
                     ") differ");
@@ -63,6 +61,17 @@ at::Tensor tpp_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::
                     num_kv_heads);
   TORCH_CHECK_VALUE(chunk_attn_cpu::supports(chunk_size, head_dim), "the CPU kernel supports chunk sizes that are ",
                     "multiples of 16 and head dims 64/128/256, got chunk_size ", chunk_size, ", head_dim ", head_dim);
+}
+
+at::Tensor tpp_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& shared_chunk_ids, const at::Tensor& shared_begin, const at::Tensor& shared_end,
+                      const at::Tensor& shared_depth, const at::Tensor& private_chunk_ids,
+                      const at::Tensor& num_shared_tokens, const at::Tensor& seq_lens, const at::Tensor& seq_pair_ptr,
+                      const at::Tensor& scratch, double scale, int64_t max_chunks_per_item, const std::string& isa) {
+  const Variant& variant = variant_for(isa);
+  check_attention_tensors(q, k_cache, v_cache, "q must be [num_seqs, num_heads, head_dim], got ");
+  const int num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int num_kv_heads = k_cache.size(1), chunk_size = k_cache.size(2);
   check_plan_tensor(shared_chunk_ids, "shared_chunk_ids");
   check_plan_tensor(shared_begin, "shared_begin");
   check_plan_tensor(shared_end, "shared_end");
@@ -126,6 +135,87 @@ at::Tensor tpp_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::
   return out;
 }
 
+// Prefill attention of every sequence of a step (prefill_params.h has the layout). The
+// per-step metadata (chunk tables, tiles) comes from chunk_llama/ops/prefill_plan.py,
+// built once per forward; it is checked here before any pointer into the pool is made
+// from it, since a wrong chunk id or tile would read out of bounds.
+at::Tensor tpp_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& chunk_table, const at::Tensor& q_start, const at::Tensor& num_tokens,
+                       const at::Tensor& token_start, const at::Tensor& tiles, const at::Tensor& scratch,
+                       double scale, const std::string& isa) {
+  const Variant& variant = variant_for(isa);
+  check_attention_tensors(q, k_cache, v_cache, "q must be [num_q_tokens, num_heads, head_dim], got ");
+  const int num_q_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int capacity = k_cache.size(0), num_kv_heads = k_cache.size(1), chunk_size = k_cache.size(2);
+  const int group = num_heads / num_kv_heads;
+  check_plan_tensor(chunk_table, "chunk_table");
+  check_plan_tensor(q_start, "q_start");
+  check_plan_tensor(num_tokens, "num_tokens");
+  check_plan_tensor(token_start, "token_start");
+  check_plan_tensor(tiles, "tiles");
+  const int64_t num_seqs = q_start.numel();
+  TORCH_CHECK_VALUE(chunk_table.dim() == 2 && chunk_table.size(0) == num_seqs && num_tokens.numel() == num_seqs &&
+                        token_start.numel() == num_seqs && tiles.dim() == 2 && tiles.size(1) == 3,
+                    "prefill plan tensors do not match num_seqs=", num_seqs, " (chunk_table [num_seqs, max_chunks], ",
+                    "tiles [num_tiles, 3])");
+  const int64_t max_chunks = chunk_table.size(1);
+  const int64_t *table = chunk_table.data_ptr<int64_t>(), *starts = q_start.data_ptr<int64_t>();
+  const int64_t *counts = num_tokens.data_ptr<int64_t>(), *rows_at = token_start.data_ptr<int64_t>();
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK_VALUE(starts[s] >= 0 && counts[s] >= 0 && rows_at[s] >= 0 && rows_at[s] + counts[s] <= num_q_tokens,
+                      "prefill sequence ", s, ": tokens ", rows_at[s], " + ", counts[s], " outside q's ",
+                      num_q_tokens);
+    const int64_t needed = (starts[s] + counts[s] + chunk_size - 1) / chunk_size;
+    TORCH_CHECK_VALUE(needed <= max_chunks, "prefill sequence ", s, " needs ", needed, " chunks, its table has ",
+                      max_chunks);
+    for (int64_t c = 0; c < needed; ++c)
+      TORCH_CHECK_VALUE(table[s * max_chunks + c] >= 0 && table[s * max_chunks + c] < capacity, "prefill sequence ",
+                        s, ": chunk id ", table[s * max_chunks + c], " outside the pool of ", capacity);
+  }
+  const int64_t num_tiles = tiles.size(0), *tile = tiles.data_ptr<int64_t>();
+  for (int64_t i = 0; i < num_tiles; ++i, tile += 3)
+    TORCH_CHECK_VALUE(tile[0] >= 0 && tile[0] < num_seqs && tile[1] >= 0 && tile[1] < tile[2] &&
+                          tile[2] <= counts[tile[0]] * group && tile[2] - tile[1] <= chunk_attn_cpu::kRowsPerItem,
+                      "prefill tile ", i, " (", tile[0], ", ", tile[1], ", ", tile[2], ") is not a range of at most ",
+                      chunk_attn_cpu::kRowsPerItem, " rows of its sequence");
+  const int num_threads = at::get_num_threads();
+  const int64_t stride = chunk_attn_cpu::prefill_workspace_floats(chunk_size, head_dim);
+  TORCH_CHECK_VALUE(scratch.device().is_cpu() && scratch.scalar_type() == at::kFloat && scratch.is_contiguous() &&
+                        scratch.numel() >= stride * num_threads,
+                    "scratch must be a contiguous float32 CPU tensor of at least ", stride * num_threads,
+                    " elements, got ", scratch.numel());
+
+  auto out = at::empty_like(q);
+  chunk_attn_cpu::PrefillParams p{};
+  p.q = q.data_ptr();
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.out = out.data_ptr();
+  p.workspace = scratch.data_ptr<float>();
+  p.workspace_stride = stride;
+  p.chunk_table = table;
+  p.q_start = starts;
+  p.num_tokens = counts;
+  p.token_start = rows_at;
+  p.tiles = tiles.data_ptr<int64_t>();
+  p.num_tiles = static_cast<int>(num_tiles);
+  p.num_threads = num_threads;
+  p.num_seqs = static_cast<int>(num_seqs);
+  p.max_chunks = static_cast<int>(max_chunks);
+  p.num_heads = num_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.head_dim = head_dim;
+  p.chunk_size = chunk_size;
+  p.dtype = q.scalar_type() == at::kBFloat16 ? chunk_attn_cpu::DType::kBFloat16 : chunk_attn_cpu::DType::kFloat32;
+  p.scale = static_cast<float>(scale);
+  variant.prefill(p);
+  return out;
+}
+
+int64_t prefill_scratch_floats(int64_t chunk_size, int64_t head_dim, int64_t num_threads) {
+  return chunk_attn_cpu::prefill_workspace_floats(chunk_size, head_dim) * num_threads;
+}
+
 int64_t scratch_floats(int64_t num_pairs, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                        int64_t head_dim, int64_t chunk_size, int64_t num_threads) {
   TORCH_CHECK_VALUE(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && num_threads > 0,
@@ -159,6 +249,11 @@ TORCH_LIBRARY(chunk_llama_cpu, m) {
   m.def("scratch_floats(int num_pairs, int num_seqs, int num_heads, int num_kv_heads, int head_dim, "
         "int chunk_size, int num_threads) -> int",
         &scratch_floats);
+  m.def(
+      "tpp_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor chunk_table, Tensor q_start, "
+      "Tensor num_tokens, Tensor token_start, Tensor tiles, Tensor(a!) scratch, float scale, str isa) -> Tensor",
+      &tpp_prefill);
+  m.def("prefill_scratch_floats(int chunk_size, int head_dim, int num_threads) -> int", &prefill_scratch_floats);
   m.def("variants() -> str[]", &variants);
   m.def("host_runs(str isa) -> bool", &host_runs);
 }

@@ -5,12 +5,14 @@
 #include <cstring>
 
 #include "params.h"
+#include "prefill_params.h"
 
 namespace chunk_attn_cpu {
 
 struct Variant {
   const char* name;
-  void (*run)(const Params&);
+  void (*run)(const Params&);                  // decode
+  void (*prefill)(const PrefillParams&);
   bool (*host_runs)();
 };
 
@@ -26,12 +28,12 @@ static inline bool host_runs_always() { return true; }
 // Best first; the last one (generic) runs everywhere.
 static const Variant kVariants[] = {
 #if defined(__x86_64__) || defined(_M_X64)
-    {"avx512", avx512::tpp_decode, host_runs_avx512},
-    {"avx2", avx2::tpp_decode, host_runs_avx2},
+    {"avx512", avx512::tpp_decode, avx512::tpp_prefill, host_runs_avx512},
+    {"avx2", avx2::tpp_decode, avx2::tpp_prefill, host_runs_avx2},
 #elif defined(__aarch64__)
-    {"neon", neon::tpp_decode, host_runs_always},  // Advanced SIMD is part of ARMv8-A
+    {"neon", neon::tpp_decode, neon::tpp_prefill, host_runs_always},  // Advanced SIMD is part of ARMv8-A
 #endif
-    {"generic", generic::tpp_decode, host_runs_always},
+    {"generic", generic::tpp_decode, generic::tpp_prefill, host_runs_always},
 };
 constexpr int kNumVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 

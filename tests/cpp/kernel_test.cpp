@@ -6,6 +6,8 @@
 //
 //   kernel_test VARIANT...    exit status 0 when every case of every variant passes
 //
+// The prefill kernel's cases are in prefill_cases.cpp, linked beside this file.
+//
 // Rows past a sequence's length in its last chunk hold NaN: a kernel that reads them
 // into the result fails.
 #include <algorithm>
@@ -18,6 +20,7 @@
 #include <vector>
 
 #include "params.h"
+#include "prefill_cases.h"
 #include "scalar.h"
 #include "schedule.h"
 #include "variants.h"
@@ -250,6 +253,10 @@ int main(int argc, char** argv) {
       }
     }
     std::printf("variant %s: %zu cases, largest error %.2f x the allowed\n", argv[a], cases.size(), worst);
+    const PrefillSummary prefill = run_prefill_cases(*variant);
+    runs += prefill.cases, failures += prefill.failures;
+    std::printf("variant %s prefill: %d cases, largest error %.2f x the allowed\n", argv[a], prefill.cases,
+                prefill.worst);
   }
   std::printf("kernel_test: %d runs, %d failing\n", runs, failures);
   return failures == 0 ? 0 : 1;

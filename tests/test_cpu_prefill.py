@@ -1,0 +1,193 @@
+"""The C++ packed prefill kernel (csrc/cpu/prefill.h), every variant this CPU runs, against
+the PyTorch reference and dense causal SDPA over random trees and packed steps."""
+
+import logging
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import make_tree, random_token_lists
+from test_cpu_kernel import _variant_params
+
+from chunk_llama import ops
+from chunk_llama.ops import build_prefill_plan, reference
+from chunk_llama.ops.reference import gather_dense
+
+# bf16: storage rounding of K/V/Q is shared with the oracles (run in fp32 on the same
+# values); the kernel's output is rounded to bf16 once more
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+
+
+@pytest.fixture(params=_variant_params())
+def variant(request):
+    return request.param
+
+
+def q_starts_for(rng: random.Random, length: int, chunk_size: int) -> int:
+    """0, a chunk boundary, inside a chunk, or the last token: where a step's new tokens begin."""
+    boundary = chunk_size * rng.randint(0, (length - 1) // chunk_size)
+    return rng.choice([0, boundary, min(length - 1, boundary + rng.randint(1, chunk_size - 1)), length - 1])
+
+
+def packed_step(tokens, q_starts, *, chunk_size, num_kv_heads, group, head_dim, dtype, seed=0):
+    """A tree of `tokens`, one packed step whose sequence s has new tokens from q_starts[s] on,
+    its query rows in a shuffled order of sequences with a spare row between them.
+    Returns (pool, tree, plan, q_full) with q_full[s]: [len, num_heads, head_dim] queries of
+    every position of sequence s (the step's are the last len - q_start)."""
+    pool, tree = make_tree(tokens, chunk_size=chunk_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                           dtype=dtype, seed=seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    q_full = [torch.randn(len(t), num_kv_heads * group, head_dim, generator=generator).to(dtype) for t in tokens]
+    order = list(range(len(tokens)))
+    random.Random(seed).shuffle(order)
+    segments, row = [None] * len(tokens), 0
+    for s in order:
+        segments[s] = (row, q_starts[s], len(tokens[s]) - q_starts[s])
+        row += segments[s][2] + 1
+    plan = build_prefill_plan([tree.chunk_ids(s) for s in range(len(tokens))], segments, group)
+    q = torch.zeros(row, num_kv_heads * group, head_dim, dtype=dtype)  # [num_q_tokens, num_heads, head_dim]
+    for s, (start, q_start, n) in enumerate(segments):
+        q[start : start + n] = q_full[s][q_start:]
+    return pool, tree, plan, q, q_full
+
+
+def dense_causal(q_full, k, v, scale):
+    """Stock attention: is_causal SDPA over the whole sequence. q_full: [len, H, D]; k, v: [KV, len, D]."""
+    out = F.scaled_dot_product_attention(q_full.float().transpose(0, 1)[None], k.float()[None], v.float()[None],
+                                         is_causal=True, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)  # [len, H, D]
+
+
+def check_step(tokens, q_starts, variant, **case):
+    from chunk_llama.ops.cpu import prefill_attention_cpu
+
+    dtype, head_dim = case["dtype"], case["head_dim"]
+    pool, tree, plan, q, q_full = packed_step(tokens, q_starts, **case)
+    scale = head_dim**-0.5
+    out = prefill_attention_cpu(q, pool.k[0], pool.v[0], plan, scale, variant=variant)
+    assert out.dtype == dtype and out.shape == q.shape
+    ref = reference.packed_prefill_attention(q.float(), pool.k[0].float(), pool.v[0].float(), plan, scale)
+    tol = TOLERANCE[dtype]
+    for s, (start, q_start, n) in enumerate(plan.segments):
+        rows = slice(start, start + n)
+        got = out[rows].float()
+        assert torch.isfinite(got).all(), f"sequence {s}"
+        torch.testing.assert_close(got, ref[rows], atol=tol, rtol=tol, msg=f"sequence {s} vs reference")
+        length = len(tokens[s])
+        k = gather_dense(pool.k[0], torch.tensor(tree.chunk_ids(s)), length)
+        v = gather_dense(pool.v[0], torch.tensor(tree.chunk_ids(s)), length)
+        dense = dense_causal(q_full[s], k, v, scale)[q_start:]
+        torch.testing.assert_close(got, dense, atol=tol, rtol=tol, msg=f"sequence {s} vs dense causal SDPA")
+    return plan
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_random_trees(variant, dtype, head_dim, group):
+    """Sequences branching off one another (shared chunk ids in one call), odd lengths,
+    new tokens from 0, a chunk boundary, inside a chunk or only the last token."""
+    rng = random.Random(head_dim * 100 + group * 10 + (dtype == torch.bfloat16))
+    chunk_size = rng.choice([16, 48, 64])
+    tokens = random_token_lists(rng, 4, 123, vocab=3) + [[1] * 17, [1] * 37, [2] * 123]
+    q_starts = [q_starts_for(rng, len(t), chunk_size) for t in tokens]
+    check_step(tokens, q_starts, variant, chunk_size=chunk_size, num_kv_heads=2, group=group, head_dim=head_dim,
+               dtype=dtype, seed=group)
+
+
+def test_q_start_at_and_inside_chunk_boundaries(variant):
+    """One sequence of each length 17, 37, 123 per new-token start around the boundaries
+    (chunks of 16; the random trees cover 48 and 64)."""
+    chunk_size = 16
+    for length in (17, 37, 123):
+        starts = sorted({s for s in (0, 1, chunk_size - 1, chunk_size, chunk_size + 1, 2 * chunk_size,
+                                     length - 2, length - 1) if 0 <= s < length})
+        tokens = [[7] * length for _ in starts]  # the same path: every call shares its chunk ids
+        check_step(tokens, starts, variant, chunk_size=chunk_size, num_kv_heads=3, group=3, head_dim=64,
+                   dtype=torch.float32, seed=length)
+
+
+def test_tiles_split_long_prompts_mid_token(variant):
+    """300 tokens x group 3 = 900 rows: tiles of 128 rows, most ending inside a token's group."""
+    plan = check_step([[3] * 300, [3] * 200 + [4] * 50], [0, 130], variant, chunk_size=64, num_kv_heads=2, group=3,
+                      head_dim=128, dtype=torch.float32)
+    assert plan.tiles.shape[0] == 8 + 3
+    work = [(e - b) * (plan.segments[s][1] + (e - 1) // 3 + 1) for s, b, e in plan.tiles.tolist()]
+    assert work == sorted(work, reverse=True)
+
+
+def test_variants_agree(variant):
+    from chunk_llama.ops.cpu import prefill_attention_cpu
+
+    pool, _, plan, q, _ = packed_step([[1] * 99, [1] * 64 + [2] * 40], [0, 70], chunk_size=32, num_kv_heads=2,
+                                      group=2, head_dim=64, dtype=torch.float32)
+    base = prefill_attention_cpu(q, pool.k[0], pool.v[0], plan, 0.125, variant="generic")
+    out = prefill_attention_cpu(q, pool.k[0], pool.v[0], plan, 0.125, variant=variant)
+    rows = torch.cat([torch.arange(s, s + n) for s, _, n in plan.segments])
+    assert (out[rows] - base[rows]).abs().max().item() <= 2e-6
+
+
+def test_dispatch_runs_the_kernel_and_logs_fallbacks_once(monkeypatch, caplog):
+    ops._logged.clear()
+    pool, _, plan, q, _ = packed_step([[1] * 40], [5], chunk_size=16, num_kv_heads=1, group=2, head_dim=64,
+                                      dtype=torch.float32)
+    assert ops.prefill_backend(q, pool.k[0]) == "cpu"
+    pool96, _, plan96, q96, _ = packed_step([[1] * 40], [5], chunk_size=16, num_kv_heads=1, group=2, head_dim=96,
+                                            dtype=torch.float32)
+    with caplog.at_level(logging.WARNING, logger="chunk_llama.ops"):
+        for _ in range(2):
+            out = ops.packed_prefill_attention(q96, pool96.k[0], pool96.v[0], plan96, 0.1)
+        ref = reference.packed_prefill_attention(q96, pool96.k[0], pool96.v[0], plan96, 0.1)
+        torch.testing.assert_close(out[:35], ref[:35])
+        monkeypatch.setenv("CHUNK_LLAMA_FORCE_REFERENCE", "1")
+        assert ops.prefill_backend(q, pool.k[0]) == "reference"
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages
+    assert "prefill attention runs the PyTorch reference" in messages[0] and "not 96" in messages[0]
+    assert "CHUNK_LLAMA_FORCE_REFERENCE" in messages[1]
+
+
+def test_glue_rejects_bad_plans():
+    from chunk_llama.ops.cpu import build
+
+    module = build()
+    pool, _, plan, q, _ = packed_step([[1] * 40, [2] * 20], [0, 3], chunk_size=16, num_kv_heads=1, group=2,
+                                      head_dim=64, dtype=torch.float32)
+    scratch = torch.empty(10**6)
+
+    def run(**change):
+        args = dict(chunk_table=plan.chunk_table, q_start=plan.q_start, num_tokens=plan.num_tokens,
+                    token_start=plan.token_start, tiles=plan.tiles)
+        args.update(change)
+        return module.tpp_prefill(q, pool.k[0], pool.v[0], *args.values(), scratch, 0.125, "generic")
+
+    run()
+    with pytest.raises(ValueError, match="at most 128 rows"):
+        run(tiles=torch.tensor([[0, 0, 129]]))
+    with pytest.raises(ValueError, match="at most 128 rows"):
+        run(tiles=torch.tensor([[1, 30, 36]]))  # past the sequence's 17 tokens x 2 heads
+    with pytest.raises(ValueError, match="outside the pool"):
+        run(chunk_table=plan.chunk_table + 1000)
+    with pytest.raises(ValueError, match="needs 3 chunks"):
+        run(chunk_table=plan.chunk_table[:, :2].contiguous())
+    with pytest.raises(ValueError, match="outside q"):
+        run(token_start=plan.token_start + 30)
+    with pytest.raises(TypeError, match="tiles must be an int64"):
+        run(tiles=plan.tiles.int())
+    with pytest.raises(ValueError, match="scratch"):
+        module.tpp_prefill(q, pool.k[0], pool.v[0], plan.chunk_table, plan.q_start, plan.num_tokens,
+                           plan.token_start, plan.tiles, torch.empty(3), 0.125, "generic")
+
+
+def test_step_builder_makes_one_plan_per_forward():
+    from chunk_llama.hf.step import StepBuilder
+
+    pool, tree = make_tree([[1] * 50, [1] * 40 + [2] * 10], chunk_size=16, num_kv_heads=1, head_dim=64)
+    step = StepBuilder(tree, torch.device("cpu"), group=3).prefill([(0, 0, 10, 40, 50), (1, 40, 32, 18, 50)])
+    plan = step.prefill
+    assert plan.segments == [(0, 10, 40), (40, 32, 18)]
+    assert plan.chunk_table.tolist() == [tree.chunk_ids(0), tree.chunk_ids(1)]
+    assert plan.chunk_table[0, :2].tolist() == plan.chunk_table[1, :2].tolist()  # shared chunks
+    assert plan.tiles.tolist() == [[0, 0, 120], [1, 0, 54]]
+    assert not step.is_decode
