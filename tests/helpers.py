@@ -144,6 +144,16 @@ def tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="w5", unk_token="w0")
 
 
+def fail_next_forward(model, exception=RuntimeError, layer: int = 1):
+    """Make the next forward of decoder layer `layer` raise `exception("injected")`, once."""
+
+    def fail(module, args, output):
+        handle.remove()
+        raise exception("injected")
+
+    handle = model.model.layers[layer].register_forward_hook(fail)
+
+
 def stock_greedy(model, prompt: list[int], config) -> list[int]:
     """Stock transformers `generate` for one prompt; the new tokens."""
     with torch.no_grad():

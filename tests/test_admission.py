@@ -9,7 +9,7 @@ from transformers import GenerationConfig
 
 from chunk_llama import ChunkLlamaEngine
 from chunk_llama.kv import ChunkPool, PrefixTree
-from helpers import stock_greedy, tiny_llama
+from helpers import fail_next_forward, stock_greedy, tiny_llama
 
 GREEDY = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
 
@@ -62,11 +62,7 @@ def test_a_failed_prefill_requeues_in_arrival_order_ahead_of_later_arrivals():
     prompts = [[rng.randrange(6, 96) for _ in range(rng.randint(5, 40))] for _ in range(5)]
     ids = [engine.add_request(p, GREEDY) for p in prompts]
 
-    def fail(module, args, output):
-        handle.remove()
-        raise RuntimeError("injected")
-
-    handle = engine.model.model.layers[1].register_forward_hook(fail)
+    fail_next_forward(engine.model)
     with pytest.raises(RuntimeError, match="injected"):
         engine.step()
     assert [s.request_id for s in engine.scheduler.waiting] == ids and not engine.scheduler.running

@@ -9,7 +9,7 @@ import torch
 from transformers import GenerationConfig
 
 from chunk_llama import ChunkLlamaEngine
-from helpers import assert_tree_consistent, stock_greedy, tiny_llama, tree_snapshot
+from helpers import assert_tree_consistent, fail_next_forward, stock_greedy, tiny_llama, tree_snapshot
 
 GREEDY = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
 
@@ -102,11 +102,7 @@ def test_a_failed_piece_leaves_the_partial_prompt_as_it_was(exception):
     before = tree_snapshot(tree)
     state = (list(engine.scheduler.partial), engine.stats["prefill_tokens_computed"])
 
-    def fail(module, args, output):
-        handle.remove()
-        raise exception("injected")
-
-    handle = engine.model.model.layers[1].register_forward_hook(fail)
+    fail_next_forward(engine.model, exception)
     with pytest.raises(exception, match="injected"):
         engine.step()
     assert tree_snapshot(tree) == before

@@ -156,7 +156,8 @@ class Scheduler:
                 cached = self.cache.add_sequence(seq.seq_id, ids)
             except KVCacheFull:
                 if can_wait or placed:
-                    self.partial = [] if self.partial is group else self.partial
+                    if self.partial is group:
+                        self.partial = []
                     return None
                 raise  # nothing else holds memory: the submission check should have refused it
             placed.append(PrefillWork(seq, cached, cached))

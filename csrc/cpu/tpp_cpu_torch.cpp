@@ -38,6 +38,15 @@ void check_plan_tensor(const at::Tensor& t, const char* name) {
 }
 
 // The checks both kernels make on q and the pool (q_shape: what q must be).
+// The caller keeps the scratch between calls: fresh pages for every step would cost a
+// page fault per 4 KiB, more than the attention itself.
+void check_scratch(const at::Tensor& scratch, int64_t needed) {
+  TORCH_CHECK_VALUE(scratch.device().is_cpu() && scratch.scalar_type() == at::kFloat && scratch.is_contiguous() &&
+                        scratch.numel() >= needed,
+                    "scratch must be a contiguous float32 CPU tensor of at least ", needed, " elements, got ",
+                    scratch.numel());
+}
+
 void check_attention_tensors(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const char* q_shape) {
   TORCH_CHECK_TYPE(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
@@ -87,14 +96,9 @@ at::Tensor tpp_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::
   TORCH_CHECK_VALUE(max_chunks_per_item >= 1, "max_chunks_per_item must be >= 1, got ", max_chunks_per_item);
   const int num_threads = at::get_num_threads();
   const int64_t num_pairs = seq_pair_ptr.data_ptr<int64_t>()[num_seqs];
-  // The caller keeps the scratch between calls: fresh pages for every step would cost
-  // a page fault per 4 KiB, more than the attention itself.
   const int64_t needed = chunk_attn_cpu::scratch_floats(num_pairs, num_seqs, num_heads, num_kv_heads, head_dim,
                                                         chunk_size, num_threads);
-  TORCH_CHECK_VALUE(scratch.device().is_cpu() && scratch.scalar_type() == at::kFloat && scratch.is_contiguous() &&
-                        scratch.numel() >= needed,
-                    "scratch must be a contiguous float32 CPU tensor of at least ", needed, " elements, got ",
-                    scratch.numel());
+  check_scratch(scratch, needed);
 
   auto out = at::empty_like(q);
   chunk_attn_cpu::Params p{};
@@ -180,10 +184,7 @@ at::Tensor tpp_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at:
                       chunk_attn_cpu::kRowsPerItem, " rows of its sequence");
   const int num_threads = at::get_num_threads();
   const int64_t stride = chunk_attn_cpu::prefill_workspace_floats(chunk_size, head_dim);
-  TORCH_CHECK_VALUE(scratch.device().is_cpu() && scratch.scalar_type() == at::kFloat && scratch.is_contiguous() &&
-                        scratch.numel() >= stride * num_threads,
-                    "scratch must be a contiguous float32 CPU tensor of at least ", stride * num_threads,
-                    " elements, got ", scratch.numel());
+  check_scratch(scratch, stride * num_threads);
 
   auto out = at::empty_like(q);
   chunk_attn_cpu::PrefillParams p{};

@@ -22,25 +22,13 @@
 #include "params.h"
 #include "prefill_cases.h"
 #include "scalar.h"
+#include "test_rng.h"
 #include "schedule.h"
 #include "variants.h"
 
 using namespace chunk_attn_cpu;
 
 namespace {
-
-struct Rng {  // xorshift64*: the same trees on every platform
-  uint64_t s;
-  uint64_t next() {
-    s ^= s >> 12, s ^= s << 25, s ^= s >> 27;
-    return s * 2685821657736338717ull;
-  }
-  int uniform(int lo, int hi) { return lo + static_cast<int>(next() % static_cast<uint64_t>(hi - lo + 1)); }
-  double unit() { return (next() >> 11) * (1.0 / 9007199254740992.0); }
-  // triangular on (-2, 2), variance 2/3: cheap (qemu emulates every instruction) and
-  // spread enough that the softmax is neither flat nor one-hot
-  float value() { return static_cast<float>(2 * (unit() + unit()) - 2); }
-};
 
 struct Case {
   int num_seqs, max_len, chunk_size, head_dim, num_kv_heads, group, max_chunks_per_item;

@@ -16,21 +16,11 @@
 #include "params.h"
 #include "prefill_params.h"
 #include "scalar.h"
+#include "test_rng.h"
 
 using namespace chunk_attn_cpu;
 
 namespace {
-
-struct Rng {  // xorshift64*, as kernel_test.cpp's: the same cases on every platform
-  uint64_t s;
-  uint64_t next() {
-    s ^= s >> 12, s ^= s << 25, s ^= s >> 27;
-    return s * 2685821657736338717ull;
-  }
-  int uniform(int lo, int hi) { return lo + static_cast<int>(next() % static_cast<uint64_t>(hi - lo + 1)); }
-  double unit() { return (next() >> 11) * (1.0 / 9007199254740992.0); }
-  float value() { return static_cast<float>(2 * (unit() + unit()) - 2); }  // kernel_test.cpp's spread
-};
 
 template <typename T>
 T to_storage(float x) {
