@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
+import sys
 
 import psutil
 import torch
@@ -19,8 +21,8 @@ def check_supported(config) -> None:
 
     Accepted by capability, not by name: a decoder-only causal LM whose attention goes
     through transformers' attention interface, with RoPE applied before it (so the
-    cache holds rotated keys) and full causal self-attention on every layer. Tested
-    families: `TESTED_MODEL_TYPES`.
+    cache holds rotated keys) and causal self-attention, full or in a sliding window
+    that the layer passes to the attention function. Tested families: `TESTED_MODEL_TYPES`.
     """
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -47,10 +49,11 @@ def check_supported(config) -> None:
         if present:
             raise ValueError(f"{model_type}: {feature} is not supported by chunk-llama's attention kernels")
     window = sliding_window(config)
-    if window is not None:
+    if window is not None and "sliding_window=" not in inspect.getsource(sys.modules[model_class.__module__]):
+        # the kernels apply a layer's window when its attention passes it, as stock SDPA's masks do
         raise ValueError(
-            f"{model_type}: sliding-window attention (window {window} on some layers) is not supported yet; "
-            "chunk-llama runs full causal attention on every layer"
+            f"{model_type}: sliding-window attention (window {window}) whose attention layers do not pass "
+            "their window to the attention function is not supported"
         )
     heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
     if kv_heads and heads % kv_heads:
@@ -58,8 +61,8 @@ def check_supported(config) -> None:
 
 
 def sliding_window(config) -> int | None:
-    """The window of the model's windowed layers, or None when every layer attends to
-    the whole context (no window, or one no prompt can exceed)."""
+    """The window of the model's sliding-window layers, or None when every layer attends
+    to the whole context (no window, or one no prompt can exceed)."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if not window or (layer_types and "sliding_attention" not in layer_types):

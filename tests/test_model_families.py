@@ -1,6 +1,6 @@
 """Model families beyond Llama: tiny random Qwen2, Qwen3, Mistral, Phi-3 and Gemma 3
-models through the engine equal stock `generate`; what the kernels cannot run is
-refused by name, before any weights are read."""
+models, with and without sliding-window layers, through the engine equal stock
+`generate`; what the kernels cannot run is refused by name, before any weights are read."""
 
 import copy
 import json
@@ -27,6 +27,14 @@ FAMILIES = {
     "gemma3_text": ("Gemma3TextConfig", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
                                              head_dim=256, query_pre_attn_scalar=64,
                                              layer_types=["full_attention"] * 2)),
+    # sliding windows shorter than the prompts (up to 65 tokens), on the native kernel and the reference
+    "gemma3_text-windowed": ("Gemma3TextConfig", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
+                                                      head_dim=256, query_pre_attn_scalar=64, sliding_window=13,
+                                                      layer_types=["sliding_attention", "full_attention"])),
+    "mistral-windowed": ("MistralConfig", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                               head_dim=64, sliding_window=21)),
+    "qwen2-windowed": ("Qwen2Config", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                                           use_sliding_window=True, sliding_window=9, max_window_layers=1)),
 }
 
 
@@ -47,7 +55,11 @@ def prompts(seed: int) -> list[list[int]]:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_engine_equals_stock_generate(family):
     stock = tiny(family)
-    assert stock.config.model_type == family
+    assert stock.config.model_type == family.removesuffix("-windowed")
+    if family.endswith("-windowed"):
+        from chunk_llama.models import sliding_window
+
+        assert sliding_window(stock.config) is not None
     engine = ChunkLlamaEngine(copy.deepcopy(stock), max_batch_size=3, chunk_size=16, kv_cache_bytes=1 << 23)
     config = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0,
                               output_logits=True)
@@ -62,9 +74,6 @@ def test_engine_equals_stock_generate(family):
 
 
 @pytest.mark.parametrize("config_name,kwargs,feature", [
-    ("Gemma3TextConfig", dict(sliding_window=32, max_position_embeddings=512), "sliding-window attention .window 32"),
-    ("MistralConfig", dict(sliding_window=32, max_position_embeddings=512), "sliding-window attention .window 32"),
-    ("Qwen2Config", dict(use_sliding_window=True, sliding_window=32, max_window_layers=0), "sliding-window"),
     ("Gemma2Config", dict(), "attention logit softcapping"),
     ("DeepseekV3Config", dict(), "multi-head latent attention"),
     ("GPT2Config", dict(), "positions without RoPE"),
@@ -78,9 +87,15 @@ def test_unsupported_features_are_refused_by_name(config_name, kwargs, feature):
         check_supported(getattr(transformers, config_name)(**kwargs))
 
 
-def test_a_window_no_prompt_can_exceed_is_full_attention():
-    model = tiny("mistral", sliding_window=512)  # = max_position_embeddings
-    ChunkLlamaEngine(model, chunk_size=16, kv_cache_bytes=1 << 20).close()
+def test_a_window_the_layers_do_not_pass_is_refused():
+    """Stock masks apply a window only where the layers pass it to the attention function
+    (as the kernels do); a config that sets one where they do not is refused by name."""
+    from chunk_llama.models import check_supported
+
+    config = transformers.LlamaConfig(sliding_window=32, max_position_embeddings=512)
+    with pytest.raises(ValueError, match="llama: sliding-window attention .window 32. whose attention layers"):
+        check_supported(config)
+    check_supported(transformers.LlamaConfig(sliding_window=512, max_position_embeddings=512))  # never binds
 
 
 def test_load_model_refuses_before_reading_weights(tmp_path):

@@ -36,7 +36,8 @@ def chunk_attention_forward(module, query, key, value, attention_mask, scaling=N
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return cache.attend(module.layer_idx, query, scale), None
+    # Sliding-window layers pass their window as stock SDPA gets it (Mistral, Qwen2, Gemma 3 ...)
+    return cache.attend(module.layer_idx, query, scale, kwargs.get("sliding_window")), None
 
 
 def chunk_mask(*args, **kwargs):

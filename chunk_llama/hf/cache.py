@@ -250,12 +250,13 @@ class ChunkCache(Cache):
         dispatch.store_kv(step, k_layer, v_layer, key_states, value_states)
         return key_states, value_states
 
-    def attend(self, layer_idx: int, query: torch.Tensor, scale: float) -> torch.Tensor:
-        """Attention of this step's queries over the cache.
+    def attend(self, layer_idx: int, query: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
+        """Attention of this step's queries over the cache (`window`: the layer's sliding
+        window, None for full attention).
 
         query: [batch, num_heads, q_len, head_dim]; returns [batch, q_len, num_heads, head_dim]
         """
-        return dispatch.attend(self._step, self.pool.k[layer_idx], self.pool.v[layer_idx], query, scale)
+        return dispatch.attend(self._step, self.pool.k[layer_idx], self.pool.v[layer_idx], query, scale, window)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if self._step is not None:

@@ -39,9 +39,11 @@ def store_kv(
 
 
 def attend(
-    step: ForwardStep, k_layer: torch.Tensor, v_layer: torch.Tensor, query: torch.Tensor, scale: float
+    step: ForwardStep, k_layer: torch.Tensor, v_layer: torch.Tensor, query: torch.Tensor, scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of the step's queries over the cache of one layer.
+    """Attention of the step's queries over the cache of one layer (a query sees its
+    `window` latest positions on a sliding-window layer; every earlier one if None).
 
     query: [batch, num_heads, q_len, head_dim]; returns [batch, q_len, num_heads, head_dim]
     """
@@ -50,11 +52,11 @@ def attend(
         q = query[:, :, 0, :]  # [num_seqs, num_heads, head_dim]
         if step.row_order is not None:
             q = q[step.row_order]
-        out = tpp_decode_attention(q.to(k_layer.dtype), k_layer, v_layer, step.plan, scale)
+        out = tpp_decode_attention(q.to(k_layer.dtype), k_layer, v_layer, step.plan, scale, window)
         if step.inverse_row_order is not None:
             out = out[step.inverse_row_order]
         return out.to(query.dtype).unsqueeze(1)
     # [batch * q_len, num_heads, head_dim]
     flat_q = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_dim).to(k_layer.dtype)
-    out = packed_prefill_attention(flat_q, k_layer, v_layer, step.prefill, scale)
+    out = packed_prefill_attention(flat_q, k_layer, v_layer, step.prefill, scale, window)
     return out.view(batch, q_len, num_heads, head_dim).to(query.dtype)

@@ -72,6 +72,12 @@ def _resolve(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype,
     return info
 
 
+def _log_once(key: str, message: str, reason: str) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        logger.warning(message, reason)
+
+
 def backend_info(device: torch.device, dtype: torch.dtype, head_dim: int, chunk_size: int) -> dict:
     """What decode attention runs for a KV cache of this device, dtype and geometry:
     {"backend": "cpu" | "cuda" | "reference", "isa": CPU variant or None,
@@ -91,22 +97,37 @@ def decode_backend(q: torch.Tensor, k_cache: torch.Tensor) -> str:
     """'cuda', 'cpu' or 'reference': what `tpp_decode_attention` runs for these tensors
     (builds the native kernel on first use; a fallback is logged once per reason)."""
     info = _resolve(q.device, q.dtype, k_cache.dtype, q.shape[-1], k_cache.shape[2], build=True)
-    if info["backend"] == "reference" and info["reason"] not in _logged:
-        _logged.add(info["reason"])
-        logger.warning("chunk-llama: decode attention runs the PyTorch reference: %s", info["reason"])
+    if info["backend"] == "reference":
+        _log_once(info["reason"], "chunk-llama: decode attention runs the PyTorch reference: %s", info["reason"])
     return info["backend"]
 
 
+def check_window(window: int | None) -> int:
+    """A layer's sliding window as the kernels take it: 0 for none, else a positive int."""
+    if window is None:
+        return 0
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ValueError(f"sliding window must be a positive integer or None, got {window!r}")
+    return window
+
+
 def tpp_decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Decode attention through the tree, one query per sequence.
 
     q: [num_seqs, num_heads, head_dim] in `plan.seq_ids` order
     k_cache, v_cache: [capacity, num_kv_heads, chunk_size, head_dim]
+    window: the layer's sliding window (a query sees its `window` latest positions), or None
     returns [num_seqs, num_heads, head_dim]
     """
+    window = check_window(window)
     backend = decode_backend(q, k_cache)
+    if backend == "cuda" and window:
+        backend = "reference"
+        _log_once("cuda window", "chunk-llama: decode attention runs the PyTorch reference: %s",
+                  "the CUDA kernels have no sliding windows yet (windowed layers only)")
     if backend == "cuda":
         from chunk_llama.ops.cuda import tpp_decode_attention_cuda
 
@@ -114,8 +135,8 @@ def tpp_decode_attention(
     if backend == "cpu":
         from chunk_llama.ops.cpu import tpp_decode_attention_cpu
 
-        return tpp_decode_attention_cpu(q, k_cache, v_cache, plan, scale)
-    return reference.tpp_decode_attention(q, k_cache, v_cache, plan, scale)
+        return tpp_decode_attention_cpu(q, k_cache, v_cache, plan, scale, window=window)
+    return reference.tpp_decode_attention(q, k_cache, v_cache, plan, scale, window)
 
 
 def prefill_backend(q: torch.Tensor, k_cache: torch.Tensor) -> str:
@@ -126,28 +147,29 @@ def prefill_backend(q: torch.Tensor, k_cache: torch.Tensor) -> str:
     if info["backend"] == "cpu":
         return "cpu"
     reason = info["reason"] or f"there is no native prefill kernel for {q.device.type} tensors yet"
-    if f"prefill: {reason}" not in _logged:
-        _logged.add(f"prefill: {reason}")
-        logger.warning("chunk-llama: prefill attention runs the PyTorch reference: %s", reason)
+    _log_once(f"prefill: {reason}", "chunk-llama: prefill attention runs the PyTorch reference: %s", reason)
     return "reference"
 
 
 def packed_prefill_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan, scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of every sequence prefilled in a step over its whole context.
 
     q: [num_q_tokens, num_heads, head_dim], sequence s at rows plan.segments[s][0] ..
     k_cache, v_cache: [capacity, num_kv_heads, chunk_size, head_dim]
+    window: the layer's sliding window, or None
     returns [num_q_tokens, num_heads, head_dim] (rows of no sequence uninitialised)
     """
+    window = check_window(window)
     if prefill_backend(q, k_cache) == "cpu":
         from chunk_llama.ops.cpu import prefill_attention_cpu
 
-        return prefill_attention_cpu(q, k_cache, v_cache, plan, scale)
-    return reference.packed_prefill_attention(q, k_cache, v_cache, plan, scale)
+        return prefill_attention_cpu(q, k_cache, v_cache, plan, scale, window=window)
+    return reference.packed_prefill_attention(q, k_cache, v_cache, plan, scale, window)
 
 
-__all__ = ["PrefillPlan", "backend_info", "build_prefill_plan", "decode_backend", "gather_dense",
+__all__ = ["PrefillPlan", "backend_info", "build_prefill_plan", "check_window", "decode_backend", "gather_dense",
            "packed_prefill_attention", "prefill_attention", "prefill_backend", "prepare_backend",
            "tpp_decode_attention"]

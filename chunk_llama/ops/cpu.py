@@ -103,9 +103,9 @@ def default_chunks_per_item(plan: DecodePlan, num_kv_heads: int) -> int:
 
 def tpp_decode_attention_cpu(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float,
-    max_chunks_per_item: int | None = None, variant: str | None = None,
+    max_chunks_per_item: int | None = None, variant: str | None = None, window: int = 0,
 ) -> torch.Tensor:
-    """Same contract as `reference.tpp_decode_attention`.
+    """Same contract as `reference.tpp_decode_attention` (window: 0 for none).
 
     q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [capacity, num_kv_heads, chunk_size, head_dim]
     max_chunks_per_item: see `default_chunks_per_item` (the default)
@@ -123,13 +123,13 @@ def tpp_decode_attention_cpu(
     return module.tpp_decode(
         q.contiguous(), k_cache, v_cache, plan.shared_chunk_ids, plan.shared_begin, plan.shared_end,
         plan.shared_depth, plan.private_chunk_ids.contiguous(), plan.num_shared_tokens, plan.seq_lens,
-        plan.seq_pair_ptr, scratch, float(scale), max_chunks_per_item, variant or isa.selected_variant(),
+        plan.seq_pair_ptr, scratch, float(scale), max_chunks_per_item, window, variant or isa.selected_variant(),
     )
 
 
 def prefill_attention_cpu(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan, scale: float,
-    variant: str | None = None,
+    variant: str | None = None, window: int = 0,
 ) -> torch.Tensor:
     """Same contract as `reference.packed_prefill_attention`: K/V read in place from the pool.
 
@@ -145,5 +145,5 @@ def prefill_attention_cpu(
     scratch = _scratch_for(module.prefill_scratch_floats(k_cache.shape[2], q.shape[-1], torch.get_num_threads()))
     return module.tpp_prefill(
         q.contiguous(), k_cache, v_cache, plan.chunk_table, plan.q_start, plan.num_tokens, plan.token_start,
-        plan.tiles, scratch, float(scale), variant or isa.selected_variant(),
+        plan.tiles, scratch, float(scale), window, variant or isa.selected_variant(),
     )

@@ -27,10 +27,19 @@ def _partial_softmax(scores: torch.Tensor, values: torch.Tensor):
     return p @ values, m, p.sum(dim=-1)
 
 
-def chunk_first(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float):
+def window_start(query_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """First key position a query at `query_pos` sees: a sliding window of `window`
+    positions (the query's own included), as transformers' `sliding_window_overlay`;
+    0 for no window."""
+    return query_pos - window + 1 if window else torch.zeros_like(query_pos)
+
+
+def chunk_first(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float,
+                window: int = 0):
     """Phase 1: every shared chunk against the queries of all sequences under it.
 
     q: [num_seqs, num_heads, head_dim] (fp32, plan order)
+    window: sliding window (0: none); a key before a row's window is masked
     returns per (shared chunk, sequence) pair: o [num_pairs, num_heads, head_dim], m, n [num_pairs, num_heads]
     """
     num_seqs, num_heads, head_dim = q.shape
@@ -44,7 +53,15 @@ def chunk_first(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
     qs = qs.permute(0, 2, 1, 3, 4).reshape(num_shared, num_kv_heads, rows * group, head_dim)
     ks = k_cache[plan.shared_chunk_ids].float()  # [num_shared, num_kv_heads, chunk_size, head_dim]
     vs = v_cache[plan.shared_chunk_ids].float()
-    o, m, n = _partial_softmax((qs @ ks.transpose(-1, -2)) * scale, vs)
+    scores = (qs @ ks.transpose(-1, -2)) * scale  # [num_shared, kv, rows * group, chunk_size]
+    if window:
+        chunk_size = k_cache.shape[2]
+        key_pos = plan.shared_depth[:, None] * chunk_size + torch.arange(chunk_size, device=q.device)
+        first = window_start(plan.seq_lens[row_index] - 1, window)  # [num_shared, rows]
+        hidden = key_pos[:, None, :] < first[:, :, None]  # [num_shared, rows, chunk_size]
+        hidden = hidden.repeat_interleave(group, dim=1)[:, None]
+        scores = scores.masked_fill(hidden, float("-inf"))
+    o, m, n = _partial_softmax(scores, vs)
     o = o.view(num_shared, num_kv_heads, rows, group, head_dim).permute(0, 2, 1, 3, 4)
     m = m.view(num_shared, num_kv_heads, rows, group).permute(0, 2, 1, 3)
     n = n.view(num_shared, num_kv_heads, rows, group).permute(0, 2, 1, 3)
@@ -56,8 +73,10 @@ def chunk_first(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
     )
 
 
-def sequence_first(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float):
-    """Phase 2 (first half): each sequence against its private chunks.
+def sequence_first(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float,
+                   window: int = 0):
+    """Phase 2 (first half): each sequence against its private chunks (those in its
+    sliding window, if `window`).
 
     q: [num_seqs, num_heads, head_dim] (fp32)
     returns o [num_seqs, num_heads, head_dim], m, n [num_seqs, num_heads]
@@ -83,6 +102,7 @@ def sequence_first(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     scores = (qg @ gather(k_cache).transpose(-1, -2)) * scale  # [num_seqs, kv, group, num_keys]
     position = plan.num_shared_tokens[:, None] + torch.arange(num_keys, device=q.device)
     visible = position < plan.seq_lens[:, None]  # [num_seqs, num_keys]
+    visible &= position >= window_start(plan.seq_lens - 1, window)[:, None]
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     # Slots past a sequence's length (and padding chunks) are uninitialised pool
     # memory: their zero weights times a NaN there would still give NaN.
@@ -111,17 +131,18 @@ def merge_partials(private, shared, pair_seq: torch.Tensor) -> torch.Tensor:
 
 
 def tpp_decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float, window: int = 0
 ) -> torch.Tensor:
     """Decode attention through the tree, one query per sequence.
 
     q: [num_seqs, num_heads, head_dim], rows in `plan.seq_ids` order
     k_cache, v_cache: [capacity, num_kv_heads, chunk_size, head_dim]
+    window: sliding window of the layer (0: none)
     returns [num_seqs, num_heads, head_dim] in q's dtype
     """
     qf = q.float()
-    private = sequence_first(qf, k_cache, v_cache, plan, scale)
-    shared = chunk_first(qf, k_cache, v_cache, plan, scale) if plan.num_shared else None
+    private = sequence_first(qf, k_cache, v_cache, plan, scale, window)
+    shared = chunk_first(qf, k_cache, v_cache, plan, scale, window) if plan.num_shared else None
     return merge_partials(private, shared, plan.pair_seq).to(q.dtype)
 
 
@@ -142,8 +163,10 @@ def prefill_attention(
     chunk_ids: torch.Tensor,
     q_start: int,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Causal attention of one sequence's new tokens over its whole context.
+    """Causal attention of one sequence's new tokens over its whole context (over the
+    keys in each query's sliding window, if `window`).
 
     q: [num_new, num_heads, head_dim] at positions q_start .. q_start + num_new - 1
     chunk_ids: [num_chunks] the sequence's path, holding K/V of all q_start + num_new tokens
@@ -156,6 +179,7 @@ def prefill_attention(
     key_pos = torch.arange(length, device=q.device)
     query_pos = torch.arange(q_start, length, device=q.device)
     mask = key_pos[None, :] <= query_pos[:, None]  # [num_new, length]
+    mask &= key_pos[None, :] >= window_start(query_pos, window)[:, None]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         k.unsqueeze(0),
@@ -168,7 +192,7 @@ def prefill_attention(
 
 
 def packed_prefill_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan, scale: float, window: int = 0
 ) -> torch.Tensor:
     """Prefill attention of every sequence of a step, one `prefill_attention` each.
 
@@ -180,5 +204,6 @@ def packed_prefill_attention(
     for seq, (token_start, q_start, num_tokens) in enumerate(plan.segments):
         rows = slice(token_start, token_start + num_tokens)
         num_chunks = -(-(q_start + num_tokens) // chunk_size)
-        out[rows] = prefill_attention(q[rows], k_cache, v_cache, plan.chunk_table[seq, :num_chunks], q_start, scale)
+        out[rows] = prefill_attention(q[rows], k_cache, v_cache, plan.chunk_table[seq, :num_chunks], q_start, scale,
+                                      window)
     return out

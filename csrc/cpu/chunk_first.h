@@ -124,12 +124,24 @@ void block_pv(const float* v, int num_keys, const float* st, const float* corr, 
   }
 }
 
-// A whole chunk of C keys, no mask (decode's shared chunks).
+// Sliding-window mask of one block: key j of the chunk (position key0 + j) is hidden
+// from row r when it lies before the row's window, which starts at lo[r]. st: [num_keys][L].
+template <int L>
+inline void window_mask(float* st, int num_keys, int64_t key0, const int64_t* lo) {
+  for (int r = 0; r < L; ++r) {
+    const int64_t hidden = lo[r] - key0 < num_keys ? lo[r] - key0 : num_keys;
+    for (int64_t j = 0; j < hidden; ++j) st[j * L + r] = kMaskedScore;
+  }
+}
+
+// A whole chunk of C keys at positions key0 .., masked by the rows' window starts lo
+// (nullptr: every key visible, decode's shared chunks without a window).
 template <int D, int RV>
 void block_update(const float* qt, int64_t stride, const float* k, const float* v, int C, float* st, float* ot,
-                  float* m, float* n, const Prefetch& next) {
+                  float* m, float* n, const Prefetch& next, const int64_t* lo, int64_t key0) {
   alignas(64) float corr[RV * kLanes];
   block_scores<D, RV>(qt, stride, k, C, st, next);  // C is a multiple of 16, kKeyTile divides 16
+  if (lo != nullptr) window_mask<RV * kLanes>(st, C, key0, lo);
   block_softmax<RV>(st, C, m, n, corr);
   block_pv<D, RV, kRowsPerItem>(v, C, st, corr, ot);
 }
@@ -137,12 +149,12 @@ void block_update(const float* qt, int64_t stride, const float* k, const float* 
 // The last block of an item, narrower than kRowVecs vectors: `vectors` of them.
 template <int D, int RV>
 void tail_block(int vectors, const float* qt, int64_t stride, const float* k, const float* v, int C, float* st,
-                float* ot, float* m, float* n, const Prefetch& next) {
+                float* ot, float* m, float* n, const Prefetch& next, const int64_t* lo, int64_t key0) {
   if constexpr (RV >= 1) {
     if (vectors == RV)
-      block_update<D, RV>(qt, stride, k, v, C, st, ot, m, n, next);
+      block_update<D, RV>(qt, stride, k, v, C, st, ot, m, n, next, lo, key0);
     else
-      tail_block<D, RV - 1>(vectors, qt, stride, k, v, C, st, ot, m, n, next);
+      tail_block<D, RV - 1>(vectors, qt, stride, k, v, C, st, ot, m, n, next, lo, key0);
   }
 }
 
@@ -169,10 +181,24 @@ void chunk_first_item(const Params& p, const ChunkItem& item, float* ws) {
   for (int d = 0; d < D; ++d)
     for (int r = 0; r < padded; ++r) ot[d * kRowsPerItem + r] = 0.f;
   for (int r = 0; r < padded; ++r) m[r] = kNegInf, n[r] = 0.f;
+  // Under a sliding window, each row's first visible position (the query is at
+  // seq_len - 1); padding rows see everything. Chunks before every row's window are
+  // skipped, and only chunks before some row's window are masked.
+  int64_t lo[kRowsPerItem];
+  int64_t min_lo = INT64_MAX, max_lo = INT64_MIN;
+  if (p.window > 0) {
+    for (int r = 0; r < padded; ++r) {
+      lo[r] = r < num_rows ? window_start(p.seq_lens[(item.row_begin + r) / group] - 1, p.window) : INT64_MIN / 2;
+      if (r < num_rows) min_lo = lo[r] < min_lo ? lo[r] : min_lo, max_lo = lo[r] > max_lo ? lo[r] : max_lo;
+    }
+  }
   const int64_t stride = q_t_stride(p.num_seqs, H, p.num_kv_heads);
   const float* qt = p.q_t + static_cast<int64_t>(item.kv_head) * D * stride + item.row_begin;
   const int64_t chunk_elems = static_cast<int64_t>(C) * D, chunk_bytes = chunk_elems * sizeof(T);
   for (int c = 0; c < item.count; ++c) {
+    const int64_t key0 = (p.shared_depth[item.first] + c) * C;
+    if (p.window > 0 && key0 + C <= min_lo) continue;  // before every row's window
+    const int64_t* mask = p.window > 0 && key0 < max_lo ? lo : nullptr;
     const int64_t base = chunk_offset(p, p.shared_chunk_ids[item.first + c], item.kv_head);
     const float* k = as_float(static_cast<const T*>(p.k_cache) + base, chunk_elems, k_buf);
     const float* v = as_float(static_cast<const T*>(p.v_cache) + base, chunk_elems, v_buf);
@@ -184,11 +210,13 @@ void chunk_first_item(const Params& p, const ChunkItem& item, float* ws) {
     }
     int b = 0;
     for (; b + L <= padded; b += L) {
-      block_update<D, kRowVecs>(qt + b, stride, k, v, C, st, ot + b, m + b, n + b, next);
+      block_update<D, kRowVecs>(qt + b, stride, k, v, C, st, ot + b, m + b, n + b, next, mask ? mask + b : mask,
+                                key0);
       next = Prefetch{};
     }
     if (b < padded)
-      tail_block<D, kRowVecs - 1>((padded - b) / kLanes, qt + b, stride, k, v, C, st, ot + b, m + b, n + b, next);
+      tail_block<D, kRowVecs - 1>((padded - b) / kLanes, qt + b, stride, k, v, C, st, ot + b, m + b, n + b, next,
+                                  mask ? mask + b : mask, key0);
   }
   for (int r = 0; r < num_rows; ++r) {
     const int row = item.row_begin + r, seq = row / group, head = item.kv_head * group + row % group;

@@ -45,9 +45,13 @@ struct Params {
   int64_t workspace_stride;
   int num_items, num_threads;
   int num_seqs, num_heads, num_kv_heads, head_dim, chunk_size, num_shared, max_private;
+  int window;  // sliding window: a query sees the `window` latest positions, itself included; 0: all
   DType dtype;
   float scale;
 };
+
+// First position a query at `pos` sees under a sliding window of `window` (0: none).
+static inline int64_t window_start(int64_t pos, int window) { return window > 0 ? pos - window + 1 : 0; }
 
 constexpr int kRowsPerItem = 128;  // bounds a phase-1 item's O buffer; more rows split into items
 constexpr int kMaxBlockRows = 64;  // widest phase-1 row block of any variant (kRowVecs * kLanes)

@@ -98,6 +98,10 @@ void prefill_item(const PrefillParams& p, int tile, int kv_head, float* ws) {
     for (int r = 0; r < padded; ++r) ot[d * kStride + r] = 0.f;
   for (int r = 0; r < padded; ++r) m[r] = kNegInf, n[r] = 0.f;
 
+  // Under a sliding window, each row's first visible position (rows are in position
+  // order, so lo rises with them); the walk starts at the chunk of the first row's.
+  int64_t lo[R];
+  for (int r = 0; r < padded; ++r) lo[r] = window_start(pos[r], p.window);
   const int64_t last_pos = pos[num_rows - 1];
   const int64_t num_chunks = last_pos / C + 1;
   const int64_t* chunk_ids = p.chunk_table + seq * p.max_chunks;
@@ -107,7 +111,7 @@ void prefill_item(const PrefillParams& p, int tile, int kv_head, float* ws) {
   // Chunks outermost: a chunk's K and V stay in L2 (or L1) for all the item's blocks.
   // Blocks outermost instead (each block's Q^T and O^T kept in L1, the sequence's K/V
   // streamed once per block) ran about 20% slower: a long prompt's K/V do not fit L2.
-  for (int64_t c = 0; c < num_chunks; ++c) {
+  for (int64_t c = lo[0] > 0 ? lo[0] / C : 0; c < num_chunks; ++c) {
     const int64_t key0 = c * C;
     // keys past the item's last position are hidden from every row: not read at all
     const int count = static_cast<int>(last_pos + 1 - key0 < C ? last_pos + 1 - key0 : C);
@@ -127,13 +131,16 @@ void prefill_item(const PrefillParams& p, int tile, int kv_head, float* ws) {
       // keys of this chunk the block's last row sees (rows are in position order)
       const int64_t seen = pos[last_row] - key0 + 1;
       if (seen <= 0) continue;  // the chunk lies after all the block's rows
+      if (key0 + count <= lo[b]) continue;  // ... or before all their windows
       const int num_keys = static_cast<int>(seen < count ? seen : count);
       const bool diagonal = key0 + num_keys - 1 > pos[b];  // some row sees fewer keys
+      const bool windowed = key0 < lo[last_row];            // some row's window starts later
       with_row_vecs<kRowVecs>(vectors, [&](auto rv) {
         constexpr int RV = decltype(rv)::value;
         alignas(64) float corr[RV * kLanes];
         block_scores<D, RV>(qt + b, kStride, k, static_cast<int>(round_up(num_keys, kKeyTile)), st, next);
         if (diagonal) causal_mask<RV * kLanes>(st, num_keys, key0, pos + b);
+        if (windowed) window_mask<RV * kLanes>(st, num_keys, key0, lo + b);
         block_softmax<RV>(st, num_keys, m + b, n + b, corr);
         block_pv<D, RV, kStride, kVStride<D>>(v, num_keys, st, corr, ot + b);
       });

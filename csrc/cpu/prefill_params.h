@@ -32,6 +32,7 @@ struct PrefillParams {
   int64_t workspace_stride;
   int num_tiles, num_threads;
   int num_seqs, max_chunks, num_heads, num_kv_heads, head_dim, chunk_size;
+  int window;  // sliding window, as in Params; 0: none
   DType dtype;
   float scale;
 };

@@ -11,6 +11,11 @@ namespace chunk_attn_cpu {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.44269504088896341f;
+// Score of a key outside a query's sliding window. Finite, unlike a causal mask's -inf:
+// a block can hide every key of a row (its window starts in a later chunk), and
+// 2^(-inf - -inf) would be NaN where 2^(kMaskedScore - kMaskedScore) = 1 is harmless,
+// since the row's first visible key then rescales that sum by 2^(kMaskedScore - m) = 0.
+constexpr float kMaskedScore = -1e30f;
 
 // bf16 is the top half of an fp32: widening is a shift, narrowing rounds to nearest even.
 static inline float bf16_to_float(uint16_t x) {

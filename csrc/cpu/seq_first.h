@@ -25,6 +25,14 @@ constexpr TailMask make_tail_mask() {
   return t;
 }
 alignas(64) static constexpr TailMask kTailMask = make_tail_mask();
+// kLanes -inf then kLanes zeros: loaded at kLanes - skip, it masks a block's first
+// `skip` lanes (keys before a sliding window).
+constexpr TailMask make_head_mask() {
+  TailMask t{};
+  for (int i = 0; i < 2 * kLanes; ++i) t.v[i] = i < kLanes ? kNegInf : 0.f;
+  return t;
+}
+alignas(64) static constexpr TailMask kHeadMask = make_head_mask();
 
 // Blocks of kLanes tokens the phase-2 prefetch runs ahead of the loads.
 constexpr int kPrefetchBlocks = 1;  // measured: 1 beat 0, 2 and 4 (more thrashes L1)
@@ -67,8 +75,14 @@ void seq_first_item(const Params& p, int seq, int kv_head, float* ws) {
 
   const int64_t first = p.num_shared_tokens[seq], length = p.seq_lens[seq];
   const int64_t* chunk_ids = p.private_chunk_ids + static_cast<int64_t>(seq) * p.max_private;
+  // Under a sliding window the walk starts at the block holding the window's first
+  // key, and that block's earlier lanes are masked (the query's own key is private or
+  // shared, so the first block visited always has a visible key).
+  const int64_t window_first = window_start(length - 1, p.window);
+  const int64_t start = window_first > first ? window_first : first;
+  const int64_t start_block = first + (start - first) / kLanes * kLanes;
   alignas(64) float probs[kLanes];
-  for (int64_t t0 = first, c = 0; t0 < length; t0 += C, ++c) {
+  for (int64_t c = (start_block - first) / C, t0 = first + c * C; t0 < length; t0 += C, ++c) {
     const int count = static_cast<int>(length - t0 < C ? length - t0 : C);
     const int64_t base = chunk_offset(p, chunk_ids[c], kv_head);
     const T* k = static_cast<const T*>(p.k_cache) + base;
@@ -77,9 +91,10 @@ void seq_first_item(const Params& p, int seq, int kv_head, float* ws) {
     // the online-softmax update, then the block's V rows into O, so the K and V rows
     // are read together (two streams in flight); the block's rows stay in L1 for the
     // other heads of the group.
-    for (int j0 = 0; j0 < count; j0 += kLanes) {
+    for (int j0 = static_cast<int>(t0 < start_block ? start_block - t0 : 0); j0 < count; j0 += kLanes) {
       prefetch_ahead<T, D>(p, chunk_ids, first, length, kv_head, t0 + j0);
       const int num_keys = count - j0 < kLanes ? count - j0 : kLanes;
+      const int skip = static_cast<int>(start - (t0 + j0) > 0 ? start - (t0 + j0) : 0);  // < kLanes
       const T* kb = k + static_cast<int64_t>(j0) * D;
       const T* vb = v + static_cast<int64_t>(j0) * D;
       for (int g = 0; g < group; ++g) {
@@ -96,7 +111,8 @@ void seq_first_item(const Params& p, int seq, int kv_head, float* ws) {
           acc[u] = vadd(a0, a1);
         }
         // lanes past num_keys: + -inf, so 2^(s - m) = 0 there
-        const Vec scores = vadd(vsum_lanes(acc), vload(kTailMask.v + kLanes - num_keys));
+        Vec scores = vadd(vsum_lanes(acc), vload(kTailMask.v + kLanes - num_keys));
+        if (skip > 0) scores = vadd(scores, vload(kHeadMask.v + kLanes - skip));
         const float m_new = m[g] > vreduce_max(scores) ? m[g] : vreduce_max(scores);
         const Vec e = vexp2(vsub(scores, vset1(m_new)));
         vstore(probs, e);

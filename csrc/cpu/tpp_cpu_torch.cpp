@@ -47,6 +47,10 @@ void check_scratch(const at::Tensor& scratch, int64_t needed) {
                     scratch.numel());
 }
 
+void check_window(int64_t window) {
+  TORCH_CHECK_VALUE(window >= 0 && window <= INT32_MAX, "window must be 0 (none) or a positive int32, got ", window);
+}
+
 void check_attention_tensors(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const char* q_shape) {
   TORCH_CHECK_TYPE(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
@@ -76,8 +80,10 @@ at::Tensor tpp_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::
                       const at::Tensor& shared_chunk_ids, const at::Tensor& shared_begin, const at::Tensor& shared_end,
                       const at::Tensor& shared_depth, const at::Tensor& private_chunk_ids,
                       const at::Tensor& num_shared_tokens, const at::Tensor& seq_lens, const at::Tensor& seq_pair_ptr,
-                      const at::Tensor& scratch, double scale, int64_t max_chunks_per_item, const std::string& isa) {
+                      const at::Tensor& scratch, double scale, int64_t max_chunks_per_item, int64_t window,
+                      const std::string& isa) {
   const Variant& variant = variant_for(isa);
+  check_window(window);
   check_attention_tensors(q, k_cache, v_cache, "q must be [num_seqs, num_heads, head_dim], got ");
   const int num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int num_kv_heads = k_cache.size(1), chunk_size = k_cache.size(2);
@@ -131,6 +137,7 @@ at::Tensor tpp_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::
   p.max_private = private_chunk_ids.size(1);
   p.dtype = q.scalar_type() == at::kBFloat16 ? chunk_attn_cpu::DType::kBFloat16 : chunk_attn_cpu::DType::kFloat32;
   p.scale = static_cast<float>(scale);
+  p.window = static_cast<int>(window);
   const std::vector<chunk_attn_cpu::ChunkItem> items =
       chunk_attn_cpu::chunk_items(p, static_cast<int>(std::min<int64_t>(max_chunks_per_item, 1 << 30)));
   p.items = items.data();
@@ -146,8 +153,9 @@ at::Tensor tpp_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::
 at::Tensor tpp_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& chunk_table, const at::Tensor& q_start, const at::Tensor& num_tokens,
                        const at::Tensor& token_start, const at::Tensor& tiles, const at::Tensor& scratch,
-                       double scale, const std::string& isa) {
+                       double scale, int64_t window, const std::string& isa) {
   const Variant& variant = variant_for(isa);
+  check_window(window);
   check_attention_tensors(q, k_cache, v_cache, "q must be [num_q_tokens, num_heads, head_dim], got ");
   const int num_q_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int capacity = k_cache.size(0), num_kv_heads = k_cache.size(1), chunk_size = k_cache.size(2);
@@ -209,6 +217,7 @@ at::Tensor tpp_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at:
   p.chunk_size = chunk_size;
   p.dtype = q.scalar_type() == at::kBFloat16 ? chunk_attn_cpu::DType::kBFloat16 : chunk_attn_cpu::DType::kFloat32;
   p.scale = static_cast<float>(scale);
+  p.window = static_cast<int>(window);
   variant.prefill(p);
   return out;
 }
@@ -245,14 +254,15 @@ TORCH_LIBRARY(chunk_llama_cpu, m) {
       "tpp_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor shared_chunk_ids, Tensor shared_begin, "
       "Tensor shared_end, Tensor shared_depth, Tensor private_chunk_ids, Tensor num_shared_tokens, "
       "Tensor seq_lens, Tensor seq_pair_ptr, Tensor(a!) scratch, float scale, int max_chunks_per_item, "
-      "str isa) -> Tensor",
+      "int window, str isa) -> Tensor",
       &tpp_decode);
   m.def("scratch_floats(int num_pairs, int num_seqs, int num_heads, int num_kv_heads, int head_dim, "
         "int chunk_size, int num_threads) -> int",
         &scratch_floats);
   m.def(
       "tpp_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor chunk_table, Tensor q_start, "
-      "Tensor num_tokens, Tensor token_start, Tensor tiles, Tensor(a!) scratch, float scale, str isa) -> Tensor",
+      "Tensor num_tokens, Tensor token_start, Tensor tiles, Tensor(a!) scratch, float scale, int window, "
+      "str isa) -> Tensor",
       &tpp_prefill);
   m.def("prefill_scratch_floats(int chunk_size, int head_dim, int num_threads) -> int", &prefill_scratch_floats);
   m.def("variants() -> str[]", &variants);

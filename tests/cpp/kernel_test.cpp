@@ -34,6 +34,7 @@ struct Case {
   int num_seqs, max_len, chunk_size, head_dim, num_kv_heads, group, max_chunks_per_item;
   bool bf16;
   uint64_t seed;
+  int window = 0;  // sliding window; 0: none
 };
 
 // The plan of a tree: what chunk_llama/kv/plan.py builds, for sequences sorted so the
@@ -147,6 +148,7 @@ double run_case(const Variant& variant, const Case& cs) {
   p.num_shared = static_cast<int>(plan.shared_ids.size()), p.max_private = std::max(plan.max_private, 1);
   p.dtype = sizeof(T) == 2 ? DType::kBFloat16 : DType::kFloat32;
   p.scale = 1.f / std::sqrt(static_cast<float>(D));
+  p.window = cs.window;
   p.num_threads = 2;
   const std::vector<ChunkItem> items = chunk_items(p, cs.max_chunks_per_item);
   p.items = items.data(), p.num_items = static_cast<int>(items.size());
@@ -172,6 +174,7 @@ double run_case(const Variant& variant, const Case& cs) {
         for (int d = 0; d < D; ++d) scores[t] += load_scalar(q.data(), (static_cast<int64_t>(i) * H + h) * D + d) *
                                                  static_cast<double>(load_scalar(k.data(), at(t, d)));
         scores[t] *= p.scale;
+        if (cs.window > 0 && t < length - cs.window) scores[t] = -INFINITY;  // before the window
         m = std::max(m, scores[t]);
       }
       for (double& s : scores) sum += (s = std::exp(s - m));
@@ -213,6 +216,12 @@ int main(int argc, char** argv) {
       }
   cases.push_back({1, 200, 64, 64, 3, 3, 1, false, seed++});  // one sequence: nothing shared
   cases.push_back({40, 40, 16, 128, 1, 1, 2, false, seed++});  // many sequences of exactly shared chunks
+  // sliding windows shorter than, across and longer than the shared prefixes
+  for (int window : {1, 23, 77})
+    for (int max_chunks : {1, 1000}) {
+      cases.push_back({17, 200, 16, 64, 2, 3, max_chunks, false, seed++, window});
+      cases.push_back({5, 300, 32, 256, 1, 4, max_chunks, window == 23, seed++, window});
+    }
   int failures = 0, runs = 0;
   for (int a = 1; a < argc; ++a) {
     double worst = 0;
@@ -235,9 +244,9 @@ int main(int argc, char** argv) {
       if (!(error <= worst)) worst = error;  // NaN sticks
       if (!(error <= 1.0)) {
         ++failures;
-        std::printf("FAIL %s: %s d=%d group=%d chunk=%d seqs=%d max_chunks=%d seed=%llu: max error %.3g x the allowed\n",
-                    argv[a], cs.bf16 ? "bf16" : "fp32", cs.head_dim, cs.group, cs.chunk_size, cs.num_seqs,
-                    cs.max_chunks_per_item, static_cast<unsigned long long>(cs.seed), error);
+        std::printf("FAIL %s: %s d=%d group=%d chunk=%d seqs=%d max_chunks=%d window=%d seed=%llu: max error %.3g x "
+                    "the allowed\n", argv[a], cs.bf16 ? "bf16" : "fp32", cs.head_dim, cs.group, cs.chunk_size,
+                    cs.num_seqs, cs.max_chunks_per_item, cs.window, static_cast<unsigned long long>(cs.seed), error);
       }
     }
     std::printf("variant %s: %zu cases, largest error %.2f x the allowed\n", argv[a], cases.size(), worst);
