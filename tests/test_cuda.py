@@ -96,3 +96,29 @@ def test_patched_model_on_gpu_matches_stock_logits(dtype):
             for row, i in enumerate(order):
                 assert (out[row] - expected[i][len(seqs[i]) + step]).abs().max() <= tol
     assert cache.num_plan_updates > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (256, 4)])
+@pytest.mark.parametrize("window", [1, 37, 123, 700])
+def test_sliding_windows_against_the_reference(dtype, head_dim, group, window):
+    """Shared chunks before, across and inside the windows; long private tails split."""
+    from chunk_llama.ops import reference
+    from test_sliding_window import dense_windowed
+
+    from chunk_llama.ops.reference import gather_dense
+
+    tokens = [[7] * 320 + [i] * (3 + 97 * i) for i in range(6)] + [[8] * 2000]
+    pool, tree = make_tree(tokens, chunk_size=64, num_kv_heads=2, head_dim=head_dim, dtype=dtype, device="cuda")
+    plan = build_decode_plan(tree, tree.seq_ids, device="cuda", group=group)
+    q = torch.randn(plan.num_seqs, 2 * group, head_dim, generator=torch.Generator().manual_seed(window)).to("cuda", dtype)
+    out = tpp_decode_attention(q, pool.k[0], pool.v[0], plan, head_dim**-0.5, window)
+    ref = reference.tpp_decode_attention(q, pool.k[0], pool.v[0], plan, head_dim**-0.5, window)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    for row, seq_id in enumerate(plan.seq_ids):
+        length = tree.seq_len(seq_id)
+        ids = torch.tensor(tree.chunk_ids(seq_id), device="cuda")
+        k, v = gather_dense(pool.k[0], ids, length), gather_dense(pool.v[0], ids, length)
+        dense = dense_windowed(q[row][None].cpu(), k.cpu(), v.cpu(), length - 1, window, head_dim**-0.5)[0]
+        torch.testing.assert_close(out[row].float().cpu(), dense, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])

@@ -53,7 +53,7 @@ def shared_prefix_tokens(rng, num_seqs, prefix_len, vocab=3):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 1), (256, 4)])
 @pytest.mark.parametrize("chunk_size", [16, 48])
-@pytest.mark.parametrize("window", [1, 17, 37, 123])
+@pytest.mark.parametrize("window", [1, 37, 123])
 def test_decode_against_dense_windowed_sdpa(backend, dtype, head_dim, group, chunk_size, window):
     rng = random.Random(window * 7 + chunk_size + head_dim)
     tokens = shared_prefix_tokens(rng, rng.choice([17, 37]), rng.choice([64, 200]))

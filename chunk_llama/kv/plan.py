@@ -205,9 +205,10 @@ def build_decode_plan(
             row_offset.append(total)
             total += -(-(e - b) * group // PARTIAL_ROW_ALIGN) * PARTIAL_ROW_ALIGN
         partial_rows = [row_offset[s] + r * group for s, r in zip(pair_shared, pair_row)]
-        names = ["shared_chunk_ids", "shared_begin", "shared_end", "shared_row_offset", "private_chunk_ids",
-                 "num_shared_tokens", "seq_lens", "seq_partial_ptr", "seq_partial_rows"]
-        values = [shared_ids, begin, end, row_offset, padded, num_shared_tokens, seq_lens, seq_pair_ptr, partial_rows]
+        names = ["shared_chunk_ids", "shared_begin", "shared_end", "shared_row_offset", "shared_depth",
+                 "private_chunk_ids", "num_shared_tokens", "seq_lens", "seq_partial_ptr", "seq_partial_rows"]
+        values = [shared_ids, begin, end, row_offset, shared_depth, padded, num_shared_tokens, seq_lens, seq_pair_ptr,
+                  partial_rows]
         plan.device_index = dict(zip(names, to_device(values, torch.int32, device)))
         plan.device_index["private_chunk_ids"] = plan.device_index["private_chunk_ids"].reshape(len(order), width)
         plan.num_partial_rows = total

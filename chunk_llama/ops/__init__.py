@@ -124,14 +124,10 @@ def tpp_decode_attention(
     """
     window = check_window(window)
     backend = decode_backend(q, k_cache)
-    if backend == "cuda" and window:
-        backend = "reference"
-        _log_once("cuda window", "chunk-llama: decode attention runs the PyTorch reference: %s",
-                  "the CUDA kernels have no sliding windows yet (windowed layers only)")
     if backend == "cuda":
         from chunk_llama.ops.cuda import tpp_decode_attention_cuda
 
-        return tpp_decode_attention_cuda(q, k_cache, v_cache, plan, scale)
+        return tpp_decode_attention_cuda(q, k_cache, v_cache, plan, scale, window)
     if backend == "cpu":
         from chunk_llama.ops.cpu import tpp_decode_attention_cpu
 

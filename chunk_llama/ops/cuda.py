@@ -76,9 +76,9 @@ def _supports(device_index, dtype, cache_dtype, head_dim: int, chunk_size: int) 
 
 
 def tpp_decode_attention_cuda(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float, window: int = 0
 ) -> torch.Tensor:
-    """Same contract as `reference.tpp_decode_attention`; `plan` built on the GPU with
+    """Same contract as `reference.tpp_decode_attention` (window: 0 for none); `plan` built on the GPU with
     `group = num_heads // num_kv_heads`.
 
     q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [capacity, num_kv_heads, chunk_size, head_dim]
@@ -89,8 +89,8 @@ def tpp_decode_attention_cuda(
     return _module().tpp_decode(
         q.contiguous(), k_cache, v_cache,
         index["shared_chunk_ids"], index["shared_begin"], index["shared_end"], index["shared_row_offset"],
-        index["private_chunk_ids"], index["num_shared_tokens"], index["seq_lens"], index["seq_partial_ptr"],
+        index["shared_depth"], index["private_chunk_ids"], index["num_shared_tokens"], index["seq_lens"], index["seq_partial_ptr"],
         index["seq_partial_rows"], plan.max_rows_per_shared, plan.max_pairs_per_seq, plan.max_private_tokens,
         plan.num_partial_rows,
-        float(scale),
+        float(scale), window,
     )

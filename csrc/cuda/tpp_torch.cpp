@@ -20,11 +20,12 @@ void check_index(const torch::Tensor& t, const char* name, const torch::Device& 
 
 torch::Tensor tpp_decode_cuda(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor shared_chunk_ids, torch::Tensor shared_begin, torch::Tensor shared_end,
-                              torch::Tensor shared_row_offset, torch::Tensor private_chunk_ids,
+                              torch::Tensor shared_row_offset, torch::Tensor shared_depth,
+                              torch::Tensor private_chunk_ids,
                               torch::Tensor num_shared_tokens, torch::Tensor seq_lens, torch::Tensor seq_partial_ptr,
                               torch::Tensor seq_partial_rows, int64_t max_rows_per_shared,
                               int64_t max_pairs_per_seq, int64_t max_private_tokens, int64_t num_partial_rows,
-                              double scale) {
+                              double scale, int64_t window) {
   TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
   const torch::Device device = q.device();
   TORCH_CHECK(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim], got ", q.sizes());
@@ -44,11 +45,14 @@ torch::Tensor tpp_decode_cuda(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   TORCH_CHECK(chunk_attn::tpp_supports(head_dim, chunk_size), "CUDA TPP supports head_dim 64/128/256 and ",
               "chunk_size 32/64/128, got head_dim ", head_dim, ", chunk_size ", chunk_size);
   const torch::Tensor* index[] = {&shared_chunk_ids, &shared_begin, &shared_end, &shared_row_offset,
-                                  &private_chunk_ids, &num_shared_tokens, &seq_lens, &seq_partial_ptr,
-                                  &seq_partial_rows};
-  const char* names[] = {"shared_chunk_ids", "shared_begin", "shared_end", "shared_row_offset", "private_chunk_ids",
-                         "num_shared_tokens", "seq_lens", "seq_partial_ptr", "seq_partial_rows"};
-  for (int i = 0; i < 9; ++i) check_index(*index[i], names[i], device);
+                                  &shared_depth, &private_chunk_ids, &num_shared_tokens, &seq_lens,
+                                  &seq_partial_ptr, &seq_partial_rows};
+  const char* names[] = {"shared_chunk_ids", "shared_begin", "shared_end", "shared_row_offset", "shared_depth",
+                         "private_chunk_ids", "num_shared_tokens", "seq_lens", "seq_partial_ptr",
+                         "seq_partial_rows"};
+  for (int i = 0; i < 10; ++i) check_index(*index[i], names[i], device);
+  TORCH_CHECK(shared_depth.numel() == shared_chunk_ids.numel(), "shared_depth must have num_shared entries");
+  TORCH_CHECK(window >= 0 && window <= INT32_MAX, "window must be 0 (none) or a positive int32, got ", window);
   TORCH_CHECK(private_chunk_ids.dim() == 2 && private_chunk_ids.size(0) == num_seqs,
               "private_chunk_ids must be [num_seqs, max_private]");
   TORCH_CHECK(seq_lens.numel() == num_seqs && seq_partial_ptr.numel() == num_seqs + 1,
@@ -82,6 +86,7 @@ torch::Tensor tpp_decode_cuda(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   p.shared_begin = shared_begin.data_ptr<int>();
   p.shared_end = shared_end.data_ptr<int>();
   p.shared_row_offset = shared_row_offset.data_ptr<int>();
+  p.shared_depth = shared_depth.data_ptr<int>();
   p.private_chunk_ids = private_chunk_ids.data_ptr<int>();
   p.num_shared_tokens = num_shared_tokens.data_ptr<int>();
   p.seq_lens = seq_lens.data_ptr<int>();
@@ -98,6 +103,7 @@ torch::Tensor tpp_decode_cuda(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   p.split_n = p.split_m + split_states;
   p.num_partial_rows = num_partial_rows;
   p.scale = static_cast<float>(scale);
+  p.window = static_cast<int>(window);
   const cudaError_t err = chunk_attn::tpp_decode(p, dtype, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "CUDA TPP launch failed: ", cudaGetErrorString(err));
   return out;

@@ -7,6 +7,7 @@
 // a small GEMM instead of one GEMV per sequence.
 #pragma once
 
+#include <climits>
 #include <mma.h>
 
 #include "chunk_attn/common.cuh"
@@ -120,14 +121,20 @@ __global__ void chunk_first_kernel(TppParams p) {
   T* p_warp = p_s + warp * 16 * C;
   float* m_out = p.partial_m + static_cast<size_t>(kv_head) * p.num_partial_rows + p.shared_row_offset[s] + tile_start;
   float* n_out = p.partial_n + static_cast<size_t>(kv_head) * p.num_partial_rows + p.shared_row_offset[s] + tile_start;
+  // Under a sliding window a key before the row's window scores -inf; a row with no
+  // visible key in the chunk leaves m = -inf, n = 0 and O = 0, which the merge weighs 0.
+  const int key0 = p.shared_depth[s] * C;
   for (int r = 0; r < 16; ++r) {
     const float* row = s_warp + r * C;
+    const int local_row = tile_start + warp * 16 + r;
+    const int window_first =
+        p.window > 0 && local_row < num_rows ? p.seq_lens[begin + local_row / group] - p.window : INT_MIN;
     float mx = -INFINITY;
-    for (int c = lane; c < C; c += 32) mx = fmaxf(mx, row[c] * p.scale);
+    for (int c = lane; c < C; c += 32) mx = fmaxf(mx, key0 + c < window_first ? -INFINITY : row[c] * p.scale);
     mx = warp_max(mx);
     float sum = 0.f;
     for (int c = lane; c < C; c += 32) {
-      const float e = __expf(row[c] * p.scale - mx);
+      const float e = key0 + c < window_first || mx == -INFINITY ? 0.f : __expf(row[c] * p.scale - mx);
       p_warp[r * C + c] = from_float<T>(e);
       sum += e;
     }

@@ -24,6 +24,7 @@ struct TppParams {
   const int* shared_begin;       // [num_shared] first plan row under the chunk
   const int* shared_end;         // [num_shared] one past the last
   const int* shared_row_offset;  // [num_shared] first partial row of the chunk
+  const int* shared_depth;       // [num_shared] position of the chunk on the paths through it
   const int* private_chunk_ids;  // [num_seqs, max_private]
   const int* num_shared_tokens;  // [num_seqs] tokens in shared chunks (a multiple of chunk_size)
   const int* seq_lens;           // [num_seqs] context length including the new token
@@ -45,6 +46,7 @@ struct TppParams {
   float* split_m;           // [num_seqs, num_kv_heads, num_splits, group]
   float* split_n;
   int num_partial_rows;
+  int window;  // sliding window: a query sees its `window` latest positions, itself included; 0: all
   float scale;
 };
 

@@ -117,9 +117,11 @@ __global__ void __launch_bounds__(kSeqFirstWarps * 32) seq_first_kernel(TppParam
   float* o_s = sm.o;  // [warps][MAX_G][D]
   float* m_s = sm.m;  // [warps][MAX_G]
   float* n_s = sm.n;  // [warps][MAX_G]
-  // This block's share of the private tail (all of it unless split).
-  const int span = (length - first + p.num_splits - 1) / p.num_splits;
-  const int range_begin = first + blockIdx.z * span;
+  // This block's share of the private tail (all of it unless split), from the first
+  // key in the query's sliding window if that comes later.
+  const int start = p.window > 0 ? max(first, length - p.window) : first;
+  const int span = (length - start + p.num_splits - 1) / p.num_splits;
+  const int range_begin = start + blockIdx.z * span;
   const int range_end = min(length, range_begin + span);
 
   for (int g0 = 0; g0 < group; g0 += MAX_G) {
