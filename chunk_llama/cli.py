@@ -1,4 +1,5 @@
-"""`chunk-llama` command line: `generate` (a shared system prompt, many questions) and `eval` (prompt sets)."""
+"""`chunk-llama` command line: `generate` (a shared system prompt, many questions), `eval` (prompt sets)
+and `serve` (an OpenAI-compatible HTTP server)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import sys
 import time
 
-from chunk_llama.eval.cli import add_eval_parser
+from chunk_llama.eval.cli import MODEL_HELP, add_eval_parser
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "examples")
 DEFAULT_SYSTEM = os.path.join(EXAMPLES, "toolqa_flights_system.txt")
@@ -108,11 +109,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """`chunk-llama serve`: the OpenAI-compatible server (chunk_llama.server)."""
+    from chunk_llama.server import serve
+
+    serve(args.model, host=args.host, port=args.port, max_batch_size=args.max_batch_size,
+          kv_cache_bytes=args.kv_cache_bytes, dtype=args.dtype, chunk_size=args.chunk_size)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="chunk-llama", description=__doc__)
     sub = parser.add_subparsers(dest="command")
     gen = sub.add_parser("generate", help="batch generation with a shared system prompt")
-    gen.add_argument("--model", help="a .gguf file, a local folder or a hub id (default: SmolLM2-135M-Instruct)")
+    gen.add_argument("--model", help=MODEL_HELP)
     gen.add_argument("--system-prompt", default=DEFAULT_SYSTEM, help="file holding the shared system prompt")
     gen.add_argument("--prompts", default=DEFAULT_PROMPTS, help="questions: one per line, or JSONL")
     gen.add_argument("--max-new-tokens", type=int, default=64)
@@ -124,6 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--output", help="write one JSON object per request to this file")
     gen.set_defaults(func=cmd_generate)
     add_eval_parser(sub)
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the engine")
+    srv.add_argument("--model", help=MODEL_HELP)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--max-batch-size", type=int, default=32)
+    srv.add_argument("--chunk-size", type=int, default=64)
+    srv.add_argument("--kv-cache-bytes", type=int, default=None)
+    srv.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 

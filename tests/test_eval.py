@@ -9,6 +9,8 @@ import sys
 import pytest
 
 from chunk_llama.eval import extract_tool_call, is_correct, load_prompt_set
+from chunk_llama.eval.data import chat_messages, parse_few_shot, prompt_ids
+from chunk_llama.eval.summary import render_markdown, summarize, wilson_interval
 from chunk_llama.eval.cli import main as eval_main
 from chunk_llama.eval.ordering import shard_by_app, simulate_prefill_tokens
 from helpers import tiny_llama, tiny_tokenizer
@@ -19,14 +21,24 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_shipped_set_has_four_apps_of_sixty_questions_with_long_varied_prompts():
     data = load_prompt_set()
     apps = sorted(set(data["app"]))
-    assert len(apps) >= 4 and data.column_names == ["app", "system_prompt", "question", "answer", "id"]
+    assert len(apps) >= 4
+    assert data.column_names == ["app", "system_prompt", "question", "answer", "few_shot", "id"]
     rows = data.to_list()
     for app in apps:
         mine = [r for r in rows if r["app"] == app]
         assert len(mine) >= 50 and len({r["system_prompt"] for r in mine}) == 1
         assert all(is_correct(f"Action: {r['answer']}", r["answer"]) for r in mine)
-    lengths = sorted({len(r["system_prompt"]) for r in rows})
-    assert lengths[-1] > 2 * lengths[0]  # varied like the paper's Table 2
+        # few-shot examples as chat turns right after the system prompt, the same for every question
+        chats = [chat_messages(r) for r in mine]
+        assert all(chat[:-1] == chats[0][:-1] for chat in chats)
+        num_examples = len(chats[0]) // 2 - 1
+        assert [m["role"] for m in chats[0]] == ["system"] + ["user", "assistant"] * num_examples + ["user"]
+        turns = chats[0][1:-1]
+        assert len(turns) >= 20 and all(is_correct(t["content"], t["content"].split("Action: ")[1])
+                                        for t in turns[1::2])
+        assert not {t["content"] for t in turns[::2]} & {r["question"] for r in mine}  # not asked
+    lengths = sorted({sum(len(m["content"]) for m in chat_messages(r)[:-1]) for r in rows})  # shared prefixes
+    assert len(lengths) == len(apps) and lengths[-1] > 2 * lengths[0]  # varied like the paper's Table 2
     assert len(load_prompt_set(apps=["weather", "papers"], limit=7)) == 14
 
 
@@ -48,11 +60,71 @@ def test_user_files_and_clear_errors(tmp_path):
         load_prompt_set(str(tmp_path / "missing.jsonl"))
 
 
+def test_few_shot_column_is_optional_and_validated(tmp_path):
+    turns = [{"role": "user", "content": "w10"}, {"role": "assistant", "content": "w11"}]
+    rows = [dict(app="a", system_prompt="w12", question="w13", answer="T[1]", few_shot=turns),
+            dict(app="a", system_prompt="w12", question="w14", answer="T[2]", few_shot=turns)]
+    jsonl = tmp_path / "set.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    loaded = load_prompt_set(str(jsonl)).to_list()
+    assert [parse_few_shot(r["few_shot"]) for r in loaded] == [turns, turns]
+    tokenizer = chat_tokenizer()
+    assert prompt_ids(tokenizer, loaded[0]) == [12, 10, 11, 13]  # system, example (user, assistant), question
+    assert prompt_ids(tokenizer, dict(loaded[0], few_shot=None)) == [12, 13]
+    csv = tmp_path / "set.csv"  # CSV: a JSON string, or empty for none
+    csv.write_text('app,system_prompt,question,answer,few_shot\na,s,q,T[1],"[{""role"": ""user"", '
+                   '""content"": ""x""}, {""role"": ""assistant"", ""content"": ""T[0]""}]"\na,s,q2,T[2],\n')
+    assert [len(parse_few_shot(r["few_shot"])) for r in load_prompt_set(str(csv)).to_list()] == [2, 0]
+    for bad, error, match in [
+        ("not json", ValueError, "row 0: few_shot is not valid JSON"),
+        ({"role": "user"}, TypeError, "row 0: few_shot must be a list"),
+        (["hi"], TypeError, "message 0 must be a dict"),
+        ([{"role": "assistant", "content": "x"}], ValueError, "message 0 has role 'assistant'.*be 'user'"),
+        ([{"role": "user", "content": 3}], TypeError, "content must be a string"),
+        ([{"role": "user", "content": "x"}], ValueError, "ends with a user message"),
+    ]:
+        path = tmp_path / "bad.jsonl"
+        path.write_text(json.dumps(dict(rows[0], few_shot=bad)) + "\n")
+        with pytest.raises(error, match=match):
+            load_prompt_set(str(path))
+
+
+def test_accuracy_has_a_wilson_interval():
+    low, high = wilson_interval(6, 60)  # 10%: [4.7%, 20.1%] (Wilson 1927)
+    assert abs(low - 0.0466) < 1e-4 and abs(high - 0.2015) < 1e-4
+    assert wilson_interval(0, 8)[0] == 0.0 and abs(wilson_interval(0, 8)[1] - 0.3244) < 1e-4
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+    with pytest.raises(ValueError):
+        wilson_interval(3, 2)
+    results = [dict(app="a", correct=i < 3, prompt_tokens=10, shared_tokens=5) for i in range(8)]
+    run = dict(app="a", started_at=0.0, seconds=1.0, generated_tokens=8, peak_kv_bytes=0,
+               peak_unshared_kv_bytes=0, prefill_tokens_reused=0, prefill_tokens_computed=80,
+               parity=dict(checked=0, equal=0))
+    summary = summarize(results, [run], dict(input_order=0, grouped_order=0), 1)
+    a = summary["apps"]["a"]
+    assert a["correct"] == 3 and a["accuracy"] == 3 / 8 and a["accuracy_ci"] == list(wilson_interval(3, 8))
+    assert "| 3/8 = 37.5% [13.7%, 69.4%] |" in render_markdown(summary)
+
+
+def chat_tokenizer():
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    return tokenizer
+
+
 def test_scoring_normalizes_the_first_tool_call():
     assert extract_tool_call("Thought: x\nAction: FlightStatus[DL 1, 2022-01-02]\nObs") == "FlightStatus[DL 1, 2022-01-02]"
     assert is_correct('Action:  flightstatus[ "DL  1" ,2022-01-02 ]', "FlightStatus[DL 1, 2022-01-02]")
     assert not is_correct("Action: FlightStatus[DL 2, 2022-01-02]", "FlightStatus[DL 1, 2022-01-02]")
     assert not is_correct("no call at all", "Finish[1]")
+    gold = "DailyWeather[Boston, 2022-01-29]"  # the few-shot format: a Thought naming a tool, then the Action
+    assert is_correct("Thought: The DailyWeather tool answers this directly.\n"
+                      "Action: DailyWeather[Boston, 2022-01-29]\nObservation: x", gold)
+    assert is_correct("Thought: Forecast[Boston, 3]?\nAction 1: DailyWeather[Boston, 2022-01-29]", gold)
+    for wrong in ["Thought: x\nAction: Forecast[Boston, 3]", "Action: DailyWeather[Boston, 2022-01-29, 3]",
+                  "Action: DailyWeather[2022-01-29, Boston]", "Action: DailyWeather[Boston, 2022-01-",
+                  "Thought: x\nAction: Finish[DailyWeather[Boston, 2022-01-29]]"]:
+        assert not is_correct(wrong, gold), wrong
 
 
 def test_sharding_keeps_apps_together_and_balances_tokens():

@@ -363,6 +363,9 @@ class ChunkLlamaEngine:
 
     def _delta(self, seq: Sequence) -> RequestDelta:
         delta = make_delta(seq, self.inputs)
+        if delta.finished and seq.finish_reason != "abort" and self.inputs.conversations is not None \
+                and isinstance(seq.prompt, (list, tuple)) and seq.prompt and isinstance(seq.prompt[0], dict):
+            self.inputs.conversations.record(seq.prompt_ids, seq.output_ids)  # the next turn may continue it
         if delta.finished:
             with self._lock:
                 if all(s.is_finished for s in self._live.get(seq.request_id, [])):

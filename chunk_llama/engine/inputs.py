@@ -14,6 +14,7 @@ import torch
 from transformers import GenerationConfig
 
 from chunk_llama.engine import generation
+from chunk_llama.engine.conversation import ConversationHistory
 from chunk_llama.engine.request import SampleGroup, Sequence
 from chunk_llama.engine.text import decode
 
@@ -37,6 +38,9 @@ class InputProcessor:
         self.max_batch_size = max_batch_size
         # Fast tokenizers are not safe to call from several threads at once.
         self.tokenizer_lock = threading.Lock()
+        # chat prompts continuing an earlier turn reuse its ids (conversation.py)
+        self.conversations = None if tokenizer is None else ConversationHistory(tokenizer,
+                                                                                self.tokenizer_lock)
 
     def tokenize(self, prompt) -> list[int]:
         """Token ids of a prompt: a string, a chat message list or a list of token ids."""
@@ -45,11 +49,10 @@ class InputProcessor:
         ):
             if self.tokenizer is None:
                 raise ValueError("text and chat prompts need a tokenizer; pass one to ChunkLlamaEngine")
-            with self.tokenizer_lock:
-                if isinstance(prompt, str):
+            if isinstance(prompt, str):
+                with self.tokenizer_lock:
                     return list(self.tokenizer(prompt)["input_ids"])
-                text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
-                return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            return self.conversations.prompt_ids(list(prompt))
         if isinstance(prompt, (list, tuple)) or (isinstance(prompt, torch.Tensor) and prompt.ndim == 1):
             ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):

@@ -39,4 +39,5 @@ def make_output(seq: Sequence, inputs: InputProcessor) -> RequestOutput:
         arrival_time=seq.arrival_time,
         first_token_time=seq.first_token_time,
         finish_time=seq.finish_time,
+        num_cached_tokens=seq.num_cached_tokens or 0,
     )

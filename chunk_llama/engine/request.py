@@ -20,6 +20,8 @@ class RequestOutput:
     logits: [num_generated, vocab] raw logits when `output_logits` was set, else None
     scores: [num_generated, vocab] the processed scores when `output_scores` was set, else None
     arrival_time, first_token_time, finish_time: `time.perf_counter()` stamps
+    num_cached_tokens: leading prompt tokens the prefix cache served when the request
+        was first admitted (not computed by its prefill); 0 if it never was
     """
 
     request_id: int
@@ -34,6 +36,7 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -99,6 +102,7 @@ class Sequence:
     num_decoded: int = 0  # tokens fed to the text decoder
     num_reported: int = 0  # tokens already returned in a `RequestDelta`
     num_reported_chars: int = 0  # characters of `text` already returned
+    num_cached_tokens: int | None = None  # prompt tokens found cached at its first admission
 
     @property
     def all_ids(self) -> list[int]:

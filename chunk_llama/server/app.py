@@ -1,0 +1,269 @@
+"""The FastAPI application: OpenAI-compatible routes over one `EngineLoop`.
+
+Handlers validate, queue their requests (`Session.submit`) and relay deltas; only
+the loop thread steps the engine. A bad request is a 400 with OpenAI's error body
+(pydantic's validation errors included), and touches nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from chunk_llama.server import responses as fmt
+from chunk_llama.server.convert import OpenAIError, chat_request, check_model, completion_requests
+from chunk_llama.server.loop import EngineLoop
+from chunk_llama.server.metrics import CONTENT_TYPE, Metrics
+from chunk_llama.server.schemas import ChatCompletionRequest, CompletionRequest
+from chunk_llama.server.session import ClientGone, Session
+
+
+def sse(obj) -> str:
+    """One server-sent event carrying `obj` as JSON."""
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+DONE = "data: [DONE]\n\n"
+
+
+def _validation_message(errors) -> tuple[str, str | None]:
+    """pydantic's errors as one message, and the offending field's path (the common part of
+    the errors' paths: a union reports one error per member type)."""
+    locs = [[str(p) for p in error.get("loc", ()) if p != "body"] for error in errors]
+    common = os.path.commonprefix(locs) if locs else []
+    param = ".".join(common or (locs[0] if locs else [])) or None
+    parts = []
+    for error, loc in zip(errors[:3], locs):
+        if error.get("type") == "json_invalid":
+            parts.append(f"the body is not valid JSON: {error.get('msg')}")
+        else:
+            parts.append(f"{'.'.join(loc) or 'body'}: {error.get('msg')}")
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    return "; ".join(parts) + more, param
+
+
+def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = ()) -> FastAPI:
+    """The server app for `engine`, serving it as `model_name` (requests may also name it by
+    one of `aliases`, e.g. the path it was loaded from). The engine loop starts and stops
+    with the app (its lifespan)."""
+    metrics = Metrics()
+    loop = EngineLoop(engine, on_deltas=metrics.on_deltas, on_finish=metrics.on_finish)
+    served = [model_name, *aliases]
+    max_positions = getattr(engine.model.config, "max_position_embeddings", None)
+    created_at = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop.start()
+        try:
+            yield
+        finally:
+            loop.stop()
+
+    app = FastAPI(title="chunk-llama", lifespan=lifespan)
+    app.state.engine, app.state.loop, app.state.metrics = engine, loop, metrics
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, error: OpenAIError):
+        if error.status < 500:
+            metrics.on_error()
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError):
+        message, param = _validation_message(error.errors())
+        metrics.on_error()
+        return JSONResponse(OpenAIError(message, param=param).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException):
+        body = OpenAIError(str(error.detail), status=error.status_code).body()
+        return JSONResponse(body, status_code=error.status_code, headers=getattr(error, "headers", None))
+
+    @app.get("/health")
+    async def health():
+        if not loop.alive:
+            return JSONResponse(
+                {"status": "error", "message": "the engine loop is not running"}, status_code=503
+            )
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [{"id": model_name, "object": "model", "created": created_at, "owned_by": "chunk-llama"}],
+        }
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(engine, loop), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body, served)
+        messages, config = chat_request(body, max_positions)
+        session = Session(loop, body.n)
+        await session.submit([messages], config, metrics=metrics, endpoint="chat")
+        head = (fmt.new_id("chatcmpl"), fmt.now(), body.model)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _event_stream(_stream_chat(session, head, body.stop_list(), include_usage))
+        outputs = await _collect(session, request)
+        if outputs is None:
+            return Response(status_code=499)
+        stops = body.stop_list()
+        top = body.top_logprobs or 0
+        choices = []
+        for index, out in enumerate(outputs):
+            logprobs = await _logprobs(engine, fmt.chat_logprobs, out, top) if body.logprobs else None
+            choices.append(fmt.chat_choice(index, _final_text(out, stops), out.finish_reason, logprobs))
+        return {
+            "id": head[0],
+            "object": "chat.completion",
+            "created": head[1],
+            "model": head[2],
+            "choices": choices,
+            "usage": _usage(session, outputs),
+        }
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body, served)
+        prompts, config = completion_requests(body)
+        session = Session(loop, body.n)
+        await session.submit(prompts, config, metrics=metrics, endpoint="completions")
+        head = (fmt.new_id("cmpl"), fmt.now(), body.model)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _event_stream(_stream_completion(session, head, body.stop_list(), include_usage))
+        outputs = await _collect(session, request)
+        if outputs is None:
+            return Response(status_code=499)
+        stops = body.stop_list()
+        choices = []
+        for index, out in enumerate(outputs):
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = await _logprobs(engine, fmt.completion_logprobs, out, body.logprobs)
+            choices.append(fmt.completion_choice(index, _final_text(out, stops), out.finish_reason, logprobs))
+        return {
+            "id": head[0],
+            "object": "text_completion",
+            "created": head[1],
+            "model": head[2],
+            "choices": choices,
+            "usage": _usage(session, outputs),
+        }
+
+    return app
+
+
+async def _collect(session: Session, request: Request):
+    """Every sample's `RequestOutput` in choice order, or None when the client left (its
+    requests are aborted)."""
+    outputs = [None] * (len(session.subs) * session.n)
+    try:
+        async for index, delta in session.deltas(request):
+            if delta.finished:
+                outputs[index] = delta.output
+    except ClientGone:
+        return None
+    finally:
+        session.close()
+    return outputs
+
+
+def _final_text(output, stops: list[str]) -> str:
+    text = output.text or ""
+    return fmt.cut_at_stop(text, stops) if stops and output.finish_reason == "stop" else text
+
+
+def _usage(session: Session, outputs) -> dict:
+    completion = sum(len(o.token_ids) for o in outputs)
+    cached = sum(outputs[i * session.n].num_cached_tokens for i in range(len(session.subs)))
+    return fmt.usage(sum(session.prompt_tokens), completion, cached)
+
+
+async def _logprobs(engine, build, output, top: int):
+    tokenizer, lock = engine.tokenizer, engine.inputs.tokenizer_lock
+
+    def token_text(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def work():
+        with lock:
+            return build(output, top, token_text)
+
+    return await asyncio.to_thread(work)
+
+
+def _event_stream(generator) -> StreamingResponse:
+    return StreamingResponse(
+        generator,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+async def _stream_chat(session: Session, head, stops: list[str], include_usage: bool):
+    response_id, created, model = head
+    cutters = [fmt.StopCutter(stops) for _ in range(len(session.subs) * session.n)]
+    started: set[int] = set()
+    outputs: dict[int, object] = {}
+    try:
+        async for index, delta in session.deltas():
+            text = cutters[index].feed(delta.text, delta.finished)
+            reason = delta.finish_reason if delta.finished else None
+            if text or reason or index not in started:
+                piece = {"content": text} if index in started else {"role": "assistant", "content": text}
+                started.add(index)
+                yield sse(fmt.chat_chunk(response_id, created, model, index, piece, reason))
+            if delta.finished:
+                outputs[index] = delta.output
+        if include_usage:
+            ordered = [outputs[i] for i in range(len(cutters))]
+            yield sse(
+                fmt.usage_chunk(
+                    response_id, created, model, "chat.completion.chunk", _usage(session, ordered)
+                )
+            )
+        yield DONE
+    except OpenAIError as error:
+        yield sse(error.body())
+        yield DONE
+    finally:
+        session.close()
+
+
+async def _stream_completion(session: Session, head, stops: list[str], include_usage: bool):
+    response_id, created, model = head
+    cutters = [fmt.StopCutter(stops) for _ in range(len(session.subs) * session.n)]
+    outputs: dict[int, object] = {}
+    try:
+        async for index, delta in session.deltas():
+            text = cutters[index].feed(delta.text, delta.finished)
+            reason = delta.finish_reason if delta.finished else None
+            if text or reason:
+                yield sse(fmt.completion_chunk(response_id, created, model, index, text, reason))
+            if delta.finished:
+                outputs[index] = delta.output
+        if include_usage:
+            ordered = [outputs[i] for i in range(len(cutters))]
+            yield sse(
+                fmt.usage_chunk(response_id, created, model, "text_completion", _usage(session, ordered))
+            )
+        yield DONE
+    except OpenAIError as error:
+        yield sse(error.body())
+        yield DONE
+    finally:
+        session.close()

@@ -1,0 +1,191 @@
+"""The engine loop: one thread steps the engine; HTTP handlers only queue and listen.
+
+A handler calls `submit` (from a worker thread: tokenizing and validating a long
+prompt takes a while), which queues the request with `engine.add_request` and
+returns a `Subscription`: an `asyncio.Queue` on the handler's event loop that
+receives the request's `RequestDelta`s, handed over with `call_soon_threadsafe`
+after each step. A step may run between `add_request` and the subscription; its
+deltas wait in `_early` until then. A handler that stops listening (its client left) calls `abort`.
+
+If a step raises (a bug, or memory the engine could not find), every request in
+flight gets the error as its last item and is aborted, and the loop goes on: a
+failed step would otherwise be retried with the same requests forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass
+
+from chunk_llama.engine.request import RequestDelta
+
+logger = logging.getLogger(__name__)
+
+
+class EngineFailure(Exception):
+    """A step of the engine raised while this request was in flight."""
+
+
+@dataclass(eq=False)
+class Subscription:
+    """Where one request's deltas go, in order: a queue on the event loop of the handler
+    that submitted it. Items are lists of `RequestDelta` or, once, an `EngineFailure`."""
+
+    request_id: int
+    num_samples: int
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    num_finished: int = 0
+
+
+class EngineLoop:
+    """Owns the thread that calls `engine.step()`; `start` it, `stop` it at shutdown.
+
+    `on_deltas(deltas)` and `on_finish(output)` (optional) are called in the loop thread
+    for every delta of a step and every finished sample (the metrics use them).
+    """
+
+    def __init__(self, engine, *, on_deltas=None, on_finish=None, idle_wait: float = 0.5):
+        self.engine = engine
+        self.on_deltas = on_deltas
+        self.on_finish = on_finish
+        self.idle_wait = idle_wait
+        self._lock = threading.Lock()
+        self._subs: dict[int, Subscription] = {}
+        self._early: dict[int, list[list[RequestDelta]]] = {}  # deltas that came before their subscriber
+        self._num_submitting = 0
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.num_running = 0  # requests in the engine's batch after the last step
+        self.num_in_flight = 0  # requests submitted and not finished
+
+    # ------------------------------------------------------------ handlers' side
+    def submit(self, prompt, config, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> Subscription:
+        """Queue a request whose deltas go to `queue` on `loop` (several requests may share
+        one). Blocking (`add_request` tokenizes): call it from a worker thread. Raises what
+        `add_request` raises for a bad request (ValueError / TypeError)."""
+        if self._stopping.is_set():
+            raise RuntimeError("the server is shutting down")
+        with self._lock:
+            self._num_submitting += 1
+        try:
+            request_id = self.engine.add_request(prompt, config)
+            with self._lock:
+                sub = Subscription(request_id, config.num_return_sequences or 1, queue, loop)
+                self._subs[request_id] = sub
+                for items in self._early.pop(request_id, []):  # a step ran before it was subscribed
+                    self._accept(sub, items)
+                self.num_in_flight = len(self._subs)
+        finally:
+            with self._lock:
+                self._num_submitting -= 1
+                if not self._num_submitting:
+                    self._early.clear()  # what is left belongs to aborted requests
+        self._wake.set()
+        return sub
+
+    def abort(self, sub: Subscription) -> None:
+        """Stop a request (its client left); a finished one is left as is."""
+        with self._lock:
+            live = self._subs.pop(sub.request_id, None) is not None
+            self.num_in_flight = len(self._subs)
+        if live:
+            self.engine.abort(sub.request_id)
+            self._wake.set()
+
+    # ------------------------------------------------------------ loop thread
+    def start(self) -> None:
+        """Start the loop thread."""
+        self._thread = threading.Thread(target=self._run, name="chunk-llama-engine-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort what is in flight and end the loop thread."""
+        self._stopping.set()
+        self._wake.set()
+        with self._lock:
+            subs, self._subs = list(self._subs.values()), {}
+        for sub in subs:
+            self.engine.abort(sub.request_id)
+            self._deliver(sub, EngineFailure("the server is shutting down"))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the loop thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopping.is_set():
+            self._wake.clear()
+            if not engine.has_unfinished_requests():
+                self._wake.wait(self.idle_wait)
+                continue
+            try:
+                deltas = engine.step()
+            except Exception as error:  # noqa: BLE001 - reported to every request in flight
+                logger.exception("an engine step failed; aborting the requests in flight")
+                self._fail_all(error)
+                continue
+            self._count_running()
+            if deltas:
+                self._dispatch(deltas)
+
+    def _count_running(self) -> None:
+        scheduler = self.engine.scheduler
+        self.num_running = len({s.request_id for s in [*scheduler.running, *scheduler.partial]})
+
+    def _dispatch(self, deltas: list[RequestDelta]) -> None:
+        if self.on_deltas is not None:
+            self.on_deltas(deltas)
+        by_sub: dict[int, list[RequestDelta]] = {}
+        for delta in deltas:
+            by_sub.setdefault(delta.request_id, []).append(delta)
+        for request_id, items in by_sub.items():
+            with self._lock:
+                sub = self._subs.get(request_id)
+                if sub is not None:
+                    self._accept(sub, items)
+                elif self._num_submitting:  # maybe a request whose submit has not subscribed yet
+                    self._early.setdefault(request_id, []).append(items)
+                # else aborted: its client is gone
+        if self.on_finish is not None:
+            for delta in deltas:
+                if delta.finished and delta.output is not None:
+                    self.on_finish(delta.output)
+
+    def _accept(self, sub: Subscription, items: list[RequestDelta]) -> None:
+        """Deliver a step's deltas of one request (caller holds the lock); forget it once done."""
+        sub.num_finished += sum(d.finished for d in items)
+        if sub.num_finished >= sub.num_samples:
+            del self._subs[sub.request_id]
+            self.num_in_flight = len(self._subs)
+        self._deliver(sub, items)
+
+    def _fail_all(self, error: Exception) -> None:
+        with self._lock:
+            subs, self._subs = list(self._subs.values()), {}
+            self.num_in_flight = 0
+        failure = EngineFailure(f"the engine failed: {type(error).__name__}: {error}")
+        for sub in subs:
+            try:
+                self.engine.abort(sub.request_id)
+            except ValueError:
+                pass
+            self._deliver(sub, failure)
+        try:  # take the aborts out now, so the failing requests leave the batch
+            self.engine.step()
+        except Exception:  # noqa: BLE001
+            logger.exception("the engine step that removes the failed requests failed too")
+
+    @staticmethod
+    def _deliver(sub: Subscription, item) -> None:
+        try:
+            sub.loop.call_soon_threadsafe(sub.queue.put_nowait, item)
+        except RuntimeError:  # the handler's event loop is closed
+            pass

@@ -1,0 +1,164 @@
+"""OpenAI response bodies: completions, stream chunks, usage, logprobs, and the cut at
+a stop string.
+
+The engine stops a sample as soon as a stop string appears in its text, but its
+text may run past it (a token can hold the stop string and more). OpenAI's text
+ends before the stop string: `cut_at_stop` cuts a whole text, and `StopCutter`
+does it for a stream, holding back the last `len(longest stop) - 1` characters
+until they cannot begin a stop string.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import torch
+
+
+def new_id(prefix: str) -> str:
+    """A response id such as `chatcmpl-...`."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    """`created`: seconds since the epoch."""
+    return int(time.time())
+
+
+def cut_at_stop(text: str, stops: list[str]) -> str:
+    """`text` up to (without) the first stop string in it."""
+    positions = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return text[: min(positions)] if positions else text
+
+
+class StopCutter:
+    """A sample's streamed text with OpenAI's stop-string semantics (see module doc)."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.buffer = ""
+        self.done = False
+
+    def feed(self, text: str | None, finished: bool) -> str:
+        """The text that can be sent now, given the new `text`."""
+        if self.done:
+            return ""
+        self.buffer += text or ""
+        if self.stops:
+            cut = cut_at_stop(self.buffer, self.stops)
+            if len(cut) < len(self.buffer):
+                self.done, self.buffer = True, ""
+                return cut
+        if finished:
+            out, self.buffer = self.buffer, ""
+            return out
+        ready = max(0, len(self.buffer) - self.hold)
+        out, self.buffer = self.buffer[:ready], self.buffer[ready:]
+        return out
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """The `usage` object, with `prompt_tokens_details.cached_tokens`."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def _token_logprobs(output, top: int, token_text):
+    """Per generated token: (text, logprob, [(alt text, alt logprob)] of the `top` most likely)."""
+    logprobs = torch.log_softmax(output.logits.float(), dim=-1)
+    rows = []
+    for step, token in enumerate(output.token_ids):
+        alternatives = []
+        if top:
+            values, ids = logprobs[step].topk(top)
+            alternatives = [(token_text(i), v) for i, v in zip(ids.tolist(), values.tolist())]
+        rows.append((token_text(token), float(logprobs[step, token]), alternatives))
+    return rows
+
+
+def chat_logprobs(output, top: int, token_text) -> dict:
+    """`choices[i].logprobs` of a chat completion."""
+
+    def entry(text, value):
+        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for text, value, alternatives in _token_logprobs(output, top, token_text):
+        item = entry(text, value)
+        item["top_logprobs"] = [entry(t, v) for t, v in alternatives]
+        content.append(item)
+    return {"content": content}
+
+
+def completion_logprobs(output, top: int, token_text) -> dict:
+    """`choices[i].logprobs` of a (legacy) completion."""
+    rows = _token_logprobs(output, top, token_text)
+    offsets, offset = [], 0
+    for text, _, _ in rows:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": [text for text, _, _ in rows],
+        "token_logprobs": [value for _, value, _ in rows],
+        "top_logprobs": [dict(alternatives) for _, _, alternatives in rows] if top else None,
+        "text_offset": offsets,
+    }
+
+
+def chat_choice(index: int, text: str, reason: str | None, logprobs: dict | None) -> dict:
+    """One choice of a chat completion."""
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": logprobs,
+        "finish_reason": reason,
+    }
+
+
+def completion_choice(index: int, text: str, reason: str | None, logprobs: dict | None) -> dict:
+    """One choice of a completion."""
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+
+def chat_chunk(
+    response_id: str, created: int, model: str, index: int, delta: dict, reason: str | None = None
+) -> dict:
+    """One `chat.completion.chunk` with one choice."""
+    return {
+        "id": response_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}],
+    }
+
+
+def completion_chunk(
+    response_id: str, created: int, model: str, index: int, text: str, reason: str | None = None
+) -> dict:
+    """One streamed `text_completion` with one choice."""
+    return {
+        "id": response_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason}],
+    }
+
+
+def usage_chunk(response_id: str, created: int, model: str, object_name: str, usage_body: dict) -> dict:
+    """The last chunk of a stream with `stream_options.include_usage`: no choices, the usage."""
+    return {
+        "id": response_id,
+        "object": object_name,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage_body,
+    }

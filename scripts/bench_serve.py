@@ -1,0 +1,427 @@
+"""Serving benchmark over HTTP: `chunk-llama serve` (and `transformers serve
+--continuous-batching`, if it runs here) against `engine.generate` on the same requests.
+
+    python scripts/bench_serve.py --workload shared --num-clients 16 --max-new-tokens 32     # the 0.9x target
+    python scripts/bench_serve.py --workload toolqa --limit 8 --rps 2 --num-clients 16
+    python scripts/bench_serve.py --workload shared --num-requests 4 --n-shared 200 --max-new-tokens 8
+
+Workloads (chat requests, greedy):
+  shared   `--num-requests` chats whose system prompt is `--n-shared` tokens of the shipped tool
+           manual, then a short question each (the 16 x 2,000 workload of scripts/bench_e2e.py)
+  toolqa   the shipped ToolQA-style prompt set (`--limit` questions per application)
+Clients: requests arrive by a Poisson process at `--rps` (inf: all at once), at most
+`--num-clients` in flight; each streams its answer (`/v1/chat/completions`, stream=true).
+Metrics per system: throughput (generated tokens over the time from the first arrival
+to the last finish), TTFT p50/p99 (from arrival), inter-token latency p50/p99 (gaps
+between streamed chunks), greedy outputs equal to `engine.generate`'s.
+
+Systems:
+  http       `chunk-llama serve` in a subprocess (same model, batch size and KV budget)
+  generate   `engine.generate` on the same chats in this process, all submitted at the
+             arrival times (rps inf: one `generate` call; else the online API)
+  hf-serve   `transformers serve --continuous-batching` on the same model saved to a local
+             folder (no download); skipped with the reason when it cannot start
+The server is idle while `generate` runs and the other way round; each system gets the
+same warm-up request (the first chat, 2 tokens), so every system starts with the shared
+prefix of the first request cached the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import torch
+from transformers import GenerationConfig
+
+import chunk_llama
+from chunk_llama.cli import DEFAULT_PROMPTS, DEFAULT_SYSTEM, read_prompts
+
+SYSTEMS = ("http", "generate", "hf-serve")
+
+
+# ------------------------------------------------------------------ workloads
+def shared_chats(tokenizer, n_shared: int, num_requests: int) -> list[list[dict]]:
+    """The bench_e2e chat workload: `n_shared` tokens of the tool manual, then a question each."""
+    with open(DEFAULT_SYSTEM, encoding="utf-8") as f:
+        manual = tokenizer(f.read())["input_ids"]
+    while len(manual) < n_shared:
+        manual = manual + manual
+    system = tokenizer.decode(manual[:n_shared])
+    questions = read_prompts(DEFAULT_PROMPTS)
+    return [
+        [
+            {"role": "system", "content": system},
+            {
+                "role": "user",
+                "content": questions[i % len(questions)] + ("" if i < len(questions) else f" (case {i})"),
+            },
+        ]
+        for i in range(num_requests)
+    ]
+
+
+def toolqa_chats(limit: int | None) -> list[list[dict]]:
+    """The shipped ToolQA-style set as chats (system prompt, few-shot turns if any, question)."""
+    from chunk_llama.eval import load_prompt_set
+    from chunk_llama.eval import data as eval_data
+
+    parse = getattr(eval_data, "parse_few_shot", lambda value: [])
+    rows = load_prompt_set("toolqa", limit=limit)
+    return [
+        [
+            {"role": "system", "content": r["system_prompt"]},
+            *parse(r.get("few_shot")),
+            {"role": "user", "content": r["question"]},
+        ]
+        for r in rows
+    ]
+
+
+def poisson_arrivals(rps: float, num: int, seed: int) -> list[float]:
+    """Arrival offsets in seconds (all 0 for rps inf)."""
+    if math.isinf(rps):
+        return [0.0] * num
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(num):
+        out.append(t)
+        t += rng.expovariate(rps)
+    return out
+
+
+# ------------------------------------------------------------------ servers
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(command: list[str], url: str, timeout: float, log_path: str) -> subprocess.Popen:
+    """Start a server and wait for GET /health; raises RuntimeError with its log's tail if it dies."""
+    log = open(log_path, "w")
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    stop_server(proc)
+    with open(log_path) as f:
+        tail = f.read()[-2000:]
+    raise RuntimeError(f"{' '.join(command[:4])} did not become healthy in {timeout:.0f} s:\n{tail}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+async def run_clients(
+    url: str, model: str, chats, arrivals, max_new_tokens: int, num_clients: int, tokenizer
+):
+    """Stream every chat at its arrival time, at most `num_clients` at once; one record each."""
+    limit = asyncio.Semaphore(num_clients)
+    start = time.perf_counter()
+    records = [None] * len(chats)
+
+    async def one(i, client):
+        await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
+        arrival = time.perf_counter()
+        async with limit:
+            body = {
+                "model": model,
+                "messages": chats[i],
+                "max_tokens": max_new_tokens,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            chunks, text, usage = [], [], None
+            async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+                if response.status_code != 200:
+                    raise RuntimeError(f"request {i}: HTTP {response.status_code}: {await response.aread()}")
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        raise RuntimeError(f"request {i}: {event['error']}")
+                    if event.get("usage"):
+                        usage = event["usage"]
+                    for choice in event.get("choices", []):
+                        content = (choice.get("delta") or {}).get("content")
+                        if content:
+                            chunks.append(time.perf_counter())
+                            text.append(content)
+            finish = time.perf_counter()
+        text = "".join(text)
+        n = (
+            usage["completion_tokens"]
+            if usage
+            else len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        )
+        records[i] = dict(
+            arrival=arrival,
+            first=chunks[0] if chunks else finish,
+            finish=finish,
+            tokens=n,
+            text=text,
+            gaps=[b - a for a, b in zip(chunks, chunks[1:])],
+        )
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0)) as client:
+        await asyncio.gather(*(one(i, client) for i in range(len(chats))))
+    return records
+
+
+def http_run(url, model, chats, arrivals, args, tokenizer):
+    asyncio.run(run_clients(url, model, chats[:1], [0.0], 2, 1, tokenizer))  # warm-up
+    return asyncio.run(
+        run_clients(url, model, chats, arrivals, args.max_new_tokens, args.num_clients, tokenizer)
+    )
+
+
+# ------------------------------------------------------------------ in-process reference
+def generate_run(engine, chats, arrivals, max_new_tokens: int):
+    """`engine.generate` (rps inf) or the online API at the same arrival times; one record each."""
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False)
+    engine.generate(chats[:1], GenerationConfig(max_new_tokens=2, do_sample=False))  # warm-up
+    start = time.perf_counter()
+    if all(a == 0 for a in arrivals):
+        outputs = engine.generate(chats, config)
+    else:
+        outputs, request_of, next_i = [None] * len(chats), {}, 0
+        while next_i < len(chats) or engine.has_unfinished_requests():
+            while next_i < len(chats) and start + arrivals[next_i] <= time.perf_counter():
+                request_of[engine.add_request(chats[next_i], config)] = next_i
+                next_i += 1
+            if not engine.has_unfinished_requests():
+                time.sleep(max(0.0, start + arrivals[next_i] - time.perf_counter()))
+                continue
+            for delta in engine.step():
+                if delta.finished:
+                    outputs[request_of[delta.request_id]] = delta.output
+    return [
+        dict(
+            arrival=start + a,
+            first=o.first_token_time,
+            finish=o.finish_time,
+            tokens=len(o.token_ids),
+            text=o.text,
+            gaps=None,
+            token_ids=o.token_ids,
+        )
+        for o, a in zip(outputs, arrivals)
+    ]
+
+
+# ------------------------------------------------------------------ figures
+def pct(values, q):
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
+
+
+def summarize(system, records, reference_texts) -> dict:
+    span = max(r["finish"] for r in records) - min(r["arrival"] for r in records)
+    tokens = sum(r["tokens"] for r in records)
+    ttft = [r["first"] - r["arrival"] for r in records]
+    if records[0]["gaps"] is None:  # generate: mean gap per request (no per-token times)
+        gaps = [(r["finish"] - r["first"]) / (r["tokens"] - 1) for r in records if r["tokens"] > 1]
+    else:
+        gaps = [g for r in records for g in r["gaps"]]
+    equal = sum(r["text"] == t for r, t in zip(records, reference_texts)) if reference_texts else None
+    return dict(
+        system=system,
+        requests=len(records),
+        tokens=tokens,
+        wall_s=round(span, 3),
+        throughput_tok_s=round(tokens / span, 2),
+        ttft_p50_s=pct(ttft, 0.5),
+        ttft_p99_s=pct(ttft, 0.99),
+        itl_p50_s=pct(gaps, 0.5),
+        itl_p99_s=pct(gaps, 0.99),
+        equal_to_generate=equal,
+    )
+
+
+def table(rows, header) -> str:
+    base = next((r["throughput_tok_s"] for r in rows if r["system"] == "generate"), None)
+    fmt = lambda v: "n/a" if v is None else f"{v * 1000:.0f} ms"  # noqa: E731
+    lines = [
+        header,
+        "",
+        "| system | tokens/s | vs generate | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | = generate |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['system']} | not run: {r['error']} |||||||")
+            continue
+        ratio = f"{r['throughput_tok_s'] / base:.2f}x" if base else "n/a"
+        equal = "n/a" if r["equal_to_generate"] is None else f"{r['equal_to_generate']}/{r['requests']}"
+        lines.append(
+            f"| {r['system']} | {r['throughput_tok_s']:.1f} | {ratio} | {fmt(r['ttft_p50_s'])} | "
+            f"{fmt(r['ttft_p99_s'])} | {fmt(r['itl_p50_s'])} | {fmt(r['itl_p99_s'])} | {equal} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--workload", choices=("shared", "toolqa"), default="shared")
+    parser.add_argument("--num-requests", type=int, default=16, help="shared workload: requests")
+    parser.add_argument("--n-shared", type=int, default=2000, help="shared workload: system prompt tokens")
+    parser.add_argument("--limit", type=int, default=None, help="toolqa: questions per application")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--rps", type=float, default=math.inf, help="Poisson arrival rate (inf: all at once)")
+    parser.add_argument("--num-clients", type=int, default=16, help="most requests in flight")
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--max-batch-size", type=int, default=32)
+    parser.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--server-timeout", type=float, default=600, help="seconds for a server to start")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args()
+
+    model, tokenizer = chunk_llama.load_default_model(getattr(torch, args.dtype))
+    chats = (
+        shared_chats(tokenizer, args.n_shared, args.num_requests)
+        if args.workload == "shared"
+        else toolqa_chats(args.limit)
+    )
+    arrivals = poisson_arrivals(args.rps, len(chats), args.seed)
+    rows, reference = [], None
+    logs = tempfile.mkdtemp(prefix="bench_serve_")
+    if "hf-serve" in args.systems:  # saved before the engine patches the model
+        save_local_copy(model, tokenizer, os.path.join(logs, "model"))
+    engine = chunk_llama.ChunkLlamaEngine(
+        model, tokenizer, max_batch_size=args.max_batch_size, kv_cache_bytes=args.kv_cache_bytes
+    )
+    if "generate" in args.systems or "http" in args.systems:
+        records = generate_run(engine, chats, arrivals, args.max_new_tokens)
+        reference = [r["text"] for r in records]
+        if "generate" in args.systems:
+            rows.append(summarize("generate", records, reference))
+            print(json.dumps(rows[-1]), flush=True)
+    lengths = [len(engine.tokenize(c)) for c in chats]
+    engine.close()
+    if "http" in args.systems:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        command = [
+            sys.executable,
+            "-m",
+            "chunk_llama.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--dtype",
+            args.dtype,
+            "--max-batch-size",
+            str(args.max_batch_size),
+            "--kv-cache-bytes",
+            str(args.kv_cache_bytes),
+        ]
+        proc = start_server(command, url, args.server_timeout, os.path.join(logs, "chunk_llama_serve.log"))
+        try:
+            name = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+            rows.append(summarize("http", http_run(url, name, chats, arrivals, args, tokenizer), reference))
+        finally:
+            stop_server(proc)
+        print(json.dumps(rows[-1]), flush=True)
+    if "hf-serve" in args.systems:
+        rows.append(hf_serve_row(chats, arrivals, args, tokenizer, reference, logs))
+        print(json.dumps(rows[-1]), flush=True)
+    header = (
+        f"{args.workload}: {len(chats)} chat requests (prompts {min(lengths)}-{max(lengths)} tokens), "
+        f"{args.max_new_tokens} new tokens, greedy, rps {args.rps:g}, {args.num_clients} clients, "
+        f"{args.dtype}, SmolLM2-135M-Instruct, torch {torch.__version__}, {os.cpu_count()} CPUs"
+    )
+    print("\n" + table(rows, header))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(header=header, rows=rows), f, indent=2)
+
+
+def save_local_copy(model, tokenizer, folder: str) -> None:
+    """The model as a plain local folder for `transformers serve`: a GGUF-loaded model refuses
+    `save_pretrained` ("quantized with gguf and is not serializable") and `transformers serve`
+    cannot load a GGUF file's config (no `architectures`), so the dequantized weights go to
+    safetensors by hand, with the config (architectures set, no quantization) and tokenizer."""
+    import copy
+
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__]
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+
+
+def hf_serve_row(chats, arrivals, args, tokenizer, reference, logs) -> dict:
+    """`transformers serve --continuous-batching` on the model saved to a local folder (`logs`/model)."""
+    folder = os.path.join(logs, "model")
+    exe = os.path.join(os.path.dirname(sys.executable), "transformers")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [
+        exe,
+        "serve",
+        folder,
+        "--continuous-batching",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--dtype",
+        args.dtype,
+    ]
+    try:
+        proc = start_server(command, url, args.server_timeout, os.path.join(logs, "transformers_serve.log"))
+    except (RuntimeError, OSError) as error:
+        return dict(system="hf-serve", error=str(error).splitlines()[-1][:300])
+    try:
+        # the folder is the model's name (its /v1/models scans the hub cache, absent here)
+        return summarize("hf-serve", http_run(url, folder, chats, arrivals, args, tokenizer), reference)
+    except Exception as error:  # noqa: BLE001 - reported in the table
+        return dict(system="hf-serve", error=f"{type(error).__name__}: {str(error)[:300]}")
+    finally:
+        stop_server(proc)
+
+
+if __name__ == "__main__":
+    main()
