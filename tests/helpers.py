@@ -165,8 +165,8 @@ def stock_greedy(model, prompt: list[int], config) -> list[int]:
 
 def assert_tree_consistent(tree) -> None:
     """The tree's invariants, checked from outside: each chunk's reference count is the
-    number of live sequences through it; a chunk no sequence uses is a retained, full,
-    findable one; every chunk is in the tree or free, never both."""
+    number of live sequences through it; a chunk no sequence uses is a retained one,
+    full and findable or a partly filled leaf; every chunk is in the tree or free, never both."""
     pool = tree.pool
     users: dict[int, int] = {}
     for seq_id in tree.seq_ids:
@@ -177,7 +177,8 @@ def assert_tree_consistent(tree) -> None:
         assert pool.ref_counts[node.chunk_id] == users.get(node.chunk_id, 0)
         if users.get(node.chunk_id, 0) == 0:
             assert tree.is_retained(node.chunk_id)
-            assert len(node.tokens) == pool.chunk_size and node.is_indexed()
+            full = len(node.tokens) == pool.chunk_size and node.is_indexed()
+            assert full or (0 < len(node.tokens) < pool.chunk_size and not node.children)
     assert tree.num_retained == sum(1 for n in nodes if users.get(n.chunk_id, 0) == 0)
     in_tree = [n.chunk_id for n in nodes]
     free = {c for c in range(pool.capacity) if pool.is_free(c)}

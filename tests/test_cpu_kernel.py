@@ -106,20 +106,22 @@ def test_glue_rejects_bad_tensors():
             plan.num_shared_tokens, plan.seq_lens, plan.seq_pair_ptr, torch.empty(10**5)]
     run = lambda q, *rest: module.tpp_decode(q, pool.k[0], pool.v[0], *rest)
     with pytest.raises(TypeError, match="share a dtype"):
-        run(torch.randn(2, 1, 64, dtype=torch.bfloat16), *args, 0.125, 1, "generic")
+        run(torch.randn(2, 1, 64, dtype=torch.bfloat16), *args, 0.125, 1, 0, "generic")
     with pytest.raises(ValueError, match="head_dim"):
-        run(torch.randn(2, 1, 32), *args, 0.125, 1, "generic")
+        run(torch.randn(2, 1, 32), *args, 0.125, 1, 0, "generic")
     with pytest.raises(ValueError, match="max_chunks_per_item"):
-        run(torch.randn(2, 1, 64), *args, 0.125, 0, "generic")
+        run(torch.randn(2, 1, 64), *args, 0.125, 0, 0, "generic")
     with pytest.raises(ValueError, match="'sse9' is not in this build"):
-        run(torch.randn(2, 1, 64), *args, 0.125, 1, "sse9")
+        run(torch.randn(2, 1, 64), *args, 0.125, 1, 0, "sse9")
     bad_plan = list(args)
     bad_plan[6] = plan.seq_lens.int()
     with pytest.raises(TypeError, match="seq_lens must be an int64"):
-        run(torch.randn(2, 1, 64), *bad_plan, 0.125, 1, "generic")
+        run(torch.randn(2, 1, 64), *bad_plan, 0.125, 1, 0, "generic")
+    with pytest.raises(ValueError, match="window must be 0 .none. or a positive int32"):
+        run(torch.randn(2, 1, 64), *args, 0.125, 1, -1, "generic")
     args[-1] = torch.empty(3)
     with pytest.raises(ValueError, match="scratch"):
-        run(torch.randn(2, 1, 64), *args, 0.125, 1, "generic")
+        run(torch.randn(2, 1, 64), *args, 0.125, 1, 0, "generic")
 
 
 @pytest.mark.skipif("avx512" in isa.host_variants() or isa.host_arch() != "x86_64",
@@ -134,4 +136,4 @@ def test_glue_refuses_a_variant_the_cpu_cannot_run():
     with pytest.raises(ValueError, match="'avx512' needs instructions this CPU does not have"):
         build().tpp_decode(torch.randn(1, 1, 64), pool.k[0], pool.v[0], plan.shared_chunk_ids, plan.shared_begin,
                            plan.shared_end, plan.shared_depth, plan.private_chunk_ids, plan.num_shared_tokens,
-                           plan.seq_lens, plan.seq_pair_ptr, torch.empty(10**5), 0.125, 1, "avx512")
+                           plan.seq_lens, plan.seq_pair_ptr, torch.empty(10**5), 0.125, 1, 0, "avx512")

@@ -156,11 +156,11 @@ def test_glue_rejects_bad_plans():
                                       head_dim=64, dtype=torch.float32)
     scratch = torch.empty(10**6)
 
-    def run(**change):
+    def run(window=0, **change):
         args = dict(chunk_table=plan.chunk_table, q_start=plan.q_start, num_tokens=plan.num_tokens,
                     token_start=plan.token_start, tiles=plan.tiles)
         args.update(change)
-        return module.tpp_prefill(q, pool.k[0], pool.v[0], *args.values(), scratch, 0.125, "generic")
+        return module.tpp_prefill(q, pool.k[0], pool.v[0], *args.values(), scratch, 0.125, window, "generic")
 
     run()
     with pytest.raises(ValueError, match="at most 128 rows"):
@@ -175,9 +175,11 @@ def test_glue_rejects_bad_plans():
         run(token_start=plan.token_start + 30)
     with pytest.raises(TypeError, match="tiles must be an int64"):
         run(tiles=plan.tiles.int())
+    with pytest.raises(ValueError, match="window must be 0 .none. or a positive int32"):
+        run(window=-5)
     with pytest.raises(ValueError, match="scratch"):
         module.tpp_prefill(q, pool.k[0], pool.v[0], plan.chunk_table, plan.q_start, plan.num_tokens,
-                           plan.token_start, plan.tiles, torch.empty(3), 0.125, "generic")
+                           plan.token_start, plan.tiles, torch.empty(3), 0.125, 0, "generic")
 
 
 def test_step_builder_makes_one_plan_per_forward():

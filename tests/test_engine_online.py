@@ -78,8 +78,10 @@ def test_retained_prefix_is_hit_after_everyone_left():
     before = engine.stats["prefill_tokens_reused"]
     out = engine.generate([later], config)[0]
     stats = engine.stats
-    assert stats["prefill_tokens_reused"] - before == 64  # 4 full chunks of the 70 shared tokens
-    assert stats["prefix_cache_hit_chunks"] == 4
+    # the 70 shared tokens: 4 full chunks revived, 6 slots copied from the first request's
+    # retained last chunk (a hit too)
+    assert stats["prefill_tokens_reused"] - before == 70
+    assert stats["prefix_cache_hit_chunks"] == 5
     assert out.token_ids == stock_greedy(stock, later, config)
     no_cache = ChunkLlamaEngine(copy.deepcopy(stock), chunk_size=16, kv_cache_bytes=1 << 22, retain_prefixes=False)
     no_cache.generate([first], config)
@@ -96,13 +98,15 @@ def test_eviction_is_least_recently_used_and_leaves_first():
     tree.remove(0)
     tree.remove(1)
     assert tree.retained_ids() == [b, a, c]  # oldest first; a child before its parent
-    tree.insert(2, [1, 2, 3, 4, 0])  # revives a (a hit), takes one free chunk
+    tree.insert(2, [1, 2, 3, 4, 0])  # revives a (a hit), takes one free chunk, d = [0]
     assert tree.num_revived == 1 and tree.retained_ids() == [b, c]
+    d = tree.chunk_ids(2)[1]
     tree.remove(2)
-    assert tree.retained_ids() == [b, c, a]
-    tree.insert(3, [7] * 12)  # 3 chunks: 2 free, then it evicts the oldest leaf, b
-    assert tree.num_evicted == 1 and tree.retained_ids() == [c, a]
-    tree.insert(4, [8] * 4)  # evicts c; a stays
+    assert tree.retained_ids() == [b, c, d, a]  # its partly filled last chunk d stays too
+    assert tree.match_len([1, 2, 3, 4, 0, 5]) == 5  # a shared, d's slot copied
+    tree.insert(3, [7] * 12)  # 3 chunks: 1 free, then it evicts the oldest leaves, b and c
+    assert tree.num_evicted == 2 and tree.retained_ids() == [d, a]
+    tree.insert(4, [8] * 4)  # evicts d; a stays
     assert tree.retained_ids() == [a] and tree.match_len([1, 2, 3, 4, 5]) == 4
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from transformers import GenerationConfig, MistralConfig, MistralForCausalLM
+from transformers import GenerationConfig
 
 from chunk_llama import ChunkCache, ChunkLlamaEngine
 from helpers import tiny_llama
@@ -106,10 +106,6 @@ def test_bad_engine_and_cache_configuration():
     ]:
         with pytest.raises(error, match=match):
             ChunkLlamaEngine(model, **kwargs)
-    mistral = MistralForCausalLM(MistralConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                               num_attention_heads=2, num_key_value_heads=1))
-    with pytest.raises(ValueError, match="mistral: sliding-window attention .window 4096"):
-        ChunkLlamaEngine(mistral)
     # a cache in another dtype than the model: a clear error, not silent casts
     cache = ChunkCache(model, chunk_size=16, kv_cache_bytes=1 << 20, dtype=torch.float64)
     with pytest.raises(ValueError, match="float32 on cpu but this ChunkCache holds torch.float64"):

@@ -1,5 +1,7 @@
-"""Retained chunks (full chunks no live sequence uses, kept findable as a prefix
-cache) and their eviction (`Eviction`, a mixin of `PrefixTree`).
+"""Retained chunks (chunks no live sequence uses, kept as a prefix cache: full ones
+findable by content and shared again, a finished sequence's partly filled last chunk
+as a leaf that inserts copy matching slots from) and their eviction (`Eviction`, a
+mixin of `PrefixTree`).
 
 Kept in least-recently-used order. A chunk is retained when its last sequence
 leaves, and a sequence's chunks are retained deepest first, so an ancestor is

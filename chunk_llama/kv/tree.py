@@ -20,8 +20,11 @@ failed step is rolled back.
 
 Prefix retention (`retain_prefixes=True`): when the last sequence through a full
 chunk leaves, the chunk stays in the tree with no owner (`retention.py`), so a
-later request with the same prefix finds it. Retained chunks are evicted least
-recently used, leaves first, only when an allocation finds no free chunk.
+later request with the same prefix finds it; a leaving sequence's partly filled
+last chunk stays too, as a leaf no one shares but a later insert copies its
+matching slots from (the next turn of a conversation computes only its new
+tokens). Retained chunks are evicted least recently used, leaves first, only when
+an allocation finds no free chunk.
 """
 
 from __future__ import annotations
@@ -228,7 +231,9 @@ class PrefixTree(StepJournal, Eviction):
 
     def remove(self, seq_id: int) -> None:
         """Release a sequence. Chunks no other sequence goes through are retained
-        (full, findable chunks under a kept parent, when retention is on) or freed."""
+        (when retention is on: full, findable chunks under a kept parent, and the
+        partly filled last chunk as a leaf that later inserts copy their matching
+        slots from, e.g. the next turn of a conversation) or freed."""
         if self._journal:  # a removal cannot be undone; an open step with nothing in it is fine
             raise RuntimeError(f"cannot remove sequence {seq_id} in a step with uncommitted changes")
         seq = self._seqs[seq_id]
@@ -237,12 +242,9 @@ class PrefixTree(StepJournal, Eviction):
         for node in seq.nodes:  # root first: a chunk is retained only under a kept parent
             if self.pool.ref_counts[node.chunk_id] > 1:
                 continue
-            if (
-                parent_kept
-                and self.retain_prefixes
-                and len(node.tokens) == self.chunk_size
-                and node.is_indexed()
-            ):
+            full = len(node.tokens) == self.chunk_size and node.is_indexed()
+            last_partial = node is seq.nodes[-1] and 0 < len(node.tokens) < self.chunk_size
+            if parent_kept and self.retain_prefixes and (full or last_partial):
                 retained.append(node)
             else:
                 parent_kept = False
