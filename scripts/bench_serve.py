@@ -33,7 +33,6 @@ import asyncio
 import json
 import math
 import os
-import random
 import socket
 import subprocess
 import sys
@@ -46,6 +45,9 @@ from transformers import GenerationConfig
 
 import chunk_llama
 from chunk_llama.cli import DEFAULT_PROMPTS, DEFAULT_SYSTEM, read_prompts
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_e2e import poisson_arrivals  # noqa: E402  (the same arrivals as the e2e benchmark)
 
 SYSTEMS = ("http", "generate", "hf-serve")
 
@@ -87,16 +89,6 @@ def toolqa_chats(limit: int | None) -> list[list[dict]]:
         for r in rows
     ]
 
-
-def poisson_arrivals(rps: float, num: int, seed: int) -> list[float]:
-    """Arrival offsets in seconds (all 0 for rps inf)."""
-    if math.isinf(rps):
-        return [0.0] * num
-    rng, t, out = random.Random(seed), 0.0, []
-    for _ in range(num):
-        out.append(t)
-        t += rng.expovariate(rps)
-    return out
 
 
 # ------------------------------------------------------------------ servers

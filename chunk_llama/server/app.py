@@ -107,62 +107,46 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = ()) -> Fas
     async def prometheus():
         return PlainTextResponse(metrics.render(engine, loop), media_type=CONTENT_TYPE)
 
+    async def respond(body, request: Request, prompts: list, config, *, endpoint: str, id_prefix: str,
+                      object_name: str, stream_events, choice, logprobs_format, top_logprobs: int | None):
+        """What both endpoints share: queue the prompts, then stream their events or collect
+        the outputs into one response (`choice(index, text, finish_reason, logprobs)`)."""
+        session = Session(loop, body.n)
+        await session.submit(prompts, config, metrics=metrics, endpoint=endpoint)
+        head = (fmt.new_id(id_prefix), fmt.now(), body.model)
+        stops = body.stop_list()
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _event_stream(stream_events(session, head, stops, include_usage))
+        outputs = await _collect(session, request)
+        if outputs is None:
+            return Response(status_code=499)
+        choices = []
+        for index, out in enumerate(outputs):
+            logprobs = None
+            if top_logprobs is not None:
+                logprobs = await _logprobs(engine, logprobs_format, out, top_logprobs)
+            choices.append(choice(index, _final_text(out, stops), out.finish_reason, logprobs))
+        return {"id": head[0], "object": object_name, "created": head[1], "model": head[2], "choices": choices,
+                "usage": _usage(session, outputs)}
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body, served)
         messages, config = chat_request(body, max_positions)
-        session = Session(loop, body.n)
-        await session.submit([messages], config, metrics=metrics, endpoint="chat")
-        head = (fmt.new_id("chatcmpl"), fmt.now(), body.model)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _event_stream(_stream_chat(session, head, body.stop_list(), include_usage))
-        outputs = await _collect(session, request)
-        if outputs is None:
-            return Response(status_code=499)
-        stops = body.stop_list()
-        top = body.top_logprobs or 0
-        choices = []
-        for index, out in enumerate(outputs):
-            logprobs = await _logprobs(engine, fmt.chat_logprobs, out, top) if body.logprobs else None
-            choices.append(fmt.chat_choice(index, _final_text(out, stops), out.finish_reason, logprobs))
-        return {
-            "id": head[0],
-            "object": "chat.completion",
-            "created": head[1],
-            "model": head[2],
-            "choices": choices,
-            "usage": _usage(session, outputs),
-        }
+        return await respond(body, request, [messages], config, endpoint="chat", id_prefix="chatcmpl",
+                             object_name="chat.completion", stream_events=_stream_chat, choice=fmt.chat_choice,
+                             logprobs_format=fmt.chat_logprobs,
+                             top_logprobs=(body.top_logprobs or 0) if body.logprobs else None)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body, served)
         prompts, config = completion_requests(body)
-        session = Session(loop, body.n)
-        await session.submit(prompts, config, metrics=metrics, endpoint="completions")
-        head = (fmt.new_id("cmpl"), fmt.now(), body.model)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _event_stream(_stream_completion(session, head, body.stop_list(), include_usage))
-        outputs = await _collect(session, request)
-        if outputs is None:
-            return Response(status_code=499)
-        stops = body.stop_list()
-        choices = []
-        for index, out in enumerate(outputs):
-            logprobs = None
-            if body.logprobs is not None:
-                logprobs = await _logprobs(engine, fmt.completion_logprobs, out, body.logprobs)
-            choices.append(fmt.completion_choice(index, _final_text(out, stops), out.finish_reason, logprobs))
-        return {
-            "id": head[0],
-            "object": "text_completion",
-            "created": head[1],
-            "model": head[2],
-            "choices": choices,
-            "usage": _usage(session, outputs),
-        }
+        return await respond(body, request, prompts, config, endpoint="completions", id_prefix="cmpl",
+                             object_name="text_completion", stream_events=_stream_completion,
+                             choice=fmt.completion_choice, logprobs_format=fmt.completion_logprobs,
+                             top_logprobs=body.logprobs)
 
     return app
 
