@@ -146,26 +146,38 @@ class EngineLoop:
         by_sub: dict[int, list[RequestDelta]] = {}
         for delta in deltas:
             by_sub.setdefault(delta.request_id, []).append(delta)
+        # One wake-up per event loop and step, not one per request: each wake-up takes the
+        # GIL and a core from the step that follows.
+        outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, list[RequestDelta]]]] = {}
         for request_id, items in by_sub.items():
             with self._lock:
                 sub = self._subs.get(request_id)
                 if sub is not None:
-                    self._accept(sub, items)
+                    self._accept(sub, items, outbox)
                 elif self._num_submitting:  # maybe a request whose submit has not subscribed yet
                     self._early.setdefault(request_id, []).append(items)
                 # else aborted: its client is gone
+        for event_loop, pairs in outbox.items():
+            try:
+                event_loop.call_soon_threadsafe(_put_all, pairs)
+            except RuntimeError:  # the handlers' event loop is closed
+                pass
         if self.on_finish is not None:
             for delta in deltas:
                 if delta.finished and delta.output is not None:
                     self.on_finish(delta.output)
 
-    def _accept(self, sub: Subscription, items: list[RequestDelta]) -> None:
-        """Deliver a step's deltas of one request (caller holds the lock); forget it once done."""
+    def _accept(self, sub: Subscription, items: list[RequestDelta], outbox: dict | None = None) -> None:
+        """Deliver a step's deltas of one request (caller holds the lock), now or through
+        `outbox` (event loop -> [(queue, items)]); forget the request once done."""
         sub.num_finished += sum(d.finished for d in items)
         if sub.num_finished >= sub.num_samples:
             del self._subs[sub.request_id]
             self.num_in_flight = len(self._subs)
-        self._deliver(sub, items)
+        if outbox is None:
+            self._deliver(sub, items)
+        else:
+            outbox.setdefault(sub.loop, []).append((sub.queue, items))
 
     def _fail_all(self, error: Exception) -> None:
         with self._lock:
@@ -189,3 +201,9 @@ class EngineLoop:
             sub.loop.call_soon_threadsafe(sub.queue.put_nowait, item)
         except RuntimeError:  # the handler's event loop is closed
             pass
+
+
+def _put_all(pairs: list[tuple[asyncio.Queue, list[RequestDelta]]]) -> None:
+    """On the handlers' event loop: a step's deltas into their requests' queues."""
+    for queue, items in pairs:
+        queue.put_nowait(items)
