@@ -122,10 +122,8 @@ def run_one(args, device, dtype, batch, n_prompt, n_shared, limits, variant=None
     plan = build_decode_plan(tree, tree.seq_ids, device=device, group=group)
     q = torch.randn(batch, heads, d, device=device, dtype=dtype)
     # dense K/V per sequence in plan order: [batch, kv_heads, n_prompt, d]
-    k_dense = torch.stack([reference.gather_dense(pool.k[0], torch.tensor(tree.chunk_ids(s), device=device), n_prompt)
-                           for s in plan.seq_ids])
-    v_dense = torch.stack([reference.gather_dense(pool.v[0], torch.tensor(tree.chunk_ids(s), device=device), n_prompt)
-                           for s in plan.seq_ids])
+    k_dense = torch.stack([reference.gather_dense(pool.k[0], tree.segments(s), n_prompt) for s in plan.seq_ids])
+    v_dense = torch.stack([reference.gather_dense(pool.v[0], tree.segments(s), n_prompt) for s in plan.seq_ids])
 
     window = args.window or None
     keys = min(window or n_prompt, n_prompt)  # keys each query sees
@@ -152,10 +150,9 @@ def run_one(args, device, dtype, batch, n_prompt, n_shared, limits, variant=None
     # Nothing shared: every sequence holds its own copy of the same K/V values.
     pool_ns, tree_ns = build_tree(batch, n_prompt, n_shared, kv_heads, d, c, dtype, device, share=False)
     for s in range(batch):
-        src = torch.tensor(tree.chunk_ids(s), device=device)
-        dst = torch.tensor(tree_ns.chunk_ids(s), device=device)
-        pool_ns.k[0][dst] = pool.k[0][src]
-        pool_ns.v[0][dst] = pool.v[0][src]
+        chunks, slots = tree_ns.slots(s, 0, n_prompt)
+        pool_ns.k[0][chunks, :, slots] = k_dense[plan.row_of[s]].transpose(0, 1)
+        pool_ns.v[0][chunks, :, slots] = v_dense[plan.row_of[s]].transpose(0, 1)
     plan_ns = build_decode_plan(tree_ns, tree_ns.seq_ids, device=device, group=group)
     row = {s: r for r, s in enumerate(plan.seq_ids)}
     to_ns = torch.tensor([row[s] for s in plan_ns.seq_ids], device=device)

@@ -69,15 +69,17 @@ def run_case(geometry: str, new: int, cached: int, chunk_size: int, repeat: int,
     length = cached + new
     num_chunks = -(-length // chunk_size)
     generator = torch.Generator().manual_seed(0)
-    # [capacity, num_kv_heads, chunk_size, head_dim], the sequence's chunks in random pool order
-    k_cache = torch.randn(num_chunks + 8, num_kv_heads, chunk_size, head_dim, generator=generator)
-    v_cache = torch.randn(num_chunks + 8, num_kv_heads, chunk_size, head_dim, generator=generator)
+    # [capacity, num_kv_heads, chunk_size, head_dim] (+ the guard chunk the kernel may read
+    # into, as a ChunkPool has), the sequence's chunks in random pool order
+    k_cache = torch.randn(num_chunks + 9, num_kv_heads, chunk_size, head_dim, generator=generator)[:-1]
+    v_cache = torch.randn(num_chunks + 9, num_kv_heads, chunk_size, head_dim, generator=generator)[:-1]
     chunk_ids = torch.randperm(num_chunks + 8, generator=generator)[:num_chunks].tolist()
     q = torch.randn(new, num_heads, head_dim, generator=generator)  # [new, num_heads, head_dim]
-    plan = build_prefill_plan([chunk_ids], [(0, cached, new)], num_heads // num_kv_heads)
+    runs = [(c, 0, min(chunk_size, length - i * chunk_size)) for i, c in enumerate(chunk_ids)]
+    plan = build_prefill_plan([runs], [(0, cached, new)], num_heads // num_kv_heads)
     scale = head_dim**-0.5
-    k_dense = reference.gather_dense(k_cache, plan.chunk_table[0], length).unsqueeze(0)  # [1, kv, length, d]
-    v_dense = reference.gather_dense(v_cache, plan.chunk_table[0], length).unsqueeze(0)
+    k_dense = reference.gather_dense(k_cache, runs, length).unsqueeze(0)  # [1, kv, length, d]
+    v_dense = reference.gather_dense(v_cache, runs, length).unsqueeze(0)
     q_dense = q.transpose(0, 1).unsqueeze(0)  # [1, num_heads, new, d]
 
     def sdpa():

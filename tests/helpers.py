@@ -36,8 +36,12 @@ def make_tree(
     seed: int = 0,
     device: str = "cpu",
     spare_chunks: int = 1,
+    token_granular: bool = True,
+    remove: tuple[int, ...] = (),
 ) -> tuple[ChunkPool, PrefixTree]:
-    """A tree holding `token_lists` as sequences 0..n-1, pool filled with random K/V."""
+    """A tree holding `token_lists` as sequences 0..n-1 but those in `remove` (inserted, then
+    removed: the others keep the nodes split where they parted), pool filled with random
+    K/V (slots of no node hold NaN, so a kernel that reads them into a result fails)."""
     capacity = sum(-(-len(t) // chunk_size) for t in token_lists) + spare_chunks
     pool = ChunkPool(
         num_layers=num_layers,
@@ -49,12 +53,17 @@ def make_tree(
         device=device,
     )
     generator = torch.Generator().manual_seed(seed)
-    pool.k.copy_(torch.randn(pool.k.shape, generator=generator).to(dtype))
-    pool.v.copy_(torch.randn(pool.v.shape, generator=generator).to(dtype))
-    tree = PrefixTree(pool)
+    tree = PrefixTree(pool, token_granular=token_granular)
     for seq_id, tokens in enumerate(token_lists):
         tree.insert(seq_id, tokens)
-    tree.take_pending_copies()  # values are random anyway; the oracle reads the same slots
+    for seq_id in remove:
+        tree.remove(seq_id)
+    written = torch.zeros(pool.capacity, chunk_size, dtype=torch.bool)
+    for node in tree.nodes():
+        written[node.chunk_id, node.start : node.end] = True
+    for cache in (pool.k, pool.v):
+        values = torch.randn(cache.shape, generator=generator).to(dtype)
+        cache.copy_(values.masked_fill(~written[None, :, None, :, None], float("nan")))
     return pool, tree
 
 
@@ -104,24 +113,25 @@ def assert_decode_matches(out, q, pool, tree, plan, scale, tolerance, *, referen
     if reference_out is not None:
         assert (out.float() - reference_out.float()).abs().max().item() <= tolerance
     for row, seq_id in enumerate(plan.seq_ids):
-        ids = torch.tensor(tree.chunk_ids(seq_id), device=pool.device)
-        length = tree.seq_len(seq_id)
+        segments, length = tree.segments(seq_id), tree.seq_len(seq_id)
         dense = dense_decode_reference(
-            q[row], gather_dense(pool.k[0], ids, length), gather_dense(pool.v[0], ids, length), scale
+            q[row], gather_dense(pool.k[0], segments, length), gather_dense(pool.v[0], segments, length), scale
         )
         assert (out[row].float() - dense).abs().max().item() <= tolerance
 
 
 def check_native_kernel(tokens, *, backend, tolerance, chunk_size, num_kv_heads, group, head_dim, dtype, seed=0,
-                        device="cpu"):
+                        device="cpu", remove=()):
     """Run a native decode kernel on a tree of `tokens` and check it against the reference
     and dense SDPA; `backend` is the one `decode_backend` must pick. Returns the plan."""
     from chunk_llama.kv import build_decode_plan
     from chunk_llama.ops import decode_backend, reference, tpp_decode_attention
 
+    # the CUDA kernels take whole-chunk plans only (the CUDA cache shares by whole chunks)
     pool, tree = make_tree(tokens, chunk_size=chunk_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                           dtype=dtype, seed=seed, device=device)
+                           dtype=dtype, seed=seed, device=device, token_granular=backend != "cuda", remove=remove)
     plan = build_decode_plan(tree, tree.seq_ids, device=device, group=group)
+    assert plan.aligned or backend != "cuda"
     q = torch.randn(plan.num_seqs, num_kv_heads * group, head_dim,
                     generator=torch.Generator().manual_seed(seed)).to(device, dtype)
     scale = head_dim**-0.5
@@ -164,36 +174,70 @@ def stock_greedy(model, prompt: list[int], config) -> list[int]:
 
 
 def assert_tree_consistent(tree) -> None:
-    """The tree's invariants, checked from outside: each chunk's reference count is the
-    number of live sequences through it; a chunk no sequence uses is a retained one,
-    full and findable or a partly filled leaf; every chunk is in the tree or free, never both."""
+    """The tree's invariants, checked from outside: each node's count is the number of live
+    sequences through it; a node no sequence uses is kept only with retention, and its
+    chunk is retained when no node of the chunk is used; each chunk's nodes are one chain
+    from slot 0 (each in-place child starts where its parent ends); children are indexed
+    by their first token; no two nodes hold the same slot; every chunk is in the tree or
+    free, never both."""
     pool = tree.pool
     users: dict[int, int] = {}
     for seq_id in tree.seq_ids:
-        for chunk_id in tree.chunk_ids(seq_id):
-            users[chunk_id] = users.get(chunk_id, 0) + 1
+        for node in tree.path(seq_id):
+            users[id(node)] = users.get(id(node), 0) + 1
     nodes = tree.nodes()
+    heads = {}
+    slots = [(node.chunk_id, slot) for node in nodes for slot in range(node.start, node.end)]
+    assert len(slots) == len(set(slots))  # no slot holds two nodes' tokens
     for node in nodes:
-        assert pool.ref_counts[node.chunk_id] == users.get(node.chunk_id, 0)
-        if users.get(node.chunk_id, 0) == 0:
-            assert tree.is_retained(node.chunk_id)
-            full = len(node.tokens) == pool.chunk_size and node.is_indexed()
-            assert full or (0 < len(node.tokens) < pool.chunk_size and not node.children)
-    assert tree.num_retained == sum(1 for n in nodes if users.get(n.chunk_id, 0) == 0)
-    in_tree = [n.chunk_id for n in nodes]
+        assert node.num_seqs == users.get(id(node), 0)
+        assert 0 <= node.start < node.end <= pool.chunk_size
+        assert tree.retain_prefixes or node.num_seqs > 0
+        if node.start == 0:
+            assert node.chunk_id not in heads
+            heads[node.chunk_id] = node
+            assert tree.is_retained(node.chunk_id) == (node.num_seqs == 0)
+        else:
+            assert node.parent.chunk_id == node.chunk_id and node.parent.end == node.start
+        assert node.parent.children[node.key] is node and node in node.parent.by_token[node.tokens[0]]
+    for node in [tree.root, *nodes]:
+        assert sum(len(v) for v in node.by_token.values()) == len(node.children)
+        assert sum(child.chunk_id == node.chunk_id for child in node.children.values()) <= 1
+    assert tree.num_retained == sum(1 for head in heads.values() if head.num_seqs == 0)
     free = {c for c in range(pool.capacity) if pool.is_free(c)}
-    assert len(in_tree) == len(set(in_tree)) and len(free) == pool.num_free
-    assert set(in_tree).isdisjoint(free) and set(in_tree) | free == set(range(pool.capacity))
+    assert len(free) == pool.num_free
+    assert set(heads).isdisjoint(free) and set(heads) | free == set(range(pool.capacity))
+
+
+def token_granular_chunks(token_lists, chunk_size):
+    """Chunks a token-granular prefix tree needs for these sequences inserted in order,
+    modelled token by token: each distinct prefix is held once, in the slot behind its
+    parent's when that slot is in the same chunk and not taken yet, else at the start of
+    a fresh chunk."""
+    slot_of: dict[tuple, tuple[int, int]] = {}
+    taken: set[tuple[int, int]] = set()
+    num_chunks = 0
+    for tokens in token_lists:
+        for end in range(1, len(tokens) + 1):
+            prefix = tuple(tokens[:end])
+            if prefix in slot_of:
+                continue
+            parent = slot_of.get(prefix[:-1])
+            behind = (parent[0], parent[1] + 1) if parent else None
+            if behind is None or behind[1] == chunk_size or behind in taken:
+                behind, num_chunks = (num_chunks, 0), num_chunks + 1
+            slot_of[prefix] = behind
+            taken.add(behind)
+    return num_chunks
 
 
 def tree_snapshot(tree) -> dict:
-    """Everything a rolled-back step must restore: sequences and their chunks, every node
-    with its tokens and reference count, the content index, LRU order, counters."""
+    """Everything a rolled-back step must restore: sequences and their segments, every node
+    with its slots, tokens and count, LRU order, counters."""
     pool = tree.pool
     return dict(
-        seqs={s: (tree.chunk_ids(s), tree.tokens(s)) for s in tree.seq_ids},
-        nodes=sorted((n.chunk_id, n.parent.chunk_id, tuple(n.tokens), pool.ref_counts[n.chunk_id]) for n in tree.nodes()),
-        index=sorted((n.chunk_id, k) for n in [tree.root, *tree.nodes()] for k, c in n.full_children.items()),
+        seqs={s: (tree.segments(s), tree.tokens(s)) for s in tree.seq_ids},
+        nodes=sorted((n.key, n.parent.key, tuple(n.tokens), n.num_seqs) for n in tree.nodes()),
         retained=tree.retained_ids(),
         free=sorted(c for c in range(pool.capacity) if pool.is_free(c)),
         counters=(tree.num_revived, tree.num_evicted, tree.peak_live_chunks, pool.peak_used),

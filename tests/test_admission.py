@@ -74,7 +74,9 @@ def test_a_failed_prefill_requeues_in_arrival_order_ahead_of_later_arrivals():
     assert [outputs[i].token_ids for i in ids] == [stock_greedy(stock, p, GREEDY) for p in prompts]
 
 
-def test_a_partial_match_on_a_retained_chunk_is_a_hit_and_refreshes_it():
+def test_a_partial_match_on_a_retained_chunk_shares_it():
+    """A prefix ending inside a retained chunk: the chunk is split where the prompts part
+    and revived (a hit, and live again), nothing copied; its other slots stay in place."""
     pool = ChunkPool(num_layers=1, num_kv_heads=1, head_dim=2, chunk_size=4, capacity=6, dtype=torch.float32)
     tree = PrefixTree(pool, retain_prefixes=True)
     tree.insert(0, [1, 2, 3, 4])
@@ -83,11 +85,10 @@ def test_a_partial_match_on_a_retained_chunk_is_a_hit_and_refreshes_it():
     tree.remove(0)
     tree.remove(1)
     assert tree.retained_ids() == [a, b] and tree.num_revived == 0
-    assert tree.insert(2, [1, 2, 9]) == 2  # copies 2 slots of a: a hit, and a is now the most recent
-    assert tree.num_revived == 1 and tree.retained_ids() == [b, a]
-    copies = tree.take_pending_copies()
-    assert [(c.src, c.num_tokens) for c in copies] == [(a, 2)]
-    tree.insert(3, [9] * 12)  # needs 3 of the 3 free chunks, then one more: b goes first, not a
+    assert tree.insert(2, [1, 2, 9]) == 2
+    assert tree.num_revived == 1 and tree.retained_ids() == [b]
+    assert tree.segments(2)[0] == (a, 0, 2) and tree.match_len([1, 2, 3, 4]) == 4  # the rest of a still found
+    tree.insert(3, [9] * 12)  # the 3 free chunks
     assert tree.num_evicted == 0
-    tree.insert(4, [8] * 4)
-    assert tree.num_evicted == 1 and tree.retained_ids() == [a]
+    tree.insert(4, [8] * 4)  # one more: b goes, a is live
+    assert tree.num_evicted == 1 and tree.retained_ids() == []

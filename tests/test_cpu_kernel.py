@@ -41,17 +41,23 @@ def check(tokens, **case):
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("chunk_size", [16, 48, 64, 128])
 def test_random_trees(variant, dtype, head_dim, group, chunk_size):
+    """Random trees shared to the token (segments that begin and end inside chunks); in the
+    second trial some sequences have left, so others hold short segments mid-path."""
     rng = random.Random(head_dim * 1000 + group * 10 + chunk_size)
     for trial in range(2):
-        tokens = random_token_lists(rng, rng.choice([1, 17, 37]), rng.choice([37, 123, 300]), vocab=3)
-        check(tokens, chunk_size=chunk_size, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype, seed=trial)
+        num_seqs = rng.choice([1, 17, 37])
+        tokens = random_token_lists(rng, num_seqs, rng.choice([37, 123, 300]), vocab=3)
+        remove = tuple(range(1, num_seqs, 3)) if trial else ()
+        check(tokens, chunk_size=chunk_size, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype, seed=trial,
+              remove=remove)
 
 
 @pytest.mark.parametrize("num_seqs", [1, 17, 37])
 def test_everything_and_nothing_shared(variant, num_seqs):
     plan = check([[7] * 300 + [i] for i in range(num_seqs)], chunk_size=32, num_kv_heads=3, group=3, head_dim=64,
                  dtype=torch.float32)
-    assert plan.num_shared == (300 // 32 if num_seqs > 1 else 0)
+    # the 12 tokens of the common prefix past the last full chunk are shared too
+    assert plan.num_shared == (-(-300 // 32) if num_seqs > 1 else 0)
     plan = check([[i] * 123 for i in range(num_seqs)], chunk_size=32, num_kv_heads=3, group=3, head_dim=64,
                  dtype=torch.float32)
     assert plan.num_shared == 0
@@ -97,14 +103,13 @@ def test_variants_agree_on_one_plan():
 
 
 def test_glue_rejects_bad_tensors():
-    from chunk_llama.ops.cpu import build
+    from chunk_llama.ops.cpu import build, decode_plan_tensors
 
     module = build()
     pool, tree = make_tree([[1] * 50, [1] * 50 + [2]], chunk_size=16, num_kv_heads=1, head_dim=64)
     plan = build_decode_plan(tree, tree.seq_ids)
-    args = [plan.shared_chunk_ids, plan.shared_begin, plan.shared_end, plan.shared_depth, plan.private_chunk_ids,
-            plan.num_shared_tokens, plan.seq_lens, plan.seq_pair_ptr, torch.empty(10**5)]
-    run = lambda q, *rest: module.tpp_decode(q, pool.k[0], pool.v[0], *rest)
+    args = [*decode_plan_tensors(plan), torch.empty(10**5)]
+    run = lambda q, *rest, k=pool.k[0]: module.tpp_decode(q, k, pool.v[0], *rest)  # noqa: E731
     with pytest.raises(TypeError, match="share a dtype"):
         run(torch.randn(2, 1, 64, dtype=torch.bfloat16), *args, 0.125, 1, 0, "generic")
     with pytest.raises(ValueError, match="head_dim"):
@@ -114,11 +119,22 @@ def test_glue_rejects_bad_tensors():
     with pytest.raises(ValueError, match="'sse9' is not in this build"):
         run(torch.randn(2, 1, 64), *args, 0.125, 1, 0, "sse9")
     bad_plan = list(args)
-    bad_plan[6] = plan.seq_lens.int()
+    bad_plan[11] = plan.seq_lens.int()
     with pytest.raises(TypeError, match="seq_lens must be an int64"):
         run(torch.randn(2, 1, 64), *bad_plan, 0.125, 1, 0, "generic")
     with pytest.raises(ValueError, match="window must be 0 .none. or a positive int32"):
         run(torch.randn(2, 1, 64), *args, 0.125, 1, -1, "generic")
+    # segments outside the pool or their chunk: refused before any pointer is made from them
+    row = plan.num_private.index(1)  # the sequence with a private segment
+    for index, at, value, message in [(0, 0, pool.capacity, "shared segment 0: chunk"), (2, 0, 17, "shared segment 0"),
+                                      (7, (row, 0), -1, "private segment 0")]:
+        bad_plan = list(args)
+        bad_plan[index] = bad_plan[index].clone()
+        bad_plan[index][at] = value
+        with pytest.raises(ValueError, match=message):
+            run(torch.randn(2, 1, 64), *bad_plan, 0.125, 1, 0, "generic")
+    with pytest.raises(ValueError, match="rows of memory behind their last chunk"):
+        run(torch.randn(2, 1, 64), *args, 0.125, 1, 0, "generic", k=pool.k[0].clone())
     args[-1] = torch.empty(3)
     with pytest.raises(ValueError, match="scratch"):
         run(torch.randn(2, 1, 64), *args, 0.125, 1, 0, "generic")
@@ -128,12 +144,11 @@ def test_glue_rejects_bad_tensors():
                     reason="needs an x86 CPU without AVX-512")
 def test_glue_refuses_a_variant_the_cpu_cannot_run():
     """The kernel's own CPU check, behind the Python one: no illegal instruction."""
-    from chunk_llama.ops.cpu import build
+    from chunk_llama.ops.cpu import build, decode_plan_tensors
 
     pool, tree = make_tree([[1] * 50], chunk_size=16, num_kv_heads=1, head_dim=64)
     plan = build_decode_plan(tree, tree.seq_ids)
     assert build().host_runs("avx512") is False
     with pytest.raises(ValueError, match="'avx512' needs instructions this CPU does not have"):
-        build().tpp_decode(torch.randn(1, 1, 64), pool.k[0], pool.v[0], plan.shared_chunk_ids, plan.shared_begin,
-                           plan.shared_end, plan.shared_depth, plan.private_chunk_ids, plan.num_shared_tokens,
-                           plan.seq_lens, plan.seq_pair_ptr, torch.empty(10**5), 0.125, 1, 0, "avx512")
+        build().tpp_decode(torch.randn(1, 1, 64), pool.k[0], pool.v[0], *decode_plan_tensors(plan),
+                           torch.empty(10**5), 0.125, 1, 0, "avx512")

@@ -45,7 +45,7 @@ def packed_step(tokens, q_starts, *, chunk_size, num_kv_heads, group, head_dim, 
     for s in order:
         segments[s] = (row, q_starts[s], len(tokens[s]) - q_starts[s])
         row += segments[s][2] + 1
-    plan = build_prefill_plan([tree.chunk_ids(s) for s in range(len(tokens))], segments, group)
+    plan = build_prefill_plan([tree.segments(s) for s in range(len(tokens))], segments, group)
     q = torch.zeros(row, num_kv_heads * group, head_dim, dtype=dtype)  # [num_q_tokens, num_heads, head_dim]
     for s, (start, q_start, n) in enumerate(segments):
         q[start : start + n] = q_full[s][q_start:]
@@ -75,8 +75,8 @@ def check_step(tokens, q_starts, variant, **case):
         assert torch.isfinite(got).all(), f"sequence {s}"
         torch.testing.assert_close(got, ref[rows], atol=tol, rtol=tol, msg=f"sequence {s} vs reference")
         length = len(tokens[s])
-        k = gather_dense(pool.k[0], torch.tensor(tree.chunk_ids(s)), length)
-        v = gather_dense(pool.v[0], torch.tensor(tree.chunk_ids(s)), length)
+        k = gather_dense(pool.k[0], tree.segments(s), length)
+        v = gather_dense(pool.v[0], tree.segments(s), length)
         dense = dense_causal(q_full[s], k, v, scale)[q_start:]
         torch.testing.assert_close(got, dense, atol=tol, rtol=tol, msg=f"sequence {s} vs dense causal SDPA")
     return plan
@@ -149,16 +149,16 @@ def test_dispatch_runs_the_kernel_and_logs_fallbacks_once(monkeypatch, caplog):
 
 
 def test_glue_rejects_bad_plans():
-    from chunk_llama.ops.cpu import build
+    from chunk_llama.ops.cpu import build, prefill_plan_tensors
 
     module = build()
     pool, _, plan, q, _ = packed_step([[1] * 40, [2] * 20], [0, 3], chunk_size=16, num_kv_heads=1, group=2,
                                       head_dim=64, dtype=torch.float32)
     scratch = torch.empty(10**6)
+    names = ["seg_chunk", "seg_start", "seg_pos", "q_start", "num_tokens", "token_start", "tiles"]
 
     def run(window=0, **change):
-        args = dict(chunk_table=plan.chunk_table, q_start=plan.q_start, num_tokens=plan.num_tokens,
-                    token_start=plan.token_start, tiles=plan.tiles)
+        args = dict(zip(names, prefill_plan_tensors(plan)))
         args.update(change)
         return module.tpp_prefill(q, pool.k[0], pool.v[0], *args.values(), scratch, 0.125, window, "generic")
 
@@ -167,10 +167,14 @@ def test_glue_rejects_bad_plans():
         run(tiles=torch.tensor([[0, 0, 129]]))
     with pytest.raises(ValueError, match="at most 128 rows"):
         run(tiles=torch.tensor([[1, 30, 36]]))  # past the sequence's 17 tokens x 2 heads
-    with pytest.raises(ValueError, match="outside the pool"):
-        run(chunk_table=plan.chunk_table + 1000)
-    with pytest.raises(ValueError, match="needs 3 chunks"):
-        run(chunk_table=plan.chunk_table[:, :2].contiguous())
+    with pytest.raises(ValueError, match="not inside the pool"):
+        run(seg_chunk=plan.seg_chunk + 1000)
+    with pytest.raises(ValueError, match="not inside the pool"):
+        run(seg_start=plan.seg_start + 8)  # a whole chunk's run from slot 8 ends past the chunk
+    with pytest.raises(ValueError, match="not inside the pool"):  # a run of 24 keys in a chunk of 16
+        run(seg_pos=torch.where(plan.seg_pos == 32, 1 << 62, plan.seg_pos))
+    with pytest.raises(ValueError, match="must start at position 0"):
+        run(seg_pos=plan.seg_pos + 1)
     with pytest.raises(ValueError, match="outside q"):
         run(token_start=plan.token_start + 30)
     with pytest.raises(TypeError, match="tiles must be an int64"):
@@ -178,8 +182,7 @@ def test_glue_rejects_bad_plans():
     with pytest.raises(ValueError, match="window must be 0 .none. or a positive int32"):
         run(window=-5)
     with pytest.raises(ValueError, match="scratch"):
-        module.tpp_prefill(q, pool.k[0], pool.v[0], plan.chunk_table, plan.q_start, plan.num_tokens,
-                           plan.token_start, plan.tiles, torch.empty(3), 0.125, 0, "generic")
+        module.tpp_prefill(q, pool.k[0], pool.v[0], *prefill_plan_tensors(plan), torch.empty(3), 0.125, 0, "generic")
 
 
 def test_step_builder_makes_one_plan_per_forward():
@@ -189,7 +192,11 @@ def test_step_builder_makes_one_plan_per_forward():
     step = StepBuilder(tree, torch.device("cpu"), group=3).prefill([(0, 0, 10, 40, 50), (1, 40, 32, 18, 50)])
     plan = step.prefill
     assert plan.segments == [(0, 10, 40), (40, 32, 18)]
-    assert plan.chunk_table.tolist() == [tree.chunk_ids(0), tree.chunk_ids(1)]
-    assert plan.chunk_table[0, :2].tolist() == plan.chunk_table[1, :2].tolist()  # shared chunks
+    for s in (0, 1):
+        runs = tree.segments(s)
+        assert [(c, st) for c, st, _ in runs] == list(zip(plan.seg_chunk[s].tolist(), plan.seg_start[s].tolist()))[
+            : len(runs)]
+        assert plan.seg_pos[s, : len(runs)].tolist() == [sum(n for *_, n in runs[:i]) for i in range(len(runs))]
+    assert plan.seg_chunk[0, :3].tolist() == plan.seg_chunk[1, :3].tolist()  # the 40 common tokens, shared
     assert plan.tiles.tolist() == [[0, 0, 120], [1, 0, 54]]
     assert not step.is_decode

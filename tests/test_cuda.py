@@ -38,7 +38,7 @@ def test_everything_and_nothing_shared(num_seqs):
     shared = [[7] * 1000 + [i, i] for i in range(num_seqs)]
     plan = run_case(shared, chunk_size=64, num_kv_heads=4, group=8, head_dim=128, dtype=torch.float16)
     if num_seqs > 1:
-        assert plan.num_shared == 1000 // 64
+        assert plan.num_shared == 1000 // 64  # whole chunks only on CUDA
     distinct = [[i] * 300 for i in range(num_seqs)]
     plan = run_case(distinct, chunk_size=64, num_kv_heads=4, group=8, head_dim=128, dtype=torch.float16)
     assert plan.num_shared == 0
@@ -54,14 +54,15 @@ def test_few_long_sequences_split_the_private_tail(group):
 
 def test_incremental_plan_updates_on_the_gpu():
     pool, tree = make_tree([[1] * 100 + [2], [1] * 100 + [3] * 60, [5] * 10], chunk_size=32, num_kv_heads=3,
-                           head_dim=64, dtype=torch.float16, device="cuda", spare_chunks=12)
+                           head_dim=64, dtype=torch.float16, device="cuda", spare_chunks=12, token_granular=False)
     plan = build_decode_plan(tree, [0, 1, 2], device="cuda", group=3)
     for _ in range(70):
         tree.append([0, 1, 2], [9, 9, 9])
-        events = tree.take_chunk_events()
+        events = tree.take_node_events()
         if events:
-            plan.add_private_chunks(events)
+            plan.add_private_nodes(events)
         plan.advance()
+    assert plan.aligned and plan.device_index is not None
     fresh = build_decode_plan(tree, [0, 1, 2], device="cuda", group=3)
     q = torch.randn(3, 9, 64, device="cuda", dtype=torch.float16)
     got = tpp_decode_attention(q, pool.k[0], pool.v[0], plan, 0.125)
@@ -109,7 +110,8 @@ def test_sliding_windows_against_the_reference(dtype, head_dim, group, window):
     from chunk_llama.ops.reference import gather_dense
 
     tokens = [[7] * 320 + [i] * (3 + 97 * i) for i in range(6)] + [[8] * 2000]
-    pool, tree = make_tree(tokens, chunk_size=64, num_kv_heads=2, head_dim=head_dim, dtype=dtype, device="cuda")
+    pool, tree = make_tree(tokens, chunk_size=64, num_kv_heads=2, head_dim=head_dim, dtype=dtype, device="cuda",
+                           token_granular=False)
     plan = build_decode_plan(tree, tree.seq_ids, device="cuda", group=group)
     q = torch.randn(plan.num_seqs, 2 * group, head_dim, generator=torch.Generator().manual_seed(window)).to("cuda", dtype)
     out = tpp_decode_attention(q, pool.k[0], pool.v[0], plan, head_dim**-0.5, window)
@@ -118,7 +120,25 @@ def test_sliding_windows_against_the_reference(dtype, head_dim, group, window):
     torch.testing.assert_close(out.float(), ref.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
     for row, seq_id in enumerate(plan.seq_ids):
         length = tree.seq_len(seq_id)
-        ids = torch.tensor(tree.chunk_ids(seq_id), device="cuda")
+        ids = tree.segments(seq_id)
         k, v = gather_dense(pool.k[0], ids, length), gather_dense(pool.v[0], ids, length)
         dense = dense_windowed(q[row][None].cpu(), k.cpu(), v.cpu(), length - 1, window, head_dim**-0.5)[0]
         torch.testing.assert_close(out[row].float().cpu(), dense, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_a_plan_split_inside_a_chunk_runs_the_reference_and_says_so(caplog):
+    """The CUDA kernels take whole-chunk plans; a token-granular tree's plan (built by hand
+    here: the CUDA cache shares by whole chunks) runs the reference, logged once."""
+    from chunk_llama import ops
+    from chunk_llama.ops import reference
+
+    pool, tree = make_tree([[1] * 40 + [2], [1] * 37 + [3]], chunk_size=32, num_kv_heads=2, head_dim=64,
+                           dtype=torch.float16, device="cuda")
+    plan = build_decode_plan(tree, tree.seq_ids, device="cuda", group=2)
+    assert not plan.aligned and plan.device_index is None
+    q = torch.randn(2, 4, 64, device="cuda", dtype=torch.float16)
+    ops._logged.clear()
+    with caplog.at_level("WARNING", logger="chunk_llama.ops"):
+        out = tpp_decode_attention(q, pool.k[0], pool.v[0], plan, 0.125)
+    assert "whole-chunk segments only" in caplog.text
+    torch.testing.assert_close(out, reference.tpp_decode_attention(q, pool.k[0], pool.v[0], plan, 0.125))

@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+from helpers import token_granular_chunks
 from transformers import GenerationConfig
 
 import chunk_llama
@@ -21,12 +22,6 @@ def system_prompt(tokenizer, num_tokens):
     with open(DEFAULT_SYSTEM, encoding="utf-8") as f:
         ids = tokenizer(f.read())["input_ids"][:num_tokens]
     return tokenizer.decode(ids)
-
-
-def unique_chunks(token_lists, chunk_size):
-    """Chunks a prefix tree needs: distinct full-chunk prefixes plus one partial chunk per sequence."""
-    full = {tuple(t[: k * chunk_size]) for t in token_lists for k in range(1, len(t) // chunk_size + 1)}
-    return len(full) + sum(1 for t in token_lists if len(t) % chunk_size)
 
 
 def test_default_model_geometry(default_model):
@@ -56,7 +51,7 @@ def test_shared_system_prompt_greedy_equals_stock_and_kv_is_deduplicated(default
     # peak: the last decode step, every prompt plus its first 7 generated tokens cached
     cached = [o.prompt_token_ids + o.token_ids[:-1] for o in outputs]
     stats = engine.stats
-    assert stats["peak_chunks_used"] == unique_chunks(cached, chunk_size)
+    assert stats["peak_chunks_used"] == token_granular_chunks(cached, chunk_size)
     assert stats["peak_kv_bytes"] == stats["peak_chunks_used"] * stats["bytes_per_chunk"]
     one_copy_each = sum(-(-len(t) // chunk_size) for t in cached) * stats["bytes_per_chunk"]
     assert stats["peak_kv_bytes"] < 0.4 * one_copy_each

@@ -103,7 +103,7 @@ def test_eviction_is_least_recently_used_and_leaves_first():
     d = tree.chunk_ids(2)[1]
     tree.remove(2)
     assert tree.retained_ids() == [b, c, d, a]  # its partly filled last chunk d stays too
-    assert tree.match_len([1, 2, 3, 4, 0, 5]) == 5  # a shared, d's slot copied
+    assert tree.match_len([1, 2, 3, 4, 0, 5]) == 5  # a and d's one slot shared
     tree.insert(3, [7] * 12)  # 3 chunks: 1 free, then it evicts the oldest leaves, b and c
     assert tree.num_evicted == 2 and tree.retained_ids() == [d, a]
     tree.insert(4, [8] * 4)  # evicts d; a stays

@@ -150,15 +150,15 @@ def test_a_failing_processor_rolls_the_step_back_and_seeded_sampling_stays_exact
     assert outputs[request_id].token_ids == out[0, len(prompt):].tolist()
 
 
-def test_stock_generate_rollback_on_a_full_cache_drops_the_queued_copies():
+def test_stock_generate_rollback_on_a_full_cache_undoes_the_split():
     model = patch_model(tiny_llama(num_layers=3))
-    # rows 0 and 1 fit; row 1 matches 20 tokens of row 0 (a partial chunk: a copy is queued); row 2 does not fit
+    # rows 0 and 1 fit; row 1 matches 20 tokens of row 0 (row 0's second chunk is split); row 2 does not fit
     base = list(range(6, 46))
     rows = torch.tensor([base, base[:20] + list(range(50, 70)), list(range(10, 50))])
     cache = ChunkCache(model, chunk_size=16, kv_cache_bytes=6 * PER_CHUNK_16)
     with pytest.raises(KVCacheFull):
         model.generate(rows, past_key_values=cache, max_new_tokens=2, do_sample=False)
-    assert cache.tree.num_seqs == 0 and cache.tree.take_pending_copies() == []
+    assert cache.tree.num_seqs == 0 and cache.tree.nodes() == []
     assert cache.pool.num_free == cache.pool.capacity and not cache.tree.in_step
     # the same cache serves a batch that fits, exactly as stock
     stock = tiny_llama(num_layers=3)

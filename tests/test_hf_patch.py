@@ -53,22 +53,24 @@ def test_teacher_forced_logits_through_prefill_and_decode(heads, kv_heads, head_
     assert cache.num_plan_rebuilds < num_decode  # lengths advance in place between rebuilds
 
 
-def test_partial_match_copies_kv_in_every_layer():
-    """B matches 40 tokens of A (chunk 16): chunks 0-1 shared, 8 slots of A's chunk 2 copied
-    into B's own chunk, in the same forward that computes A's."""
-    _, patched = stock_and_patched()
+def test_partial_match_shares_the_chunk_in_every_layer():
+    """B matches 40 tokens of A (chunk 16): chunks 0-1 and the first 8 slots of A's chunk 2
+    are shared, nothing is copied, and B's own tokens go to a fresh chunk; both computed in
+    one forward, and B's logits equal stock's on B alone."""
+    stock, patched = stock_and_patched()
     a = list(range(6, 56))
     b = a[:40] + [90, 91, 92]
     cache = ChunkCache(patched, chunk_size=16, kv_cache_bytes=1 << 22)
     assert cache.add_sequence(0, a) == 0 and cache.add_sequence(1, b) == 40
     ids, pos, last = cache.begin_prefill([0, 1], [0, 40])
     with torch.no_grad():
-        patched(input_ids=ids, position_ids=pos, past_key_values=cache, logits_to_keep=last)
-    a_chunks, b_chunks = cache.tree.chunk_ids(0), cache.tree.chunk_ids(1)
-    assert a_chunks[:2] == b_chunks[:2] and a_chunks[2] != b_chunks[2]
-    for pool in (cache.pool.k, cache.pool.v):  # [layers, capacity, kv, chunk, d]
-        assert torch.equal(pool[:, b_chunks[2], :, :8], pool[:, a_chunks[2], :, :8])
-        assert not torch.equal(pool[:, b_chunks[2], :, 8:11], pool[:, a_chunks[2], :, 8:11])
+        logits = patched(input_ids=ids, position_ids=pos, past_key_values=cache, logits_to_keep=last).logits[0]
+        expected = stock(torch.tensor([b])).logits[0, -1]
+    a_runs, b_runs = cache.tree.segments(0), cache.tree.segments(1)
+    assert a_runs[:2] == b_runs[:2] and a_runs[2] == (b_runs[2][0], 0, 16) and b_runs[2][1:] == (0, 8)
+    assert b_runs[3][1:] == (0, 3) and b_runs[3][0] not in cache.tree.chunk_ids(0)
+    assert cache.pool.num_used == 5  # a's 4 chunks (50 tokens) and b's own
+    torch.testing.assert_close(logits[1], expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -65,7 +65,7 @@ def test_decode_against_dense_windowed_sdpa(backend, dtype, head_dim, group, chu
     out = decode(backend, q, pool, plan, scale, window)
     assert out.dtype == dtype and torch.isfinite(out).all()
     for row, seq_id in enumerate(plan.seq_ids):
-        ids = torch.tensor(tree.chunk_ids(seq_id))
+        ids = tree.segments(seq_id)
         length = tree.seq_len(seq_id)
         k, v = gather_dense(pool.k[0], ids, length), gather_dense(pool.v[0], ids, length)
         dense = dense_windowed(q[row][None], k, v, length - 1, window, scale)[0]
@@ -94,7 +94,7 @@ def test_decode_segments_before_across_and_inside_windows(backend, max_chunks_pe
                                            window=window)
         for row, seq_id in enumerate(plan.seq_ids):
             length = tree.seq_len(seq_id)
-            ids = torch.tensor(tree.chunk_ids(seq_id))
+            ids = tree.segments(seq_id)
             k, v = gather_dense(pool.k[0], ids, length), gather_dense(pool.v[0], ids, length)
             torch.testing.assert_close(out[row], dense_windowed(q[row][None], k, v, length - 1, window, 0.125)[0],
                                        atol=1e-5, rtol=1e-5, msg=f"window {window}, sequence {seq_id}")
@@ -119,7 +119,7 @@ def test_prefill_against_dense_windowed_sdpa(backend, dtype, head_dim, group, wi
     for s, (start, q_start, n) in enumerate(plan.segments):
         got = out[start : start + n].float()
         assert torch.isfinite(got).all()
-        ids = torch.tensor(tree.chunk_ids(s))
+        ids = tree.segments(s)
         k, v = gather_dense(pool.k[0], ids, len(tokens[s])), gather_dense(pool.v[0], ids, len(tokens[s]))
         dense = dense_windowed(q_full[s][q_start:], k, v, q_start, window, scale)
         torch.testing.assert_close(got, dense, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype], msg=f"sequence {s}")

@@ -1,6 +1,7 @@
-"""Property-based tests of the pool and tree: random insert, append, extend, remove,
-retain and evict, inside and outside steps that commit or roll back, with queued
-copies drained at random times; every invariant checked after every operation.
+"""Property-based tests of the pool and tree: random insert (sharing prefixes that end
+anywhere inside a node, which splits it), append, extend, remove, retain and evict,
+token-granular or by whole chunks, inside and outside steps that commit or roll back;
+every invariant checked after every operation.
 
 CI runs at least 10,000 operations; CHUNK_LLAMA_FUZZ_EXAMPLES raises the count.
 """
@@ -25,26 +26,18 @@ tokens_strategy = st.lists(st.integers(0, 3), min_size=1, max_size=14)
 class TreeMachine(RuleBasedStateMachine):
     num_operations = 0
 
-    @initialize(chunk_size=st.sampled_from([1, 2, 4]), capacity=st.integers(3, 20), retain=st.booleans())
-    def setup(self, chunk_size, capacity, retain):
+    @initialize(chunk_size=st.sampled_from([1, 2, 4]), capacity=st.integers(3, 20), retain=st.booleans(),
+                token_granular=st.sampled_from([True, True, False]))
+    def setup(self, chunk_size, capacity, retain, token_granular):
         self.pool = ChunkPool(num_layers=1, num_kv_heads=1, head_dim=1, chunk_size=chunk_size, capacity=capacity,
                               dtype=torch.float32)
-        self.tree = PrefixTree(self.pool, retain_prefixes=retain)
+        self.tree = PrefixTree(self.pool, retain_prefixes=retain, token_granular=token_granular)
         self.expected: dict[int, list[int]] = {}
         self.next_id = 0
-        self.at_begin = None  # (sequences, their chunk ids) when the open step began
+        self.at_begin = None  # (sequences, their segments) when the open step began
 
     def _count(self):
         TreeMachine.num_operations += 1
-
-    def _removal_may_be_refused(self, seq_id: int) -> bool:
-        """A removal could not be undone, or might free a queued copy's source (a chunk
-        only this sequence uses, or anything under it)."""
-        if self.tree._journal:
-            return True
-        sources = {c.src for c in self.tree._pending_copies}
-        own = [n for n in self.tree.path(seq_id) if self.pool.ref_counts[n.chunk_id] == 1]
-        return any(sources & self.tree._subtree_ids(n) for n in own)
 
     @precondition(lambda self: not self.tree.in_step)
     @rule()
@@ -52,14 +45,13 @@ class TreeMachine(RuleBasedStateMachine):
         self._count()
         self.tree.begin_step()
         self.at_begin = ({s: list(t) for s, t in self.expected.items()},
-                         {s: self.tree.chunk_ids(s) for s in self.expected})
+                         {s: self.tree.segments(s) for s in self.expected})
 
     @precondition(lambda self: self.tree.in_step)
     @rule()
     def commit(self):
-        """The forward pass completed: it performed the queued copies first."""
+        """The forward pass completed."""
         self._count()
-        self._drain()
         self.tree.commit()
 
     @precondition(lambda self: self.tree.in_step)
@@ -68,21 +60,9 @@ class TreeMachine(RuleBasedStateMachine):
         """The forward pass failed: everything of the step goes, chunk for chunk."""
         self._count()
         self.tree.rollback()
-        seqs, chunk_ids = self.at_begin
+        seqs, segments = self.at_begin
         self.expected = {s: list(t) for s, t in seqs.items()}
-        assert {s: self.tree.chunk_ids(s) for s in self.expected} == chunk_ids
-        assert self.tree.take_pending_copies() == []
-
-    @rule()
-    def drain_copies(self):
-        self._count()
-        self._drain()
-
-    def _drain(self):
-        """A forward pass starts: the copies it performs must read and write chunks in use."""
-        for copy in self.tree.take_pending_copies():
-            assert not self.pool.is_free(copy.src) and not self.pool.is_free(copy.dst)
-            assert 0 < copy.num_tokens <= self.pool.chunk_size
+        assert {s: self.tree.segments(s) for s in self.expected} == segments
 
     @rule(tokens=tokens_strategy, cut=st.integers(0, 14), data=st.data())
     def insert(self, tokens, cut, data):
@@ -133,12 +113,11 @@ class TreeMachine(RuleBasedStateMachine):
         in_step_changed = bool(self.tree._journal)
         try:
             self.tree.remove(seq_id)
-        except RuntimeError as error:  # refused, with nothing changed, and only for a reason
-            assert self._removal_may_be_refused(seq_id), error
-            assert ("uncommitted" in str(error)) == in_step_changed
+        except RuntimeError as error:  # refused, with nothing changed, and only for that reason
+            assert in_step_changed and "uncommitted" in str(error), error
             assert self.tree.tokens(seq_id) == self.expected[seq_id]
             return
-        assert not in_step_changed  # the invariants check that no queued copy lost its source
+        assert not in_step_changed
         del self.expected[seq_id]
         if self.tree.in_step:  # nothing changed yet in this step: as if removed before it
             del self.at_begin[0][seq_id], self.at_begin[1][seq_id]
@@ -147,26 +126,41 @@ class TreeMachine(RuleBasedStateMachine):
     def evict_all(self):
         self._count()
         self.tree.evict_all()
-        assert self.tree.num_retained == len(self.tree._blocked())  # only queued copies' sources stay
+        assert self.tree.num_retained == 0
 
     @invariant()
     def tree_is_consistent(self):
         assert_tree_consistent(self.tree)
 
     @invariant()
-    def queued_copies_read_and_write_chunks_in_use(self):
-        for copy in self.tree._pending_copies:
-            assert not self.pool.is_free(copy.src) and not self.pool.is_free(copy.dst)
-
-    @invariant()
-    def sequences_under_every_chunk_are_contiguous(self):
+    def sequences_under_every_node_are_contiguous(self):
         order = depth_first_order(self.tree, sorted(self.expected))
         rows: dict[int, list[int]] = {}
         for row, seq_id in enumerate(order):
-            for c in self.tree.chunk_ids(seq_id):
-                rows.setdefault(c, []).append(row)
-        for chunk_rows in rows.values():
-            assert chunk_rows == list(range(chunk_rows[0], chunk_rows[0] + len(chunk_rows)))
+            for node in self.tree.path(seq_id):
+                rows.setdefault(id(node), []).append(row)
+        for node_rows in rows.values():
+            assert node_rows == list(range(node_rows[0], node_rows[0] + len(node_rows)))
+
+    @invariant()
+    def whole_chunks_only_when_not_token_granular(self):
+        if not self.tree.token_granular:
+            for seq_id in self.expected:
+                runs = self.tree.segments(seq_id)
+                assert all(start == 0 for _, start, _ in runs)
+                assert all(count == self.pool.chunk_size for _, _, count in runs[:-1])
+
+    @invariant()
+    def a_slot_holds_one_prefix(self):
+        """Two sequences read a position from the same slot only when their tokens up to it
+        are the same: nothing one writes is read as another's."""
+        seen: dict[tuple[int, int], tuple[int, ...]] = {}
+        for seq_id, tokens in self.expected.items():
+            chunks, slots = self.tree.slots(seq_id, 0, len(tokens))
+            for position, slot in enumerate(zip(chunks, slots)):
+                prefix = tuple(tokens[: position + 1])
+                assert seen.setdefault(slot, prefix) == prefix
+                assert not self.pool.is_free(slot[0])
 
     @invariant()
     def tokens_read_back(self):
@@ -176,7 +170,6 @@ class TreeMachine(RuleBasedStateMachine):
     def teardown(self):
         if self.tree.in_step:
             self.rollback()
-        self._drain()
         for seq_id in list(self.expected):
             self.tree.remove(seq_id)
         self.tree.evict_all()

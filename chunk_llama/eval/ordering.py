@@ -61,7 +61,6 @@ def simulate_prefill_tokens(prompts: list[list[int]], capacity: int, chunk_size:
                     if not live:
                         raise
             tree.remove(live.pop(0))
-        tree.take_pending_copies()
         live.append(seq_id)
         computed += len(prompt) - min(matched, len(prompt))
     return computed

@@ -17,6 +17,8 @@ Under stock `generate` the patched forward ends its steps; the engine ends its o
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -24,6 +26,8 @@ from chunk_llama.hf import dispatch
 from chunk_llama.hf.step import ForwardStep, StepBuilder
 from chunk_llama.kv import ChunkPool, KVCacheFull, PrefixTree
 from chunk_llama.models import check_supported, default_kv_cache_bytes, kv_geometry
+
+logger = logging.getLogger(__name__)
 
 
 class ChunkCache(Cache):
@@ -34,7 +38,9 @@ class ChunkCache(Cache):
         chunk_size: tokens per chunk (positive).
         kv_cache_bytes: memory budget for K and V of all layers; default from free memory.
         dtype, device: of the pool; default the model's.
-        retain_prefixes: keep finished sequences' full chunks as an LRU prefix cache.
+        retain_prefixes: keep finished sequences' chunks as an LRU prefix cache.
+        token_granular: share a common prefix to the token, also where it ends inside a
+            chunk (default: yes, but on CUDA, whose kernels take whole chunks only).
     """
 
     def __init__(
@@ -46,6 +52,7 @@ class ChunkCache(Cache):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         retain_prefixes: bool = False,
+        token_granular: bool | None = None,
     ):
         config = getattr(model, "config", model)
         check_supported(config)
@@ -76,7 +83,12 @@ class ChunkCache(Cache):
             dtype=dtype,
             device=device,
         )
-        self.tree = PrefixTree(self.pool, retain_prefixes=retain_prefixes)
+        if token_granular is None:
+            token_granular = device.type != "cuda"
+            if not token_granular:
+                logger.info("chunk-llama: prefixes are shared by whole chunks on %s (its kernels take whole chunks)",
+                            device)
+        self.tree = PrefixTree(self.pool, retain_prefixes=retain_prefixes, token_granular=token_granular)
         self._builder = StepBuilder(self.tree, self.pool.device, config.num_attention_heads // num_kv_heads)
         self._plan_counters_at_open = (0, 0)
         self._step: ForwardStep | None = None
@@ -166,12 +178,12 @@ class ChunkCache(Cache):
         if any(seq_id not in self.tree for seq_id in self._row_seq_ids):
             self._row_seq_ids = []  # the first forward of stock generate failed
 
-    def savepoint(self) -> tuple[int, int]:
+    def savepoint(self) -> int:
         """A mark in the current step (opened if needed) for `rollback_to`."""
         self._open_step()
         return self.tree.savepoint()
 
-    def rollback_to(self, savepoint: tuple[int, int]) -> None:
+    def rollback_to(self, savepoint: int) -> None:
         """Undo what the current step did after `savepoint` (e.g. a request that does not fit)."""
         self.tree.rollback(savepoint)
 
@@ -226,7 +238,7 @@ class ChunkCache(Cache):
         try:
             return [self.tree.insert(seq_id, row) for seq_id, row in zip(self._row_seq_ids, rows)]
         except KVCacheFull:
-            self.end_step(completed=False)  # drops the rows inserted so far and their queued copies
+            self.end_step(completed=False)  # drops the rows inserted so far
             raise
 
     # ------------------------------------------------- transformers Cache API

@@ -20,8 +20,7 @@ def store_kv(
     key_states: torch.Tensor,
     value_states: torch.Tensor,
 ) -> None:
-    """Write the step's new K/V of one layer into their slots, then run the queued copies
-    (a copy's source may be a slot written just now, by a sequence of the same step).
+    """Write the step's new K/V of one layer into their slots.
 
     k_layer, v_layer: [capacity, num_kv_heads, chunk_size, head_dim]
     key_states, value_states: [batch, num_kv_heads, q_len, head_dim]
@@ -33,9 +32,6 @@ def store_kv(
         flat_v = value_states.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
         k_layer[step.write_chunk, :, step.write_offset] = flat_k[step.write_token_index]
         v_layer[step.write_chunk, :, step.write_offset] = flat_v[step.write_token_index]
-    for copy in step.copies:
-        k_layer[copy.dst, :, : copy.num_tokens] = k_layer[copy.src, :, : copy.num_tokens]
-        v_layer[copy.dst, :, : copy.num_tokens] = v_layer[copy.src, :, : copy.num_tokens]
 
 
 def attend(

@@ -1,19 +1,17 @@
 """Building a step: the per-forward metadata, made once from the tree and read by all layers.
 
 `StepBuilder` turns the tree's state into a `ForwardStep`: which K/V slots the
-forward writes, which partial-chunk copies follow the writes, and how each layer
-attends (a decode plan, or a packed prefill plan). The decode plan is
+forward writes, and how each layer attends (a decode plan, or a packed prefill plan). The decode plan is
 rebuilt only after joins and leaves; otherwise its lengths advance in place.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from chunk_llama.kv import PrefixTree, build_decode_plan
-from chunk_llama.kv.node import PendingCopy
 from chunk_llama.kv.plan import DecodePlan, to_device
 from chunk_llama.ops.prefill_plan import PrefillPlan, build_prefill_plan
 
@@ -24,7 +22,6 @@ class ForwardStep:
 
     write_token_index: [num_writes] flattened token indices whose K/V are stored
     write_chunk, write_offset: [num_writes] the slot of each stored token
-    copies: partial-chunk copies to run after each layer's writes
     plan / row_order: decode only; plan rows are batch rows `row_order` (None: same order)
     prefill: prefill (or multi-token extension) only: every sequence's new tokens, one plan
         for all layers (`ops/prefill_plan.py`)
@@ -34,7 +31,6 @@ class ForwardStep:
     write_token_index: torch.Tensor
     write_chunk: torch.Tensor
     write_offset: torch.Tensor
-    copies: list[PendingCopy] = field(default_factory=list)
     plan: DecodePlan | None = None
     row_order: torch.Tensor | None = None
     inverse_row_order: torch.Tensor | None = None
@@ -74,9 +70,8 @@ class StepBuilder:
             write_token_index=write_index,
             write_chunk=write_chunk,
             write_offset=write_offset,
-            copies=self.tree.take_pending_copies(),
             prefill=build_prefill_plan(
-                [self.tree.chunk_ids(s) for s, *_ in segments], [(t, q, n) for _, t, q, n, _ in segments],
+                [self.tree.segments(s) for s, *_ in segments], [(t, q, n) for _, t, q, n, _ in segments],
                 self.group, self.device,
             ),
             past_len=past_len,
@@ -107,7 +102,7 @@ class StepBuilder:
 
     def _decode_plan(self, seq_ids: list[int]) -> DecodePlan:
         """The plan for this decode step: rebuilt after joins and leaves, else updated."""
-        events = self.tree.take_chunk_events()
+        events = self.tree.take_node_events()
         plan = self.plan
         if (
             plan is not None
@@ -116,7 +111,7 @@ class StepBuilder:
             and all(s in plan.row_of for s in seq_ids)
         ):
             if events:
-                plan.add_private_chunks(events)
+                plan.add_private_nodes(events)
                 self.num_plan_updates += 1
             plan.advance()
             return plan

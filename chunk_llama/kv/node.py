@@ -1,5 +1,5 @@
-"""The records the prefix tree is made of: chunk nodes, sequence paths, pending copies,
-and the journal entries that let a failed step be rolled back."""
+"""The records the prefix tree is made of: nodes, sequence paths, and the journal
+entries that let a failed step be rolled back."""
 
 from __future__ import annotations
 
@@ -7,61 +7,98 @@ from dataclasses import dataclass
 
 
 class ChunkNode:
-    """One chunk of the tree. The root is virtual (`chunk_id == -1`, no tokens)."""
+    """A run of tokens whose K/V sit in slots `[start, end)` of one pool chunk.
 
-    __slots__ = ("chunk_id", "tokens", "parent", "children", "full_children")
+    A chunk holds a chain of nodes from slot 0: its head (`start == 0`), then at most
+    one in-place child of each node (a child in the same chunk, starting where its
+    parent ends), and so on. Such a chain appears where requests diverge inside a
+    chunk: the node is split at the token where they part, the shared part keeps the
+    slots it had, and the rest stays in place as its child. The root is virtual
+    (`chunk_id == -1`, no tokens).
+    """
 
-    def __init__(self, chunk_id: int, parent: "ChunkNode | None"):
+    __slots__ = ("chunk_id", "start", "tokens", "parent", "children", "by_token", "num_seqs")
+
+    def __init__(self, chunk_id: int, start: int, parent: "ChunkNode | None"):
         self.chunk_id = chunk_id
+        self.start = start
         self.tokens: list[int] = []
         self.parent = parent
-        # Every child, by chunk id (insertion ordered, so iteration is deterministic).
-        self.children: dict[int, ChunkNode] = {}
-        # Full children by token content: the index used to share chunks.
-        self.full_children: dict[tuple[int, ...], ChunkNode] = {}
+        # Children by `key` (insertion ordered: iteration is deterministic), and the
+        # same children by their first token: the index lookups by content use.
+        self.children: dict[tuple[int, int], ChunkNode] = {}
+        self.by_token: dict[int, list[ChunkNode]] = {}
+        self.num_seqs = 0  # live sequences whose path runs through this node
 
-    def is_indexed(self) -> bool:
-        """Whether a lookup by content finds this node (a duplicate full chunk is not found)."""
-        return self.parent.full_children.get(tuple(self.tokens)) is self
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.chunk_id, self.start
+
+    @property
+    def end(self) -> int:
+        """The slot after the node's last token."""
+        return self.start + len(self.tokens)
+
+    def add_child(self, child: "ChunkNode") -> None:
+        self.children[child.key] = child
+        self.by_token.setdefault(child.tokens[0], []).append(child)
+
+    def remove_child(self, child: "ChunkNode") -> None:
+        del self.children[child.key]
+        same = self.by_token[child.tokens[0]]
+        same.remove(child)
+        if not same:
+            del self.by_token[child.tokens[0]]
+
+    def replace_child(self, old: "ChunkNode", new: "ChunkNode") -> None:
+        """Put `new` where `old` was (same key and first token: a split or its undoing)."""
+        self.children[old.key] = new
+        same = self.by_token[old.tokens[0]]
+        same[same.index(old)] = new
+
+    def in_place_child(self) -> "ChunkNode | None":
+        """The child that continues in this node's chunk, if any."""
+        return self.children.get((self.chunk_id, self.end))
 
     def __repr__(self) -> str:
-        return f"ChunkNode(id={self.chunk_id}, num_tokens={len(self.tokens)})"
-
-
-@dataclass
-class PendingCopy:
-    """Copy slots `[0, num_tokens)` of chunk `src` into chunk `dst` (every layer)."""
-
-    src: int
-    dst: int
-    num_tokens: int
+        return f"ChunkNode(chunk={self.chunk_id}, slots={self.start}..{self.end}, seqs={self.num_seqs})"
 
 
 class SeqPath:
-    """A live sequence: its chunks root first, and how many tokens they hold."""
+    """A live sequence: the last node of its path, and how many tokens the path holds."""
 
-    __slots__ = ("nodes", "length")
+    __slots__ = ("leaf", "length")
 
-    def __init__(self) -> None:
-        self.nodes: list[ChunkNode] = []
-        self.length = 0
+    def __init__(self, leaf: ChunkNode, length: int) -> None:
+        self.leaf = leaf
+        self.length = length
 
 
 @dataclass
 class InsertRecord:
-    """Journal: sequence `seq_id` was inserted. `revived` are the retained chunks it took
-    out of the prefix cache and `touched` the retained copy sources it refreshed,
-    each with its LRU stamp from before, so a rollback puts them back in place."""
+    """Journal: sequence `seq_id` was inserted, sharing the first `num_shared` nodes of its
+    path (the rest it started). `revived` are the retained chunks it took out of the
+    prefix cache, each with its LRU stamp from before, so a rollback puts them back in place."""
 
     seq_id: int
+    num_shared: int
     revived: list[tuple[ChunkNode, int]]
-    touched: list[tuple[ChunkNode, int]]
 
 
 @dataclass
 class GrowRecord:
-    """Journal: sequence `seq_id` grew from `length` tokens held in `num_nodes` chunks."""
+    """Journal: sequence `seq_id` grew from `length` tokens, its last node then `leaf`
+    holding `leaf_tokens` of them."""
 
     seq_id: int
     length: int
-    num_nodes: int
+    leaf: ChunkNode
+    leaf_tokens: int
+
+
+@dataclass
+class SplitRecord:
+    """Journal: `head` was split off the front of `node` (which kept the rest)."""
+
+    head: ChunkNode
+    node: ChunkNode

@@ -4,7 +4,8 @@ A chunk id is one row in every layer's K and V tensor at once, so the prefix tre
 (shared by all layers) allocates a chunk once and every layer writes into its row.
 Memory is allocated up front and never returned to the OS while the pool lives;
 running out is reported with `KVCacheFull`, which callers turn into an admission
-decision instead of a crash.
+decision instead of a crash. Which chunks hold what is the prefix tree's business: the
+pool only hands chunks out and takes them back.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ class KVCacheFull(RuntimeError):
 
 
 class ChunkPool:
-    """Fixed-capacity pool of KV chunks with a free list and reference counts.
+    """Fixed-capacity pool of KV chunks with a free list.
 
     Storage: `k`, `v`: [num_layers, capacity, num_kv_heads, chunk_size, head_dim].
     `k[layer]` is a contiguous [capacity, num_kv_heads, chunk_size, head_dim] view,
-    which is the layout the attention kernels read.
+    which is the layout the attention kernels read. One more chunk per layer lies
+    behind the last (never handed out): the CPU kernels read a run of keys in tiles
+    that may end up to 15 rows past a run ending inside a chunk (the extra scores are
+    never used), and that read must stay inside the allocation.
     """
 
     def __init__(
@@ -54,16 +58,13 @@ class ChunkPool:
         self.capacity = capacity
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_layers, capacity, num_kv_heads, chunk_size, head_dim)
+        shape = (num_layers, capacity + 1, num_kv_heads, chunk_size, head_dim)  # + the guard chunk
         # torch.empty: pages are committed on first write, so an unused budget costs no RSS.
-        self.k = torch.empty(shape, dtype=dtype, device=self.device)
-        self.v = torch.empty(shape, dtype=dtype, device=self.device)
+        self.k = torch.empty(shape, dtype=dtype, device=self.device)[:, :capacity]
+        self.v = torch.empty(shape, dtype=dtype, device=self.device)[:, :capacity]
         # Pop from the end: low ids first, which keeps the touched memory compact.
         self._free: list[int] = list(range(capacity - 1, -1, -1))
         self._is_free = bytearray(b"\x01") * capacity
-        # Live sequences through each chunk. A chunk at 0 that is not free is a
-        # retained prefix chunk, owned by the tree until it revives or evicts it.
-        self.ref_counts: list[int] = [0] * capacity
         self.peak_used = 0
 
     @staticmethod
@@ -95,33 +96,17 @@ class ChunkPool:
         return num_chunks <= len(self._free)
 
     def allocate(self) -> int:
-        """Take one free chunk; its reference count starts at 1."""
+        """Take one free chunk."""
         if not self._free:
             raise KVCacheFull(f"KV cache is full: all {self.capacity} chunks are in use")
         chunk_id = self._free.pop()
         self._is_free[chunk_id] = 0
-        self.ref_counts[chunk_id] = 1
         self.peak_used = max(self.peak_used, self.num_used)
         return chunk_id
 
-    def incref(self, chunk_id: int) -> None:
-        """Add a sequence to an allocated chunk (a retained one at 0 included)."""
-        if self._is_free[chunk_id]:
-            raise RuntimeError(f"incref of free chunk {chunk_id}")
-        self.ref_counts[chunk_id] += 1
-
-    def decref(self, chunk_id: int) -> int:
-        """Drop one reference; returns the references left. At 0 the chunk is not
-        freed: the caller either retains it or calls `free`."""
-        count = self.ref_counts[chunk_id]
-        if count <= 0:
-            raise RuntimeError(f"decref of chunk {chunk_id} with no references")
-        self.ref_counts[chunk_id] = count - 1
-        return count - 1
-
     def free(self, chunk_id: int) -> None:
-        """Return a chunk with no references to the free list."""
-        if self._is_free[chunk_id] or self.ref_counts[chunk_id] != 0:
-            raise RuntimeError(f"free of chunk {chunk_id} (free={self.is_free(chunk_id)}, refs={self.ref_counts[chunk_id]})")
+        """Return an allocated chunk to the free list."""
+        if self._is_free[chunk_id]:
+            raise RuntimeError(f"free of chunk {chunk_id}, which is free already")
         self._is_free[chunk_id] = 1
         self._free.append(chunk_id)

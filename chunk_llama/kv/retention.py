@@ -1,14 +1,16 @@
-"""Retained chunks (chunks no live sequence uses, kept as a prefix cache: full ones
-findable by content and shared again, a finished sequence's partly filled last chunk
-as a leaf that inserts copy matching slots from) and their eviction (`Eviction`, a
-mixin of `PrefixTree`).
+"""Retained chunks (chunks no live sequence uses, kept as a prefix cache whose nodes a
+later insert matches and shares again) and their eviction (`Eviction`, a mixin of
+`PrefixTree`).
 
-Kept in least-recently-used order. A chunk is retained when its last sequence
-leaves, and a sequence's chunks are retained deepest first, so an ancestor is
-always more recent than its retained descendants: the oldest entries are leaves,
-and one pass in LRU order can evict a leaf and later meet its parent as a leaf.
-Every entry carries a stamp from a monotonic clock, so entries taken out by a step
-that is rolled back go back to exactly their old places.
+A chunk is retained when no live sequence goes through any of its nodes, i.e. through
+its head (the node at slot 0: every other node of the chunk lies below it). A node
+no one uses in a chunk that is still live is kept too, at no cost (its slots are
+held anyway). Retained chunks are kept in least-recently-used order. A sequence's
+chunks are retained deepest first, so an ancestor is always more recent than its
+retained descendants: the oldest entries are leaves, and one pass in LRU order can
+evict a leaf and later meet its parent as a leaf. Every entry carries a stamp from
+a monotonic clock, so entries taken out by a step that is rolled back go back to
+exactly their old places.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from chunk_llama.kv.pool import KVCacheFull
 
 
 class RetainedChunks:
-    """The LRU set of retained chunks (chunk id -> node), oldest first."""
+    """The LRU set of retained chunks (chunk id -> head node), oldest first."""
 
     def __init__(self) -> None:
         self._lru: OrderedDict[int, tuple[ChunkNode, int]] = OrderedDict()
@@ -40,119 +42,107 @@ class RetainedChunks:
     def node(self, chunk_id: int) -> ChunkNode:
         return self._lru[chunk_id][0]
 
-    def stamp(self, chunk_id: int) -> int:
-        return self._lru[chunk_id][1]
+    def node_of(self, chunk_id: int) -> ChunkNode | None:
+        entry = self._lru.get(chunk_id)
+        return entry[0] if entry is not None else None
 
-    def add(self, node: ChunkNode) -> None:
+    def add(self, head: ChunkNode) -> None:
         """Retain a chunk as the most recently used."""
         self._clock += 1
-        self._lru[node.chunk_id] = (node, self._clock)
+        self._lru[head.chunk_id] = (head, self._clock)
+
+    def replace(self, chunk_id: int, head: ChunkNode) -> None:
+        """The chunk's head is another node now (a split, or its undoing); same place."""
+        self._lru[chunk_id] = (head, self._lru[chunk_id][1])
 
     def pop(self, chunk_id: int) -> tuple[ChunkNode, int] | None:
-        """Take a chunk out (revived or evicted); returns (node, stamp) or None if not retained."""
+        """Take a chunk out (revived or evicted); returns (head, stamp) or None if not retained."""
         return self._lru.pop(chunk_id, None)
-
-    def touch(self, chunk_id: int) -> None:
-        """Mark a retained chunk as just used. Only for a chunk whose ancestors are all
-        live (none retained), so that ancestors stay more recent than descendants."""
-        node, _ = self._lru.pop(chunk_id)
-        self.add(node)
 
     def restore(self, entries: list[tuple[ChunkNode, int]]) -> None:
         """Put back entries taken out since their stamps were issued, in their old places."""
         if not entries:
             return
-        for node, stamp in entries:
-            self._lru[node.chunk_id] = (node, stamp)
+        for head, stamp in entries:
+            self._lru[head.chunk_id] = (head, stamp)
         self._lru = OrderedDict(sorted(self._lru.items(), key=lambda item: item[1][1]))
 
     def evictable(self, blocked: set[int]) -> Iterator[ChunkNode]:
-        """Leaves not in `blocked`, least recently used first. Evicting a yielded node
-        before asking for the next may turn its parent into a leaf, met later in the pass."""
+        """Heads of leaf chunks (no node of the chunk has a child in another chunk) not in
+        `blocked`, least recently used first. Evicting a yielded chunk before asking for
+        the next may turn its parent's chunk into a leaf, met later in the pass."""
         for chunk_id in list(self._lru):
             entry = self._lru.get(chunk_id)
-            if entry is not None and not entry[0].children and chunk_id not in blocked:
+            if entry is not None and chunk_id not in blocked and _is_leaf_chunk(entry[0]):
                 yield entry[0]
+
+
+def _is_leaf_chunk(head: ChunkNode) -> bool:
+    node = head
+    while node is not None:
+        inside = node.in_place_child()
+        if len(node.children) > (inside is not None):
+            return False
+        node = inside
+    return True
 
 
 class Eviction:
     """Mixin of `PrefixTree`: which retained chunks may go, making room by evicting them,
-    and releasing chunks (with the retained chunks under them) back to the pool."""
+    and releasing nodes (with the retained chunks under them) back to the pool."""
 
     _retained: RetainedChunks
 
     def num_available(self) -> int:
         """Chunks an allocation can get: free ones plus evictable retained ones."""
-        return self.pool.num_free + len(self._retained) - len(self._blocked())
+        return self.pool.num_free + len(self._retained)
 
     def evict_all(self) -> int:
-        """Drop every retained chunk that nothing protects; returns how many."""
+        """Drop every retained chunk; returns how many."""
         before = len(self._retained)
-        self._make_room(self.num_available(), self._blocked())
+        self._make_room(self.pool.num_free + len(self._retained), set())
         return before - len(self._retained)
 
-    def _blocked(self, *nodes: ChunkNode | None) -> set[int]:
-        """Retained chunks that may not be evicted now: those on the paths to `nodes`
-        and to the chunks queued copies read or write in the next forward pass."""
-        ends = [i for c in self._pending_copies for i in (c.src, c.dst) if i in self._retained]
-        starts = [n for n in nodes if n is not None] + [self._retained.node(i) for i in ends]
+    def _blocked(self, node: ChunkNode | None) -> set[int]:
+        """Retained chunks on the path to `node` (root excluded): an insert that shares
+        them must not evict them to make room."""
         blocked: set[int] = set()
-        for node in starts:
-            while node is not self.root and node.chunk_id in self._retained and node.chunk_id not in blocked:
+        while node is not None and node is not self.root:
+            if node.chunk_id in self._retained:
                 blocked.add(node.chunk_id)
-                node = node.parent
+            node = node.parent
         return blocked
 
     def _reserve(self, num_chunks: int, what: str) -> None:
         """Make `num_chunks` free (evicting) or raise `KVCacheFull` with nothing changed."""
         if num_chunks > self.pool.num_free:
-            blocked = self._blocked()
-            available = self.pool.num_free + len(self._retained) - len(blocked)
+            available = self.pool.num_free + len(self._retained)
             if num_chunks > available:
                 raise KVCacheFull(f"need {num_chunks} free chunks {what}, {available} available")
-            self._make_room(num_chunks, blocked)
+            self._make_room(num_chunks, set())
 
     def _make_room(self, num_chunks: int, blocked: set[int]) -> None:
-        """Evict least recently used retained leaves until `num_chunks` are free (one pass)."""
+        """Evict least recently used retained leaf chunks until `num_chunks` are free (one pass)."""
         if self.pool.num_free >= num_chunks:
             return
-        for victim in self._retained.evictable(blocked):
-            self._retained.pop(victim.chunk_id)
-            self._release(victim)
+        for head in self._retained.evictable(blocked):
+            self._retained.pop(head.chunk_id)
             self.num_evicted += 1
+            self._release(head)
             if self.pool.num_free >= num_chunks:
                 return
         raise RuntimeError("no evictable retained chunk although the capacity check passed")
 
-    @staticmethod
-    def _subtree_ids(node: ChunkNode) -> set[int]:
-        """Chunk ids of a node and everything under it (what `_release` would free)."""
-        ids, stack = set(), [node]
-        while stack:
-            node = stack.pop()
-            ids.add(node.chunk_id)
-            stack.extend(node.children.values())
-        return ids
-
-    def _unindex(self, node: ChunkNode) -> None:
-        """Take a node out of its parent's content index (a duplicate sibling takes over)."""
-        parent, key = node.parent, tuple(node.tokens)
-        if parent.full_children.get(key) is not node:
-            return
-        del parent.full_children[key]
-        for sibling in parent.children.values():
-            if sibling is not node and len(sibling.tokens) == self.chunk_size and tuple(sibling.tokens) == key:
-                parent.full_children[key] = sibling
-                break
-
     def _release(self, node: ChunkNode) -> None:
-        """Detach a chunk with no references from the tree and free it, with the
-        retained chunks under it (they could never be matched again)."""
+        """Detach a node no sequence uses from the tree, with everything under it (retained
+        chunks, which could never be matched again, and unused nodes of its own chunk),
+        and free its chunk if it is the chunk's head."""
+        if node.num_seqs:
+            raise RuntimeError(f"releasing {node}, which a live sequence uses")
         for child in list(node.children.values()):
-            if self._retained.pop(child.chunk_id) is None:  # no live sequence below a chunk at 0
-                raise RuntimeError(f"releasing chunk {node.chunk_id} whose child {child.chunk_id} is in use")
-            self.num_evicted += 1
+            if child.start == 0 and self._retained.pop(child.chunk_id) is not None:
+                self.num_evicted += 1
             self._release(child)
-        self._unindex(node)
-        del node.parent.children[node.chunk_id]
-        self.pool.free(node.chunk_id)
+        node.parent.remove_child(node)
+        if node.start == 0:
+            self.pool.free(node.chunk_id)

@@ -1,60 +1,73 @@
-"""Prefix tree of KV chunks, shared by all layers (the paper's PAKV).
+"""Prefix tree of KV chunks, shared by all layers (the paper's PAKV), token-granular.
 
-A node is one chunk: up to `chunk_size` token ids and the pool id holding their
-K/V. Full chunks are shared between the sequences that start with the same
-tokens; a partially filled chunk always belongs to one sequence. The pool's
-reference count of a chunk is the number of live sequences whose path runs
-through it, so a path's counts never increase from root to leaf and every
-sequence's path is a run of shared chunks followed by a run of private ones.
+A node is a run of token ids and the slots of one pool chunk holding their K/V
+(`node.py`). Sequences that begin with the same tokens share the nodes of that
+prefix, whatever its length: where a new sequence parts from the tree inside a
+node, the node is split at that token (`_split`). The shared part keeps its slots,
+the rest stays in place as its child, and the new sequence goes on in a chunk of its
+own, so a common prefix is held once even where it ends inside a chunk, and nothing
+is ever copied. A sequence extends its last node in place while no one else uses it;
+otherwise its next tokens go on in the same chunk when the slots after that node are
+unclaimed, else in a fresh chunk.
 
-The tree only records token ids and chunk ids; the K/V values are written by the
-attention layers. When a new sequence matches part of a chunk it cannot share
-(the match ends inside it), the matched slots must be copied into the new
-sequence's own chunk. The source slots may belong to a sequence prefilled in the
-same forward pass, so the copy is queued (`take_pending_copies`) and performed by
-the cache after each layer has written its new K/V.
+The tree only records token ids and slots; the K/V values are written by the
+attention layers. Steps are atomic (`journal.py`): what a step inserts, grows or
+splits becomes findable by later steps only once the caller commits it after its
+forward pass completed; a failed step is rolled back.
 
-Steps are atomic (`journal.py`): what a step inserts or grows becomes findable by
-later steps only once the caller commits it after its forward pass completed; a
-failed step is rolled back.
+With `token_granular=False` only whole chunks are shared (a prefix is matched chunk by
+chunk, nothing is split), so every path is whole chunks and a partly filled last one:
+what kernels that take whole chunks only need (the CUDA ones, so far).
 
-Prefix retention (`retain_prefixes=True`): when the last sequence through a full
-chunk leaves, the chunk stays in the tree with no owner (`retention.py`), so a
-later request with the same prefix finds it; a leaving sequence's partly filled
-last chunk stays too, as a leaf no one shares but a later insert copies its
-matching slots from (the next turn of a conversation computes only its new
-tokens). Retained chunks are evicted least recently used, leaves first, only when
-an allocation finds no free chunk.
+Prefix retention (`retain_prefixes=True`): when the last sequence through a node
+leaves, the node stays in the tree with no owner (`retention.py`), so a later request
+with the same prefix finds it (the next turn of a conversation computes only its new
+tokens). A chunk whose nodes are all unowned is a retained chunk: evicted least
+recently used, leaves first, only when an allocation finds no free chunk.
 """
 
 from __future__ import annotations
 
 from chunk_llama.kv.journal import StepJournal
-from chunk_llama.kv.node import ChunkNode, GrowRecord, InsertRecord, PendingCopy, SeqPath
+from chunk_llama.kv.node import ChunkNode, GrowRecord, InsertRecord, SeqPath, SplitRecord
 from chunk_llama.kv.pool import ChunkPool, KVCacheFull
 from chunk_llama.kv.retention import Eviction, RetainedChunks
 
 
-class PrefixTree(StepJournal, Eviction):
-    """The forest of chunk paths of all live sequences, under one virtual root."""
+class _Match:
+    """Where a token list meets the tree: the nodes it shares whole, and the node it
+    parts from inside (`partial`, after `partial_len` of its tokens), if any."""
 
-    def __init__(self, pool: ChunkPool, *, retain_prefixes: bool = False):
+    __slots__ = ("nodes", "length", "partial", "partial_len")
+
+    def __init__(self, nodes: list[ChunkNode], length: int, partial: ChunkNode | None, partial_len: int):
+        self.nodes, self.length, self.partial, self.partial_len = nodes, length, partial, partial_len
+
+    @property
+    def num_cached(self) -> int:
+        return self.length + self.partial_len
+
+
+class PrefixTree(StepJournal, Eviction):
+    """The forest of the paths of all live sequences, under one virtual root."""
+
+    def __init__(self, pool: ChunkPool, *, retain_prefixes: bool = False, token_granular: bool = True):
         self.pool = pool
         self.chunk_size = pool.chunk_size
         self.retain_prefixes = retain_prefixes
-        self.root = ChunkNode(-1, None)
+        self.token_granular = token_granular
+        self.root = ChunkNode(-1, 0, None)
         self._seqs: dict[int, SeqPath] = {}
-        self._pending_copies: list[PendingCopy] = []
         self._retained = RetainedChunks()
-        self._journal: list[InsertRecord | GrowRecord] | None = None  # None: no step open
+        self._journal: list[InsertRecord | GrowRecord | SplitRecord] | None = None  # None: no step open
         self._peaks_at_begin = (0, 0)
         # Bumped when sequences join or leave or grow by several tokens at once, and by
-        # a rollback: a plan built before is stale. A decode step's new chunks only extend
-        # one sequence's private list; they are reported by `take_chunk_events` instead.
+        # a rollback: a plan built before is stale. A decode step's new nodes only extend
+        # one sequence's private list; they are reported by `take_node_events` instead.
         self.structure_version = 0
-        self._chunk_events: list[tuple[int, int]] = []
+        self._node_events: list[tuple[int, ChunkNode, int]] = []
         self.num_evicted = 0  # retained chunks given back to the pool
-        self.num_revived = 0  # retained chunks a new sequence reused, shared or copied (prefix cache hits)
+        self.num_revived = 0  # retained chunks a new sequence reused (prefix cache hits)
         self.peak_live_chunks = 0  # chunks held by live sequences, at most at once
 
     # ----------------------------------------------------------------- queries
@@ -101,168 +114,145 @@ class PrefixTree(StepJournal, Eviction):
         return self._seqs[seq_id].length
 
     def path(self, seq_id: int) -> list[ChunkNode]:
-        """The chunks of a sequence, root first (do not modify)."""
-        return self._seqs[seq_id].nodes
-
-    def chunk_ids(self, seq_id: int) -> list[int]:
-        return [node.chunk_id for node in self._seqs[seq_id].nodes]
+        """The nodes of a sequence, root first."""
+        nodes, node = [], self._seqs[seq_id].leaf
+        while node is not self.root:
+            nodes.append(node)
+            node = node.parent
+        nodes.reverse()
+        return nodes
 
     def tokens(self, seq_id: int) -> list[int]:
-        """The token ids of a sequence, read back from its chunks."""
-        out: list[int] = []
-        for node in self._seqs[seq_id].nodes:
-            out.extend(node.tokens)
+        """The token ids of a sequence, read back from its nodes."""
+        return [token for node in self.path(seq_id) for token in node.tokens]
+
+    def segments(self, seq_id: int) -> list[tuple[int, int, int]]:
+        """(chunk id, first slot, number of tokens) of the sequence's runs of K/V, in order
+        (a chunk's chain of nodes on the path is one run)."""
+        out: list[tuple[int, int, int]] = []
+        for node in self.path(seq_id):
+            if out and out[-1][0] == node.chunk_id:
+                chunk, start, count = out[-1]
+                out[-1] = (chunk, start, count + len(node.tokens))
+            else:
+                out.append((node.chunk_id, node.start, len(node.tokens)))
         return out
 
-    def slots(self, seq_id: int, start: int, end: int) -> tuple[list[int], list[int]]:
-        """(chunk id, offset in chunk) of each position in `[start, end)` of a sequence."""
-        nodes = self._seqs[seq_id].nodes
-        c = self.chunk_size
-        positions = range(start, end)
-        return [nodes[p // c].chunk_id for p in positions], [p % c for p in positions]
+    def chunk_ids(self, seq_id: int) -> list[int]:
+        """The chunks a sequence's K/V are in, in order."""
+        return [chunk for chunk, _, _ in self.segments(seq_id)]
 
-    def take_chunk_events(self) -> list[tuple[int, int]]:
-        """(seq_id, chunk_id) of chunks `append` added since the last call."""
-        events, self._chunk_events = self._chunk_events, []
+    def slots(self, seq_id: int, start: int, end: int) -> tuple[list[int], list[int]]:
+        """(chunk id, slot in chunk) of each position in `[start, end)` of a sequence."""
+        chunks, offsets = [], []
+        position = 0
+        for chunk, first, count in self.segments(seq_id):
+            lo, hi = max(start, position), min(end, position + count)
+            chunks += [chunk] * max(0, hi - lo)
+            offsets += range(first + lo - position, first + hi - position)
+            position += count
+        return chunks, offsets
+
+    def take_node_events(self) -> list[tuple[int, ChunkNode, int]]:
+        """(seq_id, node, position of its first token) of nodes `append` started since the last call."""
+        events, self._node_events = self._node_events, []
         return events
 
-    def take_pending_copies(self) -> list[PendingCopy]:
-        copies, self._pending_copies = self._pending_copies, []
-        return copies
-
     def match_len(self, tokens: list[int], max_match: int | None = None) -> int:
-        """How many leading tokens `insert(_, tokens, max_match)` would find cached (shared
-        full chunks plus a copied partial match)."""
-        max_match = self._clamp_match(tokens, max_match)
-        node, matched = self._match_full(tokens, max_match)
-        best = self._best_partial(node, tokens, matched, max_match)
-        return matched + (best[1] if best else 0)
+        """How many leading tokens `insert(_, tokens, max_match)` would find cached."""
+        return self._match(tokens, self._clamp_match(tokens, max_match)).num_cached
 
     def chunks_needed(self, tokens: list[int], max_match: int | None = None) -> int:
         """Available chunks (free or evictable) `insert(seq_id, tokens, max_match)` would take:
         its new chunks plus the retained chunks it would revive."""
-        node, matched = self._match_full(tokens, self._clamp_match(tokens, max_match))
-        return -(-(len(tokens) - matched) // self.chunk_size) + self._num_retained_on_path(node)
+        match = self._match(tokens, self._clamp_match(tokens, max_match))
+        return self._new_chunks(match, len(tokens)) + len(self._retained_on(match))
 
     # -------------------------------------------------------------- mutations
     def insert(self, seq_id: int, tokens: list[int], max_match: int | None = None) -> int:
         """Add a sequence and return how many leading tokens already have K/V.
 
-        Full matching chunks (live or retained) are shared by reference; a match
-        ending inside a chunk gets those slots copied into the sequence's own chunk
-        (queued, see module doc). Slots after the returned length must be written
-        by the caller. At most `max_match` tokens are matched (e.g. `len(tokens) - 1`
-        so that the last prompt token is computed and yields logits). Raises
-        `KVCacheFull` without changing anything when the pool cannot hold the rest.
+        Matching nodes (live or retained, whole or up to the token where the sequence
+        parts from them) are shared. Slots after the returned length must be written by
+        the caller. At most `max_match` tokens are matched (e.g. `len(tokens) - 1` so
+        that the last prompt token is computed and yields logits). Raises `KVCacheFull`
+        without changing anything when the pool cannot hold the rest.
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} is already in the tree")
         if not tokens:
             raise ValueError("cannot insert an empty sequence")
-        max_match = self._clamp_match(tokens, max_match)
-        node, matched = self._match_full(tokens, max_match)
-        num_new_chunks = -(-(len(tokens) - matched) // self.chunk_size)
-        best = self._best_partial(node, tokens, matched, max_match)
-        blocked = self._blocked(node, best[0] if best else None)
+        match = self._match(tokens, self._clamp_match(tokens, max_match))
+        num_new_chunks = self._new_chunks(match, len(tokens))
+        blocked = self._retained_on(match)
         available = self.pool.num_free + len(self._retained) - len(blocked)
         if num_new_chunks > available:
             raise KVCacheFull(f"need {num_new_chunks} free chunks for sequence {seq_id}, {available} available")
-        seq = self._seqs[seq_id] = SeqPath()
-        record = InsertRecord(seq_id, [], [])
+        shared = list(match.nodes)
+        if match.partial is not None:
+            shared.append(self._split(match.partial, match.partial_len))
+        record = InsertRecord(seq_id, len(shared), [])
         self._journal_append(record)
-        matched_path = []
-        while node is not self.root:
-            matched_path.append(node)
-            node = node.parent
-        for shared in reversed(matched_path):  # share the matched full chunks, root first
-            revived = self._retained.pop(shared.chunk_id)
-            if revived is not None:
-                record.revived.append(revived)
-                self.num_revived += 1
-            self.pool.incref(shared.chunk_id)
-            seq.nodes.append(shared)
-        seq.length = matched
+        for node in shared:  # root first
+            if node.start == 0:
+                revived = self._retained.pop(node.chunk_id)
+                if revived is not None:
+                    record.revived.append(revived)
+                    self.num_revived += 1
+            node.num_seqs += 1
+        self.peak_live_chunks = max(self.peak_live_chunks, self.num_live_chunks)
+        seq = self._seqs[seq_id] = SeqPath(shared[-1] if shared else self.root, match.num_cached)
         self._make_room(num_new_chunks, blocked)
-        if best is not None:
-            src, num_copied = best
-            if src.chunk_id in self._retained:  # a copy source is a hit too, and now recently used
-                record.touched.append((src, self._retained.stamp(src.chunk_id)))
-                self._retained.touch(src.chunk_id)
-                self.num_revived += 1
-            parent = seq.nodes[-1] if seq.nodes else self.root
-            seq.nodes.append(self._new_node(parent, tokens[matched : matched + num_copied]))
-            seq.length += num_copied
-            self._pending_copies.append(PendingCopy(src.chunk_id, seq.nodes[-1].chunk_id, num_copied))
-        num_cached = seq.length
-        self._grow(seq, tokens[num_cached:])
+        self._grow(seq, tokens[match.num_cached :])
         self.structure_version += 1
-        return num_cached
+        return match.num_cached
 
     def append(self, seq_ids: list[int], tokens: list[int]) -> tuple[list[int], list[int]]:
-        """Append one token to each sequence; returns the (chunk ids, offsets) to write.
+        """Append one token to each sequence; returns the (chunk ids, slots) to write.
 
         Raises `KVCacheFull` without changing anything when new chunks are needed
         and the pool has too few.
         """
         if len(seq_ids) != len(tokens):
             raise ValueError(f"{len(seq_ids)} sequences but {len(tokens)} tokens")
-        c = self.chunk_size
         seqs = [self._seqs[s] for s in seq_ids]
-        self._reserve(sum(1 for seq in seqs if seq.length % c == 0), "to decode")
-        chunk_ids, offsets = [], []
+        self._reserve(self._fresh_chunks_to_grow(seqs, [1] * len(seqs)), "to decode")
+        chunk_ids, slots = [], []
         for seq_id, seq, token in zip(seq_ids, seqs, tokens):
-            offset = seq.length % c
-            self._journal_append(GrowRecord(seq_id, seq.length, len(seq.nodes)))
+            leaf = seq.leaf
+            self._journal_append(GrowRecord(seq_id, seq.length, leaf, len(leaf.tokens)))
             self._grow(seq, [token])
-            chunk_ids.append(seq.nodes[-1].chunk_id)
-            offsets.append(offset)
-            if offset == 0:
-                self._chunk_events.append((seq_id, seq.nodes[-1].chunk_id))
-        return chunk_ids, offsets
+            if seq.leaf is not leaf:
+                self._node_events.append((seq_id, seq.leaf, seq.length - 1))
+            chunk_ids.append(seq.leaf.chunk_id)
+            slots.append(seq.leaf.end - 1)
+        return chunk_ids, slots
 
     def extend(self, seq_id: int, tokens: list[int]) -> None:
         """Append several tokens to one sequence (atomic like `append`)."""
         seq = self._seqs[seq_id]
-        room = (-seq.length) % self.chunk_size
-        self._reserve(-(-max(0, len(tokens) - room) // self.chunk_size), f"to extend sequence {seq_id}")
-        self._journal_append(GrowRecord(seq_id, seq.length, len(seq.nodes)))
+        self._reserve(self._fresh_chunks_to_grow([seq], [len(tokens)]), f"to extend sequence {seq_id}")
+        self._journal_append(GrowRecord(seq_id, seq.length, seq.leaf, len(seq.leaf.tokens)))
         self._grow(seq, tokens)
         self.structure_version += 1
 
     def remove(self, seq_id: int) -> None:
-        """Release a sequence. Chunks no other sequence goes through are retained
-        (when retention is on: full, findable chunks under a kept parent, and the
-        partly filled last chunk as a leaf that later inserts copy their matching
-        slots from, e.g. the next turn of a conversation) or freed."""
+        """Release a sequence. Nodes no other sequence goes through are retained (when
+        retention is on) or released, deepest first."""
         if self._journal:  # a removal cannot be undone; an open step with nothing in it is fine
             raise RuntimeError(f"cannot remove sequence {seq_id} in a step with uncommitted changes")
-        seq = self._seqs[seq_id]
-        retained, freed = [], []
-        parent_kept = True
-        for node in seq.nodes:  # root first: a chunk is retained only under a kept parent
-            if self.pool.ref_counts[node.chunk_id] > 1:
-                continue
-            full = len(node.tokens) == self.chunk_size and node.is_indexed()
-            last_partial = node is seq.nodes[-1] and 0 < len(node.tokens) < self.chunk_size
-            if parent_kept and self.retain_prefixes and (full or last_partial):
-                retained.append(node)
-            else:
-                parent_kept = False
-                freed.append(node)
-        if self._pending_copies:
-            gone = set().union(*(self._subtree_ids(node) for node in freed))
-            if any(c.src in gone and c.dst not in gone for c in self._pending_copies):
-                # a queued copy reads its source in the next forward: the source must outlive it
-                raise RuntimeError(f"cannot remove sequence {seq_id}: it would free the source of a queued copy")
-            # copies into the chunks that go are cancelled: their memory may serve someone else next
-            self._pending_copies = [c for c in self._pending_copies if c.dst not in gone]
+        path = self.path(seq_id)
         del self._seqs[seq_id]
-        for node in seq.nodes:
-            self.pool.decref(node.chunk_id)
-        for node in reversed(freed):
-            self._release(node)
-        for node in reversed(retained):  # deepest first: ancestors become the more recent
-            self._retained.add(node)
+        unowned = []
+        for node in path:
+            node.num_seqs -= 1
+            if node.num_seqs == 0:
+                unowned.append(node)
+        for node in reversed(unowned):  # deepest first: ancestors become the more recent
+            if not self.retain_prefixes:
+                self._release(node)
+            elif node.start == 0:  # the chunk's head: no one uses any node of the chunk now
+                self._retained.add(node)
         self.structure_version += 1
 
     # ---------------------------------------------------------------- helpers
@@ -270,62 +260,111 @@ class PrefixTree(StepJournal, Eviction):
     def _clamp_match(tokens: list[int], max_match: int | None) -> int:
         return len(tokens) if max_match is None else max(0, min(max_match, len(tokens)))
 
-    def _match_full(self, tokens: list[int], max_match: int) -> tuple[ChunkNode, int]:
+    def _match(self, tokens: list[int], max_match: int) -> _Match:
+        """Walk the tree along tokens[:max_match]: at each node, the child sharing the
+        longest run with what is left (children are found by their first token). Not
+        token-granular: whole chunks only, matched whole."""
+        node, matched, nodes = self.root, 0, []
         c = self.chunk_size
-        node, matched = self.root, 0
-        while matched + c <= max_match:
-            child = node.full_children.get(tuple(tokens[matched : matched + c]))
-            if child is None:
+        while matched < max_match:
+            best, best_len = None, 0
+            for child in node.by_token.get(tokens[matched], ()):
+                if not self.token_granular and (len(child.tokens) < c or matched + c > max_match):
+                    continue
+                n, limit = 1, min(len(child.tokens), max_match - matched)
+                while n < limit and child.tokens[n] == tokens[matched + n]:
+                    n += 1
+                if n > best_len:
+                    best, best_len = child, n
+            if best is None or (not self.token_granular and best_len < c):
                 break
-            node, matched = child, matched + c
-        return node, matched
+            if best_len < len(best.tokens):
+                return _Match(nodes, matched, best, best_len)
+            nodes.append(best)
+            node, matched = best, matched + best_len
+        return _Match(nodes, matched, None, 0)
 
-    def _best_partial(
-        self, node: ChunkNode, tokens: list[int], matched: int, max_match: int
-    ) -> tuple[ChunkNode, int] | None:
-        """The child of `node` sharing the longest run with tokens[matched:max_match]."""
-        want = tokens[matched : min(max_match, matched + self.chunk_size)]
-        if not want:
-            return None
-        best, best_len = None, 0
-        for child in node.children.values():
-            n = 0
-            for a, b in zip(child.tokens, want):
-                if a != b:
-                    break
-                n += 1
-            if n > best_len:
-                best, best_len = child, n
-        return (best, best_len) if best is not None else None
+    def _new_chunks(self, match: _Match, num_tokens: int) -> int:
+        """Fresh chunks an insert of `num_tokens` tokens matched as `match` takes."""
+        num_own = num_tokens - match.num_cached
+        room = 0  # after a split the slots behind the shared part hold the rest of the node
+        if match.partial is None and match.nodes:
+            room = self._room_after(match.nodes[-1])
+        return -(-max(0, num_own - room) // self.chunk_size)
 
-    def _num_retained_on_path(self, node: ChunkNode) -> int:
-        count = 0
-        while node is not self.root:
-            count += node.chunk_id in self._retained
-            node = node.parent
-        return count
+    def _room_after(self, node: ChunkNode) -> int:
+        """Unclaimed slots behind a node in its chunk, where a new child can go in place."""
+        if node is self.root or node.in_place_child() is not None:
+            return 0
+        return self.chunk_size - node.end
+
+    def _fresh_chunks_to_grow(self, seqs: list[SeqPath], counts: list[int]) -> int:
+        """Fresh chunks growing each sequence by its count takes, in order (two sequences
+        ending at the same node: the first to grow takes the slots behind it)."""
+        claimed: set[tuple[int, int]] = set()
+        total = 0
+        for seq, count in zip(seqs, counts):
+            leaf, room = seq.leaf, 0
+            if self._extends_in_place(leaf):
+                room = self.chunk_size - leaf.end
+            elif leaf.key not in claimed:
+                room = self._room_after(leaf)
+                claimed.add(leaf.key)
+            total += -(-max(0, count - room) // self.chunk_size)
+        return total
+
+    def _extends_in_place(self, node: ChunkNode) -> bool:
+        """Whether a sequence ending at `node` may add its tokens to the node itself: no one
+        else uses it and nothing hangs below it (a node others share or reach is immutable)."""
+        return node is not self.root and node.num_seqs == 1 and not node.children and node.end < self.chunk_size
+
+    def _retained_on(self, match: _Match) -> set[int]:
+        """Retained chunks on the path of a match: an insert revives them, so they may not
+        be evicted to make room for it."""
+        deepest = match.partial or (match.nodes[-1] if match.nodes else None)
+        return self._blocked(deepest)
+
+    def _split(self, node: ChunkNode, length: int) -> ChunkNode:
+        """Split `node` after its first `length` tokens; returns the new node holding them
+        (in the node's place, same slots). The node keeps the rest in place, as its child."""
+        head = ChunkNode(node.chunk_id, node.start, node.parent)
+        head.tokens = node.tokens[:length]
+        head.num_seqs = node.num_seqs
+        node.parent.replace_child(node, head)
+        if node.start == 0 and self._retained.node_of(node.chunk_id) is node:
+            self._retained.replace(node.chunk_id, head)
+        node.start += length
+        del node.tokens[:length]
+        node.parent = head
+        head.add_child(node)
+        self._journal_append(SplitRecord(head, node))
+        return head
 
     def _grow(self, seq: SeqPath, tokens: list[int]) -> None:
-        """Append tokens to a sequence's private tail (capacity checked by caller)."""
+        """Append tokens to a sequence (capacity checked by the caller)."""
         c = self.chunk_size
         i = 0
         while i < len(tokens):
-            if seq.length % c == 0:
-                parent = seq.nodes[-1] if seq.nodes else self.root
-                seq.nodes.append(self._new_node(parent, []))
-            last = seq.nodes[-1]
-            take = min(c - len(last.tokens), len(tokens) - i)
-            last.tokens.extend(tokens[i : i + take])
+            leaf = seq.leaf
+            if not self._extends_in_place(leaf):
+                node = self._new_node(leaf, tokens[i], in_place=self._room_after(leaf) > 0)
+                node.num_seqs = 1
+                seq.leaf = leaf = node
+                i += 1
+                seq.length += 1
+            take = min(c - leaf.end, len(tokens) - i)
+            leaf.tokens.extend(tokens[i : i + take])
             seq.length += take
             i += take
-            if len(last.tokens) == c:
-                last.parent.full_children.setdefault(tuple(last.tokens), last)
 
-    def _new_node(self, parent: ChunkNode, tokens: list[int]) -> ChunkNode:
-        node = ChunkNode(self.pool.allocate(), parent)
-        node.tokens = list(tokens)
-        parent.children[node.chunk_id] = node
-        if len(node.tokens) == self.chunk_size:
-            parent.full_children.setdefault(tuple(node.tokens), node)
+    def _new_node(self, parent: ChunkNode, first_token: int, in_place: bool) -> ChunkNode:
+        """A child of `parent` holding `first_token`: in the parent's chunk behind it, or at
+        the start of a fresh chunk."""
+        if in_place:
+            node = ChunkNode(parent.chunk_id, parent.end, parent)
+        else:
+            node = ChunkNode(self.pool.allocate(), 0, parent)
+        node.tokens = [first_token]
+        parent.add_child(node)
         self.peak_live_chunks = max(self.peak_live_chunks, self.num_live_chunks)
         return node

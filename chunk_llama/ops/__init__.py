@@ -124,6 +124,11 @@ def tpp_decode_attention(
     """
     window = check_window(window)
     backend = decode_backend(q, k_cache)
+    if backend == "cuda" and not plan.aligned:
+        reason = "the CUDA decode kernel takes whole-chunk segments only, and this plan has a segment that ends " \
+                 "inside a chunk (token-granular sharing)"
+        _log_once(reason, "chunk-llama: decode attention runs the PyTorch reference: %s", reason)
+        backend = "reference"
     if backend == "cuda":
         from chunk_llama.ops.cuda import tpp_decode_attention_cuda
 

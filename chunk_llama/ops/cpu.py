@@ -93,7 +93,7 @@ def _scratch_for(num_floats: int) -> torch.Tensor:
 
 
 def default_chunks_per_item(plan: DecodePlan, num_kv_heads: int, window: int = 0) -> int:
-    """Shared chunks one phase-1 work item merges: as many as keeps ~8 items per thread.
+    """Shared segments one phase-1 work item merges: as many as keeps ~8 items per thread.
 
     Longer segments write fewer partials (each as large as the chunk's K for its rows);
     shorter ones balance the threads. Under a sliding window only the chunks in the
@@ -126,10 +126,16 @@ def tpp_decode_attention_cpu(
     if max_chunks_per_item is None:
         max_chunks_per_item = default_chunks_per_item(plan, num_kv_heads, window)
     return module.tpp_decode(
-        q.contiguous(), k_cache, v_cache, plan.shared_chunk_ids, plan.shared_begin, plan.shared_end,
-        plan.shared_depth, plan.private_chunk_ids.contiguous(), plan.num_shared_tokens, plan.seq_lens,
-        plan.seq_pair_ptr, scratch, float(scale), max_chunks_per_item, window, variant or isa.selected_variant(),
+        q.contiguous(), k_cache, v_cache, *decode_plan_tensors(plan), scratch, float(scale), max_chunks_per_item,
+        window, variant or isa.selected_variant(),
     )
+
+
+def decode_plan_tensors(plan: DecodePlan) -> list[torch.Tensor]:
+    """The plan's tensors in the order the `tpp_decode` op takes them."""
+    return [plan.shared_chunk_ids, plan.shared_start, plan.shared_len, plan.shared_pos, plan.shared_begin,
+            plan.shared_end, plan.shared_depth, plan.private_chunk_ids.contiguous(), plan.private_start.contiguous(),
+            plan.private_pos.contiguous(), plan.num_shared_tokens, plan.seq_lens, plan.seq_pair_ptr]
 
 
 def prefill_attention_cpu(
@@ -149,6 +155,12 @@ def prefill_attention_cpu(
                          f"{q.shape[1]} / {k_cache.shape[1]} heads")
     scratch = _scratch_for(module.prefill_scratch_floats(k_cache.shape[2], q.shape[-1], torch.get_num_threads()))
     return module.tpp_prefill(
-        q.contiguous(), k_cache, v_cache, plan.chunk_table, plan.q_start, plan.num_tokens, plan.token_start,
-        plan.tiles, scratch, float(scale), window, variant or isa.selected_variant(),
+        q.contiguous(), k_cache, v_cache, *prefill_plan_tensors(plan),
+        scratch, float(scale), window, variant or isa.selected_variant(),
     )
+
+
+def prefill_plan_tensors(plan: PrefillPlan) -> list[torch.Tensor]:
+    """The plan's tensors in the order the `tpp_prefill` op takes them."""
+    return [plan.seg_chunk, plan.seg_start, plan.seg_pos, plan.q_start, plan.num_tokens, plan.token_start,
+            plan.tiles]

@@ -2,8 +2,9 @@
 
 A step prefills several sequences at once; their new tokens are rows of one flattened
 query tensor. The plan says, per sequence, where its tokens sit in that tensor and in
-the sequence, and which pool chunks hold its K/V (cached prefix and new tokens alike);
-and it cuts the work into tiles for the CPU kernel (`csrc/cpu/prefill.h`).
+the sequence, and which pool slots hold its K/V (cached prefix and new tokens alike),
+as segments: runs of slots of one chunk at consecutive positions (`kv/plan.py`); and it
+cuts the work into tiles for the CPU kernel (`csrc/cpu/prefill.h`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from chunk_llama.kv.plan import NO_POSITION
+
 # csrc/cpu/params.h kRowsPerItem: the most query rows (tokens x GQA group) one kernel
 # work item holds; the glue rejects wider tiles.
 ROWS_PER_TILE = 128
@@ -19,7 +22,9 @@ ROWS_PER_TILE = 128
 
 @dataclass
 class PrefillPlan:
-    """chunk_table: [num_seqs, max_chunks] each sequence's chunk ids in order, padded with 0
+    """seg_chunk, seg_start, seg_pos: [num_seqs, max_segments + 1] each sequence's segments in
+        order (chunk, first slot, position of the first key), padded with position
+        NO_POSITION; a segment runs to the next one's position
     q_start, num_tokens, token_start: [num_seqs] position of the first new token in its
         sequence, count of new tokens, and row of the first in the flattened queries
     tiles: [num_tiles, 3] (seq, row_begin, row_end) ranges of query rows (row = token *
@@ -27,7 +32,9 @@ class PrefillPlan:
     segments: (token_start, q_start, num_tokens) per sequence, as Python ints (reference)
     """
 
-    chunk_table: torch.Tensor
+    seg_chunk: torch.Tensor
+    seg_start: torch.Tensor
+    seg_pos: torch.Tensor
     q_start: torch.Tensor
     num_tokens: torch.Tensor
     token_start: torch.Tensor
@@ -55,11 +62,23 @@ def prefill_tiles(segments: list[tuple[int, int, int]], group: int,
     return [(seq, begin, end) for _, seq, begin, end in tiles]
 
 
-def build_prefill_plan(chunk_ids: list[list[int]], segments: list[tuple[int, int, int]], group: int,
-                       device: torch.device | str = "cpu") -> PrefillPlan:
-    """chunk_ids: each sequence's path; segments: (token_start, q_start, num_tokens) each."""
-    max_chunks = max((len(c) for c in chunk_ids), default=0)
-    table = [c + [0] * (max_chunks - len(c)) for c in chunk_ids]
+def build_prefill_plan(kv_segments: list[list[tuple[int, int, int]]], segments: list[tuple[int, int, int]],
+                       group: int, device: torch.device | str = "cpu") -> PrefillPlan:
+    """kv_segments: each sequence's (chunk, first slot, number of tokens) runs in order
+    (`PrefixTree.segments`); segments: (token_start, q_start, num_tokens) each."""
+    width = max((len(runs) for runs in kv_segments), default=0) + 1  # an unused entry ends every walk
+    chunks, starts, positions = [], [], []
+    for runs in kv_segments:
+        position = 0
+        for chunk, start, count in runs:
+            chunks.append(chunk)
+            starts.append(start)
+            positions.append(position)
+            position += count
+        pad = width - len(runs)
+        chunks += [0] * pad
+        starts += [0] * pad
+        positions += [NO_POSITION] * pad
     tiles = prefill_tiles(segments, group)
 
     def longs(values, shape):
@@ -67,7 +86,9 @@ def build_prefill_plan(chunk_ids: list[list[int]], segments: list[tuple[int, int
 
     n = len(segments)
     return PrefillPlan(
-        chunk_table=longs(table, (n, max_chunks)),
+        seg_chunk=longs(chunks, (n, width)),
+        seg_start=longs(starts, (n, width)),
+        seg_pos=longs(positions, (n, width)),
         q_start=longs([s[1] for s in segments], (n,)),
         num_tokens=longs([s[2] for s in segments], (n,)),
         token_start=longs([s[0] for s in segments], (n,)),

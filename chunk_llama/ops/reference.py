@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from chunk_llama.kv.plan import DecodePlan
+from chunk_llama.kv.plan import NO_POSITION, DecodePlan
 from chunk_llama.ops.prefill_plan import PrefillPlan
 
 
@@ -36,31 +36,36 @@ def window_start(query_pos: torch.Tensor, window: int) -> torch.Tensor:
 
 def chunk_first(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float,
                 window: int = 0):
-    """Phase 1: every shared chunk against the queries of all sequences under it.
+    """Phase 1: every shared segment against the queries of all sequences under it.
 
     q: [num_seqs, num_heads, head_dim] (fp32, plan order)
     window: sliding window (0: none); a key before a row's window is masked
-    returns per (shared chunk, sequence) pair: o [num_pairs, num_heads, head_dim], m, n [num_pairs, num_heads]
+    returns per (shared segment, sequence) pair: o [num_pairs, num_heads, head_dim], m, n [num_pairs, num_heads]
     """
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
+    num_kv_heads, chunk_size = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     num_shared, rows = plan.num_shared, plan.max_rows_per_shared
     row_index = plan.shared_begin[:, None] + torch.arange(rows, device=q.device)
     row_index = row_index.clamp_max(num_seqs - 1)  # padding rows are computed, never read
-    # One matrix per (chunk, KV head): rows of all covering sequences times the GQA group.
+    # One matrix per (segment, KV head): rows of all covering sequences times the GQA group.
     qs = q[row_index].view(num_shared, rows, num_kv_heads, group, head_dim)
     qs = qs.permute(0, 2, 1, 3, 4).reshape(num_shared, num_kv_heads, rows * group, head_dim)
     ks = k_cache[plan.shared_chunk_ids].float()  # [num_shared, num_kv_heads, chunk_size, head_dim]
     vs = v_cache[plan.shared_chunk_ids].float()
     scores = (qs @ ks.transpose(-1, -2)) * scale  # [num_shared, kv, rows * group, chunk_size]
+    slot = torch.arange(chunk_size, device=q.device)
+    start = plan.shared_start[:, None]
+    inside = (slot >= start) & (slot < start + plan.shared_len[:, None])  # [num_shared, chunk_size]
+    hidden = ~inside[:, None, :].expand(num_shared, rows, chunk_size)
     if window:
-        chunk_size = k_cache.shape[2]
-        key_pos = plan.shared_depth[:, None] * chunk_size + torch.arange(chunk_size, device=q.device)
+        key_pos = plan.shared_pos[:, None] + slot - start
         first = window_start(plan.seq_lens[row_index] - 1, window)  # [num_shared, rows]
-        hidden = key_pos[:, None, :] < first[:, :, None]  # [num_shared, rows, chunk_size]
-        hidden = hidden.repeat_interleave(group, dim=1)[:, None]
-        scores = scores.masked_fill(hidden, float("-inf"))
+        hidden = hidden | (key_pos[:, None, :] < first[:, :, None])
+    hidden = hidden.repeat_interleave(group, dim=1)[:, None]  # [num_shared, 1, rows * group, chunk_size]
+    scores = scores.masked_fill(hidden, float("-inf"))
+    # slots outside the segment may be unwritten pool memory (NaN): zero weights would not hide them
+    vs = vs.masked_fill(~inside[:, None, :, None], 0.0)
     o, m, n = _partial_softmax(scores, vs)
     o = o.view(num_shared, num_kv_heads, rows, group, head_dim).permute(0, 2, 1, 3, 4)
     m = m.view(num_shared, num_kv_heads, rows, group).permute(0, 2, 1, 3)
@@ -75,7 +80,7 @@ def chunk_first(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
 
 def sequence_first(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float,
                    window: int = 0):
-    """Phase 2 (first half): each sequence against its private chunks (those in its
+    """Phase 2 (first half): each sequence against its private segments (the keys in its
     sliding window, if `window`).
 
     q: [num_seqs, num_heads, head_dim] (fp32)
@@ -84,27 +89,26 @@ def sequence_first(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, chunk_size = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    max_private = plan.private_chunk_ids.shape[1]
-    if max_private == 0:
-        return (
-            q.new_zeros(num_seqs, num_heads, head_dim),
-            q.new_full((num_seqs, num_heads), float("-inf")),
-            q.new_zeros(num_seqs, num_heads),
-        )
-    num_keys = max_private * chunk_size
+    width = plan.private_chunk_ids.shape[1]
+    num_keys = width * chunk_size
 
     def gather(cache: torch.Tensor) -> torch.Tensor:
-        # [num_seqs, max_private, kv, chunk, d] -> [num_seqs, kv, max_private * chunk, d]
+        # [num_seqs, width, kv, chunk, d] -> [num_seqs, kv, width * chunk, d]
         x = cache[plan.private_chunk_ids].float().permute(0, 2, 1, 3, 4)
         return x.reshape(num_seqs, num_kv_heads, num_keys, head_dim)
 
     qg = q.view(num_seqs, num_kv_heads, group, head_dim)
     scores = (qg @ gather(k_cache).transpose(-1, -2)) * scale  # [num_seqs, kv, group, num_keys]
-    position = plan.num_shared_tokens[:, None] + torch.arange(num_keys, device=q.device)
-    visible = position < plan.seq_lens[:, None]  # [num_seqs, num_keys]
+    slot = torch.arange(chunk_size, device=q.device)
+    start = plan.private_start[:, :, None]
+    position = (plan.private_pos[:, :, None] + slot - start).reshape(num_seqs, num_keys)
+    # a segment ends where the next begins, the last at the sequence's length
+    next_pos = torch.cat([plan.private_pos[:, 1:], torch.full_like(plan.private_pos[:, :1], NO_POSITION)], dim=1)
+    end = torch.minimum(next_pos, plan.seq_lens[:, None])[:, :, None].expand(-1, -1, chunk_size).reshape(num_seqs, -1)
+    visible = (slot >= start).reshape(num_seqs, num_keys) & (position < end)  # [num_seqs, num_keys]
     visible &= position >= window_start(plan.seq_lens - 1, window)[:, None]
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    # Slots past a sequence's length (and padding chunks) are uninitialised pool
+    # Slots outside the segments (and padding entries) may be uninitialised pool
     # memory: their zero weights times a NaN there would still give NaN.
     values = gather(v_cache).masked_fill(~visible[:, None, :, None], 0.0)
     o, m, n = _partial_softmax(scores, values)
@@ -146,21 +150,36 @@ def tpp_decode_attention(
     return merge_partials(private, shared, plan.pair_seq).to(q.dtype)
 
 
-def gather_dense(cache: torch.Tensor, chunk_ids: torch.Tensor, length: int) -> torch.Tensor:
+def kv_slots(seg_chunk: torch.Tensor, seg_start: torch.Tensor, seg_pos: torch.Tensor, length: int):
+    """(chunk, slot) of positions 0 .. length - 1 of a sequence whose segments are
+    seg_chunk, seg_start, seg_pos [num_segments] (positions ascending)."""
+    position = torch.arange(length, device=seg_pos.device)
+    index = torch.searchsorted(seg_pos, position, right=True) - 1
+    return seg_chunk[index], seg_start[index] + position - seg_pos[index]
+
+
+def gather_dense(cache: torch.Tensor, segments, length: int) -> torch.Tensor:
     """One sequence's K or V as a dense tensor.
 
-    cache: [capacity, num_kv_heads, chunk_size, head_dim]; chunk_ids: [num_chunks]
+    cache: [capacity, num_kv_heads, chunk_size, head_dim]
+    segments: its (chunk, first slot, number of tokens) runs, as `PrefixTree.segments` gives
     returns [num_kv_heads, length, head_dim]
     """
-    x = cache[chunk_ids].transpose(0, 1)  # [kv, num_chunks, chunk, d]
-    return x.reshape(x.shape[0], -1, x.shape[-1])[:, :length]
+    chunks, starts, positions, position = [], [], [], 0
+    for chunk, start, count in segments:
+        chunks.append(chunk)
+        starts.append(start)
+        positions.append(position)
+        position += count
+    as_long = lambda x: torch.tensor(x, dtype=torch.long, device=cache.device)  # noqa: E731
+    chunk, slot = kv_slots(as_long(chunks), as_long(starts), as_long(positions), length)
+    return cache[chunk, :, slot].transpose(0, 1)
 
 
 def prefill_attention(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    chunk_ids: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     q_start: int,
     scale: float,
     window: int = 0,
@@ -169,13 +188,10 @@ def prefill_attention(
     keys in each query's sliding window, if `window`).
 
     q: [num_new, num_heads, head_dim] at positions q_start .. q_start + num_new - 1
-    chunk_ids: [num_chunks] the sequence's path, holding K/V of all q_start + num_new tokens
+    k, v: [num_kv_heads, q_start + num_new, head_dim] the sequence's keys and values
     returns [num_new, num_heads, head_dim]
     """
-    num_new = q.shape[0]
-    length = q_start + num_new
-    k = gather_dense(k_cache, chunk_ids, length)
-    v = gather_dense(v_cache, chunk_ids, length)
+    length = k.shape[1]
     key_pos = torch.arange(length, device=q.device)
     query_pos = torch.arange(q_start, length, device=q.device)
     mask = key_pos[None, :] <= query_pos[:, None]  # [num_new, length]
@@ -194,16 +210,17 @@ def prefill_attention(
 def packed_prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan, scale: float, window: int = 0
 ) -> torch.Tensor:
-    """Prefill attention of every sequence of a step, one `prefill_attention` each.
+    """Prefill attention of every sequence of a step, one `prefill_attention` each over its
+    K/V gathered dense.
 
     q: [num_q_tokens, num_heads, head_dim], sequence s at rows plan.segments[s][0] ..
     returns [num_q_tokens, num_heads, head_dim]; rows of no sequence are left uninitialised
     """
     out = torch.empty_like(q)
-    chunk_size = k_cache.shape[2]
     for seq, (token_start, q_start, num_tokens) in enumerate(plan.segments):
         rows = slice(token_start, token_start + num_tokens)
-        num_chunks = -(-(q_start + num_tokens) // chunk_size)
-        out[rows] = prefill_attention(q[rows], k_cache, v_cache, plan.chunk_table[seq, :num_chunks], q_start, scale,
-                                      window)
+        chunk, slot = kv_slots(plan.seg_chunk[seq], plan.seg_start[seq], plan.seg_pos[seq], q_start + num_tokens)
+        k = k_cache[chunk, :, slot].transpose(0, 1)
+        v = v_cache[chunk, :, slot].transpose(0, 1)
+        out[rows] = prefill_attention(q[rows], k, v, q_start, scale, window)
     return out

@@ -1,10 +1,10 @@
 // Phase 1 (chunk-first) of the CPU kernel, written once against the lane API.
 //
-// A work item (schedule.h) takes a segment of a run of shared chunks for one KV head
-// and up to kRowsPerItem query rows. Per chunk and block of kRowVecs * kLanes rows it
-// is a small GEMM S^T = K Q^T over the chunk's keys, an online-softmax update and
-// O = O * correction + P V, FlashAttention style, so a whole segment leaves one
-// partial (o, m, n) per row instead of one per chunk. Scores are in the log2 domain
+// A work item (schedule.h) takes a piece of a run of shared segments for one KV head
+// and up to kRowsPerItem query rows. Per segment and block of kRowVecs * kLanes rows it
+// is a small GEMM S^T = K Q^T over the segment's keys, an online-softmax update and
+// O = O * correction + P V, FlashAttention style, so a whole piece leaves one
+// partial (o, m, n) per row instead of one per segment. Scores are in the log2 domain
 // (Q^T is pre-scaled by scale * log2 e).
 #pragma once
 
@@ -134,27 +134,29 @@ inline void window_mask(float* st, int num_keys, int64_t key0, const int64_t* lo
   }
 }
 
-// A whole chunk of C keys at positions key0 .., masked by the rows' window starts lo
-// (nullptr: every key visible, decode's shared chunks without a window).
+// A segment of num_keys keys at positions key0 .., masked by the rows' window starts lo
+// (nullptr: every key visible, decode's shared segments without a window). The scores
+// are computed for whole key tiles: K is read up to kKeyTile - 1 rows past the segment
+// (inside the pool, see kv/pool.py), and those scores are never used.
 template <int D, int RV>
-void block_update(const float* qt, int64_t stride, const float* k, const float* v, int C, float* st, float* ot,
-                  float* m, float* n, const Prefetch& next, const int64_t* lo, int64_t key0) {
+void block_update(const float* qt, int64_t stride, const float* k, const float* v, int num_keys, float* st,
+                  float* ot, float* m, float* n, const Prefetch& next, const int64_t* lo, int64_t key0) {
   alignas(64) float corr[RV * kLanes];
-  block_scores<D, RV>(qt, stride, k, C, st, next);  // C is a multiple of 16, kKeyTile divides 16
-  if (lo != nullptr) window_mask<RV * kLanes>(st, C, key0, lo);
-  block_softmax<RV>(st, C, m, n, corr);
-  block_pv<D, RV, kRowsPerItem>(v, C, st, corr, ot);
+  block_scores<D, RV>(qt, stride, k, static_cast<int>(round_up(num_keys, kKeyTile)), st, next);
+  if (lo != nullptr) window_mask<RV * kLanes>(st, num_keys, key0, lo);
+  block_softmax<RV>(st, num_keys, m, n, corr);
+  block_pv<D, RV, kRowsPerItem>(v, num_keys, st, corr, ot);
 }
 
 // The last block of an item, narrower than kRowVecs vectors: `vectors` of them.
 template <int D, int RV>
-void tail_block(int vectors, const float* qt, int64_t stride, const float* k, const float* v, int C, float* st,
-                float* ot, float* m, float* n, const Prefetch& next, const int64_t* lo, int64_t key0) {
+void tail_block(int vectors, const float* qt, int64_t stride, const float* k, const float* v, int num_keys,
+                float* st, float* ot, float* m, float* n, const Prefetch& next, const int64_t* lo, int64_t key0) {
   if constexpr (RV >= 1) {
     if (vectors == RV)
-      block_update<D, RV>(qt, stride, k, v, C, st, ot, m, n, next, lo, key0);
+      block_update<D, RV>(qt, stride, k, v, num_keys, st, ot, m, n, next, lo, key0);
     else
-      tail_block<D, RV - 1>(vectors, qt, stride, k, v, C, st, ot, m, n, next, lo, key0);
+      tail_block<D, RV - 1>(vectors, qt, stride, k, v, num_keys, st, ot, m, n, next, lo, key0);
   }
 }
 
@@ -194,29 +196,32 @@ void chunk_first_item(const Params& p, const ChunkItem& item, float* ws) {
   }
   const int64_t stride = q_t_stride(p.num_seqs, H, p.num_kv_heads);
   const float* qt = p.q_t + static_cast<int64_t>(item.kv_head) * D * stride + item.row_begin;
-  const int64_t chunk_elems = static_cast<int64_t>(C) * D, chunk_bytes = chunk_elems * sizeof(T);
+  const T* k_cache = static_cast<const T*>(p.k_cache);
+  const T* v_cache = static_cast<const T*>(p.v_cache);
   for (int c = 0; c < item.count; ++c) {
-    const int64_t key0 = (p.shared_depth[item.first] + c) * C;
-    if (p.window > 0 && key0 + C <= min_lo) continue;  // before every row's window
+    const int s = item.first + c;
+    const int64_t key0 = p.shared_pos[s];
+    const int num_keys = static_cast<int>(p.shared_len[s]);
+    if (p.window > 0 && key0 + num_keys <= min_lo) continue;  // before every row's window
     const int64_t* mask = p.window > 0 && key0 < max_lo ? lo : nullptr;
-    const int64_t base = chunk_offset(p, p.shared_chunk_ids[item.first + c], item.kv_head);
-    const float* k = as_float(static_cast<const T*>(p.k_cache) + base, chunk_elems, k_buf);
-    const float* v = as_float(static_cast<const T*>(p.v_cache) + base, chunk_elems, v_buf);
-    Prefetch next{};  // the next chunk's K and V, spread over the first block's key tiles
+    const int64_t base = chunk_offset(p, p.shared_chunk_ids[s], item.kv_head) + p.shared_start[s] * D;
+    const float* k = as_float(k_cache + base, round_up(num_keys, kKeyTile) * D, k_buf);
+    const float* v = as_float(v_cache + base, static_cast<int64_t>(num_keys) * D, v_buf);
+    Prefetch next{};  // the next segment's K and V, spread over the first block's key tiles
     if (c + 1 < item.count) {
-      const int64_t at = chunk_offset(p, p.shared_chunk_ids[item.first + c + 1], item.kv_head);
-      next = Prefetch{reinterpret_cast<const char*>(static_cast<const T*>(p.k_cache) + at),
-                      reinterpret_cast<const char*>(static_cast<const T*>(p.v_cache) + at), chunk_bytes};
+      const int64_t at = chunk_offset(p, p.shared_chunk_ids[s + 1], item.kv_head) + p.shared_start[s + 1] * D;
+      next = Prefetch{reinterpret_cast<const char*>(k_cache + at), reinterpret_cast<const char*>(v_cache + at),
+                      p.shared_len[s + 1] * D * static_cast<int64_t>(sizeof(T))};
     }
     int b = 0;
     for (; b + L <= padded; b += L) {
-      block_update<D, kRowVecs>(qt + b, stride, k, v, C, st, ot + b, m + b, n + b, next, mask ? mask + b : mask,
-                                key0);
+      block_update<D, kRowVecs>(qt + b, stride, k, v, num_keys, st, ot + b, m + b, n + b, next,
+                                mask ? mask + b : mask, key0);
       next = Prefetch{};
     }
     if (b < padded)
-      tail_block<D, kRowVecs - 1>((padded - b) / kLanes, qt + b, stride, k, v, C, st, ot + b, m + b, n + b, next,
-                                  mask ? mask + b : mask, key0);
+      tail_block<D, kRowVecs - 1>((padded - b) / kLanes, qt + b, stride, k, v, num_keys, st, ot + b, m + b, n + b,
+                                  next, mask ? mask + b : mask, key0);
   }
   for (int r = 0; r < num_rows; ++r) {
     const int row = item.row_begin + r, seq = row / group, head = item.kv_head * group + row % group;

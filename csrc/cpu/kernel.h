@@ -10,6 +10,8 @@
 namespace chunk_attn_cpu {
 namespace CHUNK_ATTN_ISA {
 
+static_assert(kKeyTile <= kGuardRows, "a key tile may read past a segment: the pool's guard must cover it");
+
 // Offset of one chunk's [C][D] block for one KV head in k_cache / v_cache.
 inline int64_t chunk_offset(int num_kv_heads, int chunk_size, int head_dim, int64_t chunk_id, int kv_head) {
   return (chunk_id * num_kv_heads + kv_head) * static_cast<int64_t>(chunk_size) * head_dim;

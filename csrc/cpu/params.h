@@ -15,10 +15,10 @@ namespace chunk_attn_cpu {
 
 enum class DType : int { kFloat32 = 0, kBFloat16 = 1 };  // bf16: raw uint16 storage
 
-// Phase-1 work item: a segment of a run of shared chunks, for one KV head and up to
+// Phase-1 work item: a piece of a run of shared segments, for one KV head and up to
 // kRowsPerItem query rows (row = sequence * group + head of the group).
 struct ChunkItem {
-  int first, count;        // shared chunks [first, first + count)
+  int first, count;        // shared segments [first, first + count)
   int row_begin, row_end;  // query rows of this KV head
   int kv_head;
 };
@@ -33,11 +33,20 @@ struct Params {
   float* partial_n;     // [num_pairs, num_heads]
   float* q_t;           // [num_kv_heads, head_dim, q_t_stride]: Q^T per KV head, pre-scaled
   float* workspace;     // [num_threads, workspace_stride]: each thread's buffers
-  const int64_t* shared_chunk_ids;   // [num_shared]
-  const int64_t* shared_begin;       // [num_shared] first plan row under the chunk
+  // K/V are read by segment: slots [start, start + len) of one chunk, at consecutive
+  // positions (chunk_llama/kv/plan.py). Most are whole chunks; one ends inside a chunk
+  // where requests part (token-granular sharing).
+  const int64_t* shared_chunk_ids;   // [num_shared] the segments on >= 2 paths
+  const int64_t* shared_start;       // [num_shared] first slot in the chunk
+  const int64_t* shared_len;         // [num_shared] keys, 1 .. chunk_size - start
+  const int64_t* shared_pos;         // [num_shared] position of the first key
+  const int64_t* shared_begin;       // [num_shared] first plan row under the segment
   const int64_t* shared_end;         // [num_shared] one past the last
-  const int64_t* shared_depth;       // [num_shared] position on the paths through it
-  const int64_t* private_chunk_ids;  // [num_seqs, max_private]
+  const int64_t* shared_depth;       // [num_shared] index among the shared segments of its paths
+  const int64_t* private_chunk_ids;  // [num_seqs, max_private] each sequence's own segments
+  const int64_t* private_start;      // [num_seqs, max_private]
+  const int64_t* private_pos;        // [num_seqs, max_private]; a segment ends at the next one's
+                                     // position, or the sequence's length; kNoPosition: unused
   const int64_t* num_shared_tokens;  // [num_seqs]
   const int64_t* seq_lens;           // [num_seqs]
   const int64_t* seq_pair_ptr;       // [num_seqs + 1]
@@ -50,8 +59,14 @@ struct Params {
   float scale;
 };
 
+constexpr int64_t kNoPosition = int64_t{1} << 62;  // chunk_llama.kv.plan.NO_POSITION
+
 // First position a query at `pos` sees under a sliding window of `window` (0: none).
 static inline int64_t window_start(int64_t pos, int window) { return window > 0 ? pos - window + 1 : 0; }
+
+// Rows a kernel may read past a segment that ends inside a chunk (its last key tile); the
+// pool keeps a guard chunk behind the last so that such a read stays in bounds.
+constexpr int kGuardRows = 16;
 
 constexpr int kRowsPerItem = 128;  // bounds a phase-1 item's O buffer; more rows split into items
 constexpr int kMaxBlockRows = 64;  // widest phase-1 row block of any variant (kRowVecs * kLanes)

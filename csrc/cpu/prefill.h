@@ -3,8 +3,8 @@
 //
 // Work item = (tile of at most kRowsPerItem query rows of one sequence, KV head);
 // rows are the GQA group's heads of consecutive new tokens (prefill_params.h). The
-// item walks the sequence's chunks in place from the pool, from the first to the one
-// holding its last query's position, FlashAttention style: per chunk and block of
+// item walks the sequence's segments in place from the pool, from the first to the one
+// holding its last query's position, FlashAttention style: per segment and block of
 // kRowVecs * kLanes rows, the scores, the causal mask (only in chunks that reach past
 // a row's position), the online-softmax update in the log2 domain and O += P V. No
 // gather and no mask tensor: memory is the item's Q^T and O^T and a block's scores.
@@ -99,38 +99,46 @@ void prefill_item(const PrefillParams& p, int tile, int kv_head, float* ws) {
   for (int r = 0; r < padded; ++r) m[r] = kNegInf, n[r] = 0.f;
 
   // Under a sliding window, each row's first visible position (rows are in position
-  // order, so lo rises with them); the walk starts at the chunk of the first row's.
+  // order, so lo rises with them); the walk starts at the segment of the first row's.
   int64_t lo[R];
   for (int r = 0; r < padded; ++r) lo[r] = window_start(pos[r], p.window);
   const int64_t last_pos = pos[num_rows - 1];
-  const int64_t num_chunks = last_pos / C + 1;
-  const int64_t* chunk_ids = p.chunk_table + seq * p.max_chunks;
-  const int64_t chunk_bytes = static_cast<int64_t>(C) * D * sizeof(T);
+  const int64_t* chunk_ids = p.seg_chunk + seq * p.max_segments;
+  const int64_t* starts = p.seg_start + seq * p.max_segments;
+  const int64_t* positions = p.seg_pos + seq * p.max_segments;
   const T* k_cache = static_cast<const T*>(p.k_cache);
   const T* v_cache = static_cast<const T*>(p.v_cache);
-  // Chunks outermost: a chunk's K and V stay in L2 (or L1) for all the item's blocks.
+  // Segment i holds positions [positions[i], the next one's); keys past the item's last
+  // position are hidden from every row and not read at all.
+  const auto segment_end = [&](int i) {
+    const int64_t next = i + 1 < p.max_segments ? positions[i + 1] : kNoPosition;
+    return next < last_pos + 1 ? next : last_pos + 1;
+  };
+  int first = 0;
+  while (first + 1 < p.max_segments && segment_end(first) <= lo[0]) ++first;
+  // Segments outermost: a segment's K and V stay in L2 (or L1) for all the item's blocks.
   // Blocks outermost instead (each block's Q^T and O^T kept in L1, the sequence's K/V
   // streamed once per block) ran about 20% slower: a long prompt's K/V do not fit L2.
-  for (int64_t c = lo[0] > 0 ? lo[0] / C : 0; c < num_chunks; ++c) {
-    const int64_t key0 = c * C;
-    // keys past the item's last position are hidden from every row: not read at all
-    const int count = static_cast<int>(last_pos + 1 - key0 < C ? last_pos + 1 - key0 : C);
-    const int64_t base = chunk_offset(p.num_kv_heads, C, D, chunk_ids[c], kv_head);
-    const int64_t elems_read = round_up(count, kKeyTile) * D;  // the score tiles' keys (inside the chunk)
+  for (int i = first; i < p.max_segments && positions[i] <= last_pos; ++i) {
+    const int64_t key0 = positions[i];
+    const int count = static_cast<int>(segment_end(i) - key0);
+    const int64_t base = chunk_offset(p.num_kv_heads, C, D, chunk_ids[i], kv_head) + starts[i] * D;
+    // the score tiles' keys: up to kKeyTile - 1 rows past the segment (inside the pool)
+    const int64_t elems_read = round_up(count, kKeyTile) * D;
     const float* k = as_float(k_cache + base, elems_read, k_buf);
     const float* v = v_rows<D>(v_cache + base, elems_read / D, v_buf);
-    Prefetch next{};  // the next chunk's K and V, spread over the first block's key tiles
-    if (c + 1 < num_chunks) {
-      const int64_t at = chunk_offset(p.num_kv_heads, C, D, chunk_ids[c + 1], kv_head);
+    Prefetch next{};  // the next segment's K and V, spread over the first block's key tiles
+    if (i + 1 < p.max_segments && positions[i + 1] <= last_pos) {
+      const int64_t at = chunk_offset(p.num_kv_heads, C, D, chunk_ids[i + 1], kv_head) + starts[i + 1] * D;
       next = Prefetch{reinterpret_cast<const char*>(k_cache + at), reinterpret_cast<const char*>(v_cache + at),
-                      chunk_bytes};
+                      static_cast<int64_t>(C) * D * static_cast<int64_t>(sizeof(T))};
     }
     for (int b = 0; b < padded; b += kRowVecs * kLanes) {
       const int vectors = (padded - b) / kLanes < kRowVecs ? (padded - b) / kLanes : kRowVecs;
       const int last_row = (b + vectors * kLanes < num_rows ? b + vectors * kLanes : num_rows) - 1;
-      // keys of this chunk the block's last row sees (rows are in position order)
+      // keys of this segment the block's last row sees (rows are in position order)
       const int64_t seen = pos[last_row] - key0 + 1;
-      if (seen <= 0) continue;  // the chunk lies after all the block's rows
+      if (seen <= 0) continue;  // the segment lies after all the block's rows
       if (key0 + count <= lo[b]) continue;  // ... or before all their windows
       const int num_keys = static_cast<int>(seen < count ? seen : count);
       const bool diagonal = key0 + num_keys - 1 > pos[b];  // some row sees fewer keys

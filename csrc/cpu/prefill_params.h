@@ -6,7 +6,7 @@
 // One call covers every sequence prefilled in a forward step ("packed"): sequence s
 // has num_tokens[s] new query tokens at rows token_start[s] .. of q and out, at
 // positions q_start[s] .. of the sequence, whose K/V (cached prefix and new tokens
-// alike) are already in the pool along chunk_table[s]. A query row of a sequence is
+// alike) are already in the pool, in the segments of seg_chunk[s] (as params.h). A query row of a sequence is
 // r = token * group + g (the GQA group's heads of one token are consecutive rows of
 // one KV head); a tile is a range of at most kRowsPerItem such rows, and a work item
 // is (tile, KV head).
@@ -24,14 +24,16 @@ struct PrefillParams {
   const void* v_cache;
   void* out;            // [num_q_tokens, num_heads, head_dim]; rows of no sequence untouched
   float* workspace;     // [num_threads, workspace_stride]
-  const int64_t* chunk_table;  // [num_seqs, max_chunks] each sequence's path, padded
+  const int64_t* seg_chunk;    // [num_seqs, max_segments] each sequence's segments in order:
+  const int64_t* seg_start;    //   chunk, first slot, position of the first key; a segment
+  const int64_t* seg_pos;      //   ends at the next one's position (kNoPosition: unused)
   const int64_t* q_start;      // [num_seqs] position of the first new token
   const int64_t* num_tokens;   // [num_seqs]
   const int64_t* token_start;  // [num_seqs] its row in q and out
   const int64_t* tiles;        // [num_tiles, 3] (seq, row_begin, row_end), most work first
   int64_t workspace_stride;
   int num_tiles, num_threads;
-  int num_seqs, max_chunks, num_heads, num_kv_heads, head_dim, chunk_size;
+  int num_seqs, max_segments, num_heads, num_kv_heads, head_dim, chunk_size;
   int window;  // sliding window, as in Params; 0: none
   DType dtype;
   float scale;

@@ -1,14 +1,14 @@
 // Phase 2 (sequence-first) of the CPU kernel, written once against the lane API.
 //
 // One work item per (sequence, KV head): online softmax over the sequence's private
-// chunks for every head of the GQA group, then the merge with the sequence's
-// shared-chunk partials. This phase reads each private K/V byte once and does little
+// segments for every head of the GQA group, then the merge with the sequence's
+// shared-segment partials. This phase reads each private K/V byte once and does little
 // math per byte, so it is bound by memory reads, and its loop order is chosen for
 // the hardware prefetchers: blocks of kLanes keys, each K and V row read whole and in
 // address order (reading eight rows side by side, a vector of each at a time, ran at
 // 60% of the speed), the rows reused from L1 by the other heads of the group, and the
 // next block's rows prefetched in software, which also covers the jump from one
-// chunk to the next that the hardware prefetchers do not follow.
+// segment to the next that the hardware prefetchers do not follow.
 #pragma once
 
 namespace chunk_attn_cpu {
@@ -34,22 +34,12 @@ constexpr TailMask make_head_mask() {
 }
 alignas(64) static constexpr TailMask kHeadMask = make_head_mask();
 
-// Blocks of kLanes tokens the phase-2 prefetch runs ahead of the loads.
-constexpr int kPrefetchBlocks = 1;  // measured: 1 beat 0, 2 and 4 (more thrashes L1)
-
-// Prefetches the K and V rows of the block kPrefetchBlocks ahead of token t (a
-// multiple of kLanes past `first`), which may lie in the sequence's next chunk: the
-// hardware prefetchers follow a chunk's rows, but not the jump to the next chunk.
+// Prefetches kLanes K and V rows at `at` (one block; its rows are contiguous).
 template <typename T, int D>
-inline void prefetch_ahead(const Params& p, const int64_t* chunk_ids, int64_t first, int64_t length, int kv_head,
-                           int64_t t) {
-  const int64_t ahead = t + kPrefetchBlocks * kLanes;
-  if (ahead >= length) return;
-  const int64_t local = ahead - first;
-  const int64_t at = chunk_offset(p, chunk_ids[local / p.chunk_size], kv_head) + (local % p.chunk_size) * D;
+inline void prefetch_block(const Params& p, int64_t at) {
   const char* k = reinterpret_cast<const char*>(static_cast<const T*>(p.k_cache) + at);
   const char* v = reinterpret_cast<const char*>(static_cast<const T*>(p.v_cache) + at);
-  constexpr int kBytes = kLanes * D * sizeof(T);  // the block's rows are contiguous
+  constexpr int kBytes = kLanes * D * sizeof(T);
   for (int off = 0; off < kBytes; off += 64) {
     __builtin_prefetch(k + off, 0, 3);
     __builtin_prefetch(v + off, 0, 3);
@@ -59,7 +49,7 @@ inline void prefetch_ahead(const Params& p, const int64_t* chunk_ids, int64_t fi
 template <typename T, int D>
 void seq_first_item(const Params& p, int seq, int kv_head, float* ws) {
   constexpr int kVecs = D / kLanes;
-  const int C = p.chunk_size, H = p.num_heads, group = H / p.num_kv_heads;
+  const int H = p.num_heads, group = H / p.num_kv_heads;
   float* q = ws;                // [group][D]
   float* o = q + group * D;     // [group][D]
   float* m = o + group * D;     // [group]
@@ -75,24 +65,36 @@ void seq_first_item(const Params& p, int seq, int kv_head, float* ws) {
 
   const int64_t first = p.num_shared_tokens[seq], length = p.seq_lens[seq];
   const int64_t* chunk_ids = p.private_chunk_ids + static_cast<int64_t>(seq) * p.max_private;
+  const int64_t* starts = p.private_start + static_cast<int64_t>(seq) * p.max_private;
+  const int64_t* positions = p.private_pos + static_cast<int64_t>(seq) * p.max_private;
   // Under a sliding window the walk starts at the block holding the window's first
   // key, and that block's earlier lanes are masked (the query's own key is private or
   // shared, so the first block visited always has a visible key).
   const int64_t window_first = window_start(length - 1, p.window);
   const int64_t start = window_first > first ? window_first : first;
-  const int64_t start_block = first + (start - first) / kLanes * kLanes;
   alignas(64) float probs[kLanes];
-  for (int64_t c = (start_block - first) / C, t0 = first + c * C; t0 < length; t0 += C, ++c) {
-    const int count = static_cast<int>(length - t0 < C ? length - t0 : C);
-    const int64_t base = chunk_offset(p, chunk_ids[c], kv_head);
+  // Segment seg holds positions [positions[seg], its end): the next one's position, or the length.
+  const auto segment_end = [&](int seg) {
+    const int64_t next = seg + 1 < p.max_private ? positions[seg + 1] : kNoPosition;
+    return next < length ? next : length;
+  };
+  for (int seg = 0; seg < p.max_private && positions[seg] < length; ++seg) {
+    const int64_t t0 = positions[seg], end = segment_end(seg);
+    if (end <= start) continue;  // wholly before the window
+    const int count = static_cast<int>(end - t0);
+    const int64_t base = chunk_offset(p, chunk_ids[seg], kv_head) + starts[seg] * D;
     const T* k = static_cast<const T*>(p.k_cache) + base;
     const T* v = static_cast<const T*>(p.v_cache) + base;
     // kLanes keys at a time, FlashAttention style: the scores of the block for one head,
     // the online-softmax update, then the block's V rows into O, so the K and V rows
     // are read together (two streams in flight); the block's rows stay in L1 for the
     // other heads of the group.
-    for (int j0 = static_cast<int>(t0 < start_block ? start_block - t0 : 0); j0 < count; j0 += kLanes) {
-      prefetch_ahead<T, D>(p, chunk_ids, first, length, kv_head, t0 + j0);
+    for (int j0 = static_cast<int>(t0 < start ? (start - t0) / kLanes * kLanes : 0); j0 < count; j0 += kLanes) {
+      // the next block's rows, in this segment or at the start of the next
+      if (j0 + kLanes < count)
+        prefetch_block<T, D>(p, base + static_cast<int64_t>(j0 + kLanes) * D);
+      else if (seg + 1 < p.max_private && positions[seg + 1] < length)
+        prefetch_block<T, D>(p, chunk_offset(p, chunk_ids[seg + 1], kv_head) + starts[seg + 1] * D);
       const int num_keys = count - j0 < kLanes ? count - j0 : kLanes;
       const int skip = static_cast<int>(start - (t0 + j0) > 0 ? start - (t0 + j0) : 0);  // < kLanes
       const T* kb = k + static_cast<int64_t>(j0) * D;

@@ -47,6 +47,29 @@ void check_scratch(const at::Tensor& scratch, int64_t needed) {
                     scratch.numel());
 }
 
+// A plan's segment, checked before any pointer into the pool is made from it: a wrong
+// chunk id or slot range would read out of bounds.
+void check_segment(int64_t chunk, int64_t start, int64_t count, int64_t capacity, int64_t chunk_size,
+                   const char* what, int64_t index) {
+  TORCH_CHECK_VALUE(chunk >= 0 && chunk < capacity && start >= 0 && count >= 1 && start + count <= chunk_size, what,
+                    " ", index, ": chunk ", chunk, ", slots ", start, " + ", count, " are not inside the pool of ",
+                    capacity, " chunks of ", chunk_size);
+}
+
+// Walks a sequence's segments (chunk, first slot, position of the first key; a segment
+// ends at the next one's position) up to position `length`, checking each.
+void check_segments(const int64_t* chunks, const int64_t* starts, const int64_t* positions, int64_t width,
+                    int64_t from, int64_t length, int64_t capacity, int64_t chunk_size, const char* what,
+                    int64_t seq) {
+  TORCH_CHECK_VALUE(from >= length || (width > 0 && positions[0] == from), what, " of sequence ", seq,
+                    " must start at position ", from);
+  for (int64_t i = 0; i < width && positions[i] < length; ++i) {
+    const int64_t next = i + 1 < width ? positions[i + 1] : chunk_attn_cpu::kNoPosition;
+    TORCH_CHECK_VALUE(next > positions[i], what, " of sequence ", seq, ": positions must rise");
+    check_segment(chunks[i], starts[i], std::min(next, length) - positions[i], capacity, chunk_size, what, i);
+  }
+}
+
 void check_window(int64_t window) {
   TORCH_CHECK_VALUE(window >= 0 && window <= INT32_MAX, "window must be 0 (none) or a positive int32, got ", window);
 }
@@ -74,11 +97,19 @@ void check_attention_tensors(const at::Tensor& q, const at::Tensor& k_cache, con
                     num_kv_heads);
   TORCH_CHECK_VALUE(chunk_attn_cpu::supports(chunk_size, head_dim), "the CPU kernel supports chunk sizes that are ",
                     "multiples of 16 and head dims 64/128/256, got chunk_size ", chunk_size, ", head_dim ", head_dim);
+  // Score tiles read up to kGuardRows K/V rows past a segment that ends inside a chunk.
+  for (const at::Tensor* cache : {&k_cache, &v_cache})
+    TORCH_CHECK_VALUE(cache->storage_offset() + cache->numel() + chunk_attn_cpu::kGuardRows * head_dim <=
+                          static_cast<int64_t>(cache->storage().nbytes() / cache->element_size()),
+                      "k_cache and v_cache need ", chunk_attn_cpu::kGuardRows, " rows of memory behind their last ",
+                      "chunk (a ChunkPool's K/V have a guard chunk)");
 }
 
 at::Tensor tpp_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                      const at::Tensor& shared_chunk_ids, const at::Tensor& shared_begin, const at::Tensor& shared_end,
+                      const at::Tensor& shared_chunk_ids, const at::Tensor& shared_start, const at::Tensor& shared_len,
+                      const at::Tensor& shared_pos, const at::Tensor& shared_begin, const at::Tensor& shared_end,
                       const at::Tensor& shared_depth, const at::Tensor& private_chunk_ids,
+                      const at::Tensor& private_start, const at::Tensor& private_pos,
                       const at::Tensor& num_shared_tokens, const at::Tensor& seq_lens, const at::Tensor& seq_pair_ptr,
                       const at::Tensor& scratch, double scale, int64_t max_chunks_per_item, int64_t window,
                       const std::string& isa) {
@@ -87,21 +118,45 @@ at::Tensor tpp_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::
   check_attention_tensors(q, k_cache, v_cache, "q must be [num_seqs, num_heads, head_dim], got ");
   const int num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int num_kv_heads = k_cache.size(1), chunk_size = k_cache.size(2);
-  check_plan_tensor(shared_chunk_ids, "shared_chunk_ids");
-  check_plan_tensor(shared_begin, "shared_begin");
-  check_plan_tensor(shared_end, "shared_end");
-  check_plan_tensor(shared_depth, "shared_depth");
-  check_plan_tensor(private_chunk_ids, "private_chunk_ids");
-  check_plan_tensor(num_shared_tokens, "num_shared_tokens");
-  check_plan_tensor(seq_lens, "seq_lens");
-  check_plan_tensor(seq_pair_ptr, "seq_pair_ptr");
+  const int64_t capacity = k_cache.size(0);
+  for (const auto& [t, name] : {std::pair{&shared_chunk_ids, "shared_chunk_ids"}, {&shared_start, "shared_start"},
+                                {&shared_len, "shared_len"}, {&shared_pos, "shared_pos"},
+                                {&shared_begin, "shared_begin"}, {&shared_end, "shared_end"},
+                                {&shared_depth, "shared_depth"}, {&private_chunk_ids, "private_chunk_ids"},
+                                {&private_start, "private_start"}, {&private_pos, "private_pos"},
+                                {&num_shared_tokens, "num_shared_tokens"}, {&seq_lens, "seq_lens"},
+                                {&seq_pair_ptr, "seq_pair_ptr"}})
+    check_plan_tensor(*t, name);
+  const int64_t num_shared = shared_chunk_ids.numel(), width = private_chunk_ids.dim() == 2 ? private_chunk_ids.size(1) : 0;
   TORCH_CHECK_VALUE(seq_lens.numel() == num_seqs && seq_pair_ptr.numel() == num_seqs + 1 &&
                         num_shared_tokens.numel() == num_seqs && private_chunk_ids.dim() == 2 &&
-                        private_chunk_ids.size(0) == num_seqs,
+                        private_chunk_ids.size(0) == num_seqs && private_start.sizes() == private_chunk_ids.sizes() &&
+                        private_pos.sizes() == private_chunk_ids.sizes(),
                     "plan tensors do not match num_seqs=", num_seqs);
+  for (const at::Tensor* t : {&shared_start, &shared_len, &shared_pos, &shared_begin, &shared_end, &shared_depth})
+    TORCH_CHECK_VALUE(t->numel() == num_shared, "shared segment tensors must all have ", num_shared, " entries");
   TORCH_CHECK_VALUE(max_chunks_per_item >= 1, "max_chunks_per_item must be >= 1, got ", max_chunks_per_item);
+  const int64_t *pair_ptr = seq_pair_ptr.data_ptr<int64_t>(), *lens = seq_lens.data_ptr<int64_t>();
+  for (int64_t s = 0; s < num_shared; ++s) {
+    const int64_t begin = shared_begin.data_ptr<int64_t>()[s], end = shared_end.data_ptr<int64_t>()[s];
+    const int64_t depth = shared_depth.data_ptr<int64_t>()[s];
+    check_segment(shared_chunk_ids.data_ptr<int64_t>()[s], shared_start.data_ptr<int64_t>()[s],
+                  shared_len.data_ptr<int64_t>()[s], capacity, chunk_size, "shared segment", s);
+    TORCH_CHECK_VALUE(0 <= begin && begin < end && end <= num_seqs && depth >= 0, "shared segment ", s, ": rows ",
+                      begin, " .. ", end, " at depth ", depth, " do not fit ", num_seqs, " sequences");
+    for (int64_t row = begin; row < end; ++row)
+      TORCH_CHECK_VALUE(pair_ptr[row] + depth < pair_ptr[row + 1], "shared segment ", s, " at depth ", depth,
+                        " has no partial slot for sequence ", row);
+  }
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    TORCH_CHECK_VALUE(pair_ptr[i] >= 0 && pair_ptr[i] <= pair_ptr[i + 1] && lens[i] >= 1, "sequence ", i,
+                      ": bad pair range or length");
+    check_segments(private_chunk_ids.data_ptr<int64_t>() + i * width, private_start.data_ptr<int64_t>() + i * width,
+                   private_pos.data_ptr<int64_t>() + i * width, width, num_shared_tokens.data_ptr<int64_t>()[i],
+                   lens[i], capacity, chunk_size, "private segment", i);
+  }
   const int num_threads = at::get_num_threads();
-  const int64_t num_pairs = seq_pair_ptr.data_ptr<int64_t>()[num_seqs];
+  const int64_t num_pairs = pair_ptr[num_seqs];
   const int64_t needed = chunk_attn_cpu::scratch_floats(num_pairs, num_seqs, num_heads, num_kv_heads, head_dim,
                                                         chunk_size, num_threads);
   check_scratch(scratch, needed);
@@ -121,10 +176,15 @@ at::Tensor tpp_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::
   p.workspace_stride = chunk_attn_cpu::workspace_floats(chunk_size, head_dim, num_heads / num_kv_heads);
   p.num_threads = num_threads;
   p.shared_chunk_ids = shared_chunk_ids.data_ptr<int64_t>();
+  p.shared_start = shared_start.data_ptr<int64_t>();
+  p.shared_len = shared_len.data_ptr<int64_t>();
+  p.shared_pos = shared_pos.data_ptr<int64_t>();
   p.shared_begin = shared_begin.data_ptr<int64_t>();
   p.shared_end = shared_end.data_ptr<int64_t>();
   p.shared_depth = shared_depth.data_ptr<int64_t>();
   p.private_chunk_ids = private_chunk_ids.data_ptr<int64_t>();
+  p.private_start = private_start.data_ptr<int64_t>();
+  p.private_pos = private_pos.data_ptr<int64_t>();
   p.num_shared_tokens = num_shared_tokens.data_ptr<int64_t>();
   p.seq_lens = seq_lens.data_ptr<int64_t>();
   p.seq_pair_ptr = seq_pair_ptr.data_ptr<int64_t>();
@@ -133,8 +193,8 @@ at::Tensor tpp_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::
   p.num_kv_heads = num_kv_heads;
   p.head_dim = head_dim;
   p.chunk_size = chunk_size;
-  p.num_shared = shared_chunk_ids.numel();
-  p.max_private = private_chunk_ids.size(1);
+  p.num_shared = static_cast<int>(num_shared);
+  p.max_private = static_cast<int>(width);
   p.dtype = q.scalar_type() == at::kBFloat16 ? chunk_attn_cpu::DType::kBFloat16 : chunk_attn_cpu::DType::kFloat32;
   p.scale = static_cast<float>(scale);
   p.window = static_cast<int>(window);
@@ -147,11 +207,12 @@ at::Tensor tpp_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::
 }
 
 // Prefill attention of every sequence of a step (prefill_params.h has the layout). The
-// per-step metadata (chunk tables, tiles) comes from chunk_llama/ops/prefill_plan.py,
+// per-step metadata (segment tables, tiles) comes from chunk_llama/ops/prefill_plan.py,
 // built once per forward; it is checked here before any pointer into the pool is made
-// from it, since a wrong chunk id or tile would read out of bounds.
+// from it, since a wrong chunk id, slot or tile would read out of bounds.
 at::Tensor tpp_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       const at::Tensor& chunk_table, const at::Tensor& q_start, const at::Tensor& num_tokens,
+                       const at::Tensor& seg_chunk, const at::Tensor& seg_start, const at::Tensor& seg_pos,
+                       const at::Tensor& q_start, const at::Tensor& num_tokens,
                        const at::Tensor& token_start, const at::Tensor& tiles, const at::Tensor& scratch,
                        double scale, int64_t window, const std::string& isa) {
   const Variant& variant = variant_for(isa);
@@ -160,29 +221,31 @@ at::Tensor tpp_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const int num_q_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int capacity = k_cache.size(0), num_kv_heads = k_cache.size(1), chunk_size = k_cache.size(2);
   const int group = num_heads / num_kv_heads;
-  check_plan_tensor(chunk_table, "chunk_table");
+  check_plan_tensor(seg_chunk, "seg_chunk");
+  check_plan_tensor(seg_start, "seg_start");
+  check_plan_tensor(seg_pos, "seg_pos");
   check_plan_tensor(q_start, "q_start");
   check_plan_tensor(num_tokens, "num_tokens");
   check_plan_tensor(token_start, "token_start");
   check_plan_tensor(tiles, "tiles");
   const int64_t num_seqs = q_start.numel();
-  TORCH_CHECK_VALUE(chunk_table.dim() == 2 && chunk_table.size(0) == num_seqs && num_tokens.numel() == num_seqs &&
+  TORCH_CHECK_VALUE(seg_chunk.dim() == 2 && seg_chunk.size(0) == num_seqs && seg_start.sizes() == seg_chunk.sizes() &&
+                        seg_pos.sizes() == seg_chunk.sizes() && num_tokens.numel() == num_seqs &&
                         token_start.numel() == num_seqs && tiles.dim() == 2 && tiles.size(1) == 3,
-                    "prefill plan tensors do not match num_seqs=", num_seqs, " (chunk_table [num_seqs, max_chunks], ",
-                    "tiles [num_tiles, 3])");
-  const int64_t max_chunks = chunk_table.size(1);
-  const int64_t *table = chunk_table.data_ptr<int64_t>(), *starts = q_start.data_ptr<int64_t>();
+                    "prefill plan tensors do not match num_seqs=", num_seqs, " (seg_chunk, seg_start, seg_pos ",
+                    "[num_seqs, max_segments], tiles [num_tiles, 3])");
+  const int64_t width = seg_chunk.size(1);
+  const int64_t *starts = q_start.data_ptr<int64_t>();
   const int64_t *counts = num_tokens.data_ptr<int64_t>(), *rows_at = token_start.data_ptr<int64_t>();
   for (int64_t s = 0; s < num_seqs; ++s) {
     TORCH_CHECK_VALUE(starts[s] >= 0 && counts[s] >= 0 && rows_at[s] >= 0 && rows_at[s] + counts[s] <= num_q_tokens,
                       "prefill sequence ", s, ": tokens ", rows_at[s], " + ", counts[s], " outside q's ",
                       num_q_tokens);
-    const int64_t needed = (starts[s] + counts[s] + chunk_size - 1) / chunk_size;
-    TORCH_CHECK_VALUE(needed <= max_chunks, "prefill sequence ", s, " needs ", needed, " chunks, its table has ",
-                      max_chunks);
-    for (int64_t c = 0; c < needed; ++c)
-      TORCH_CHECK_VALUE(table[s * max_chunks + c] >= 0 && table[s * max_chunks + c] < capacity, "prefill sequence ",
-                        s, ": chunk id ", table[s * max_chunks + c], " outside the pool of ", capacity);
+    // from position 0, each segment to the next one's position: every position up to the
+    // last query's, each inside its chunk
+    check_segments(seg_chunk.data_ptr<int64_t>() + s * width, seg_start.data_ptr<int64_t>() + s * width,
+                   seg_pos.data_ptr<int64_t>() + s * width, width, 0, starts[s] + counts[s], capacity, chunk_size,
+                   "prefill segment", s);
   }
   const int64_t num_tiles = tiles.size(0), *tile = tiles.data_ptr<int64_t>();
   for (int64_t i = 0; i < num_tiles; ++i, tile += 3)
@@ -202,7 +265,9 @@ at::Tensor tpp_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at:
   p.out = out.data_ptr();
   p.workspace = scratch.data_ptr<float>();
   p.workspace_stride = stride;
-  p.chunk_table = table;
+  p.seg_chunk = seg_chunk.data_ptr<int64_t>();
+  p.seg_start = seg_start.data_ptr<int64_t>();
+  p.seg_pos = seg_pos.data_ptr<int64_t>();
   p.q_start = starts;
   p.num_tokens = counts;
   p.token_start = rows_at;
@@ -210,7 +275,7 @@ at::Tensor tpp_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at:
   p.num_tiles = static_cast<int>(num_tiles);
   p.num_threads = num_threads;
   p.num_seqs = static_cast<int>(num_seqs);
-  p.max_chunks = static_cast<int>(max_chunks);
+  p.max_segments = static_cast<int>(width);
   p.num_heads = num_heads;
   p.num_kv_heads = num_kv_heads;
   p.head_dim = head_dim;
@@ -251,8 +316,9 @@ bool host_runs(const std::string& isa) {
 
 TORCH_LIBRARY(chunk_llama_cpu, m) {
   m.def(
-      "tpp_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor shared_chunk_ids, Tensor shared_begin, "
-      "Tensor shared_end, Tensor shared_depth, Tensor private_chunk_ids, Tensor num_shared_tokens, "
+      "tpp_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor shared_chunk_ids, Tensor shared_start, "
+      "Tensor shared_len, Tensor shared_pos, Tensor shared_begin, Tensor shared_end, Tensor shared_depth, "
+      "Tensor private_chunk_ids, Tensor private_start, Tensor private_pos, Tensor num_shared_tokens, "
       "Tensor seq_lens, Tensor seq_pair_ptr, Tensor(a!) scratch, float scale, int max_chunks_per_item, "
       "int window, str isa) -> Tensor",
       &tpp_decode);
@@ -260,7 +326,8 @@ TORCH_LIBRARY(chunk_llama_cpu, m) {
         "int chunk_size, int num_threads) -> int",
         &scratch_floats);
   m.def(
-      "tpp_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor chunk_table, Tensor q_start, "
+      "tpp_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seg_chunk, Tensor seg_start, Tensor seg_pos, "
+      "Tensor q_start, "
       "Tensor num_tokens, Tensor token_start, Tensor tiles, Tensor(a!) scratch, float scale, int window, "
       "str isa) -> Tensor",
       &tpp_prefill);

@@ -1,29 +1,33 @@
-// Torch-free correctness test of the CPU kernel variants: random prefix trees, GQA
-// groups, head dims and both storage dtypes against a scalar double-precision
-// reference computed from each sequence's own keys. Built and run by
-// tests/test_cpu_kernel_arm.py (aarch64, under qemu) and tests/test_cpu_kernel_driver.py
-// (this machine, AVX-512 through SIMDe where the CPU lacks it).
+// Torch-free correctness test of the CPU kernel variants: random prefix trees, shared
+// token-granular (test_tree.h: shared and private segments that start and end inside
+// chunks, beside whole chunks), GQA groups, head dims and both storage dtypes against a
+// scalar double-precision reference computed from each sequence's own keys. Built and
+// run by tests/test_cpu_kernel_arm.py (aarch64, under qemu) and
+// tests/test_cpu_kernel_driver.py (this machine, AVX-512 through SIMDe where the CPU
+// lacks it).
 //
 //   kernel_test VARIANT...    exit status 0 when every case of every variant passes
 //
 // The prefill kernel's cases are in prefill_cases.cpp, linked beside this file.
 //
-// Rows past a sequence's length in its last chunk hold NaN: a kernel that reads them
-// into the result fails.
+// Every pool slot no segment holds is NaN (behind a segment that ends inside a chunk
+// too): a kernel that reads one into the result fails.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
-#include <string>
+#include <utility>
 #include <vector>
 
 #include "params.h"
 #include "prefill_cases.h"
 #include "scalar.h"
-#include "test_rng.h"
 #include "schedule.h"
+#include "test_rng.h"
+#include "test_tree.h"
 #include "variants.h"
 
 using namespace chunk_attn_cpu;
@@ -37,13 +41,13 @@ struct Case {
   int window = 0;  // sliding window; 0: none
 };
 
-// The plan of a tree: what chunk_llama/kv/plan.py builds, for sequences sorted so the
-// ones under any chunk are contiguous.
+// The plan of a tree: what chunk_llama/kv/plan.py builds, for sequences in depth-first
+// order (the rows under any shared segment are contiguous).
 struct Plan {
-  std::vector<int64_t> shared_ids, shared_begin, shared_end, shared_depth, private_ids, num_shared_tokens, seq_lens,
-      seq_pair_ptr;
-  std::vector<std::vector<int64_t>> paths;  // every sequence's chunk ids in order
-  int max_private = 0, capacity = 0;
+  std::vector<int64_t> shared_ids, shared_start, shared_len, shared_pos, shared_begin, shared_end, shared_depth;
+  std::vector<int64_t> private_ids, private_start, private_pos;  // [num_seqs, max_private]
+  std::vector<int64_t> num_shared_tokens, seq_lens, seq_pair_ptr;
+  int max_private = 0;
 };
 
 std::vector<std::vector<int>> random_sequences(Rng& rng, int num_seqs, int max_len) {
@@ -59,55 +63,91 @@ std::vector<std::vector<int>> random_sequences(Rng& rng, int num_seqs, int max_l
     while (static_cast<int>(seq.size()) < length) seq.push_back(rng.uniform(0, 2));
     seqs.push_back(seq);
   }
-  std::sort(seqs.begin(), seqs.end());  // depth-first order: shared prefixes are contiguous
+  // Depth-first order: the sequences through a node are those that begin with its path's
+  // tokens, contiguous once sorted (a prefix sorts first).
+  std::sort(seqs.begin(), seqs.end());
   return seqs;
 }
 
-Plan build_plan(const std::vector<std::vector<int>>& seqs, int C, Rng& rng) {
+// A case's random numbers: its tree first (case_tree), then K, V and Q.
+Rng case_rng(const Case& cs) { return Rng{cs.seed * 0x9e3779b97f4a7c15ull + 1}; }
+
+Tree case_tree(const Case& cs, Rng& rng) {
+  return build_tree(random_sequences(rng, cs.num_seqs, cs.max_len), cs.chunk_size, rng);
+}
+
+// As plan.py: a segment on >= 2 paths is shared, found again by its first slot when a
+// later sequence reaches it; shared_depth counts the shared segments before it on its paths.
+Plan build_plan(const Tree& tree) {
   Plan plan;
-  const int n = static_cast<int>(seqs.size());
-  // a full chunk is identified by its whole prefix; shared when on >= 2 paths
-  std::map<std::vector<int>, int> users;
-  for (const auto& s : seqs)
-    for (size_t end = C; end <= s.size(); end += C) ++users[std::vector<int>(s.begin(), s.begin() + end)];
-  int num_chunks = 0;
-  for (const auto& s : seqs) num_chunks += static_cast<int>((s.size() + C - 1) / C);
-  plan.capacity = num_chunks + 3;
-  std::vector<int64_t> free_ids(plan.capacity);  // pool ids in random order
-  for (int i = 0; i < plan.capacity; ++i) free_ids[i] = i;
-  for (int i = plan.capacity - 1; i > 0; --i) std::swap(free_ids[i], free_ids[rng.uniform(0, i)]);
-  std::map<std::vector<int>, int64_t> shared_id;
+  const int n = static_cast<int>(tree.paths.size());
+  std::map<std::pair<int64_t, int64_t>, size_t> shared_index;  // (chunk, start) -> index
+  std::vector<std::vector<Segment>> own(n);
   plan.seq_pair_ptr.push_back(0);
-  std::vector<std::vector<int64_t>> privates(n);
-  for (int i = 0; i < n; ++i) {
-    const auto& s = seqs[i];
-    std::vector<int64_t> path;
-    int depth = 0;
-    for (size_t end = C; end <= s.size(); end += C, ++depth) {
-      const std::vector<int> key(s.begin(), s.begin() + end);
-      if (users[key] < 2) break;
-      if (!shared_id.count(key)) {  // first sequence under it: the range is i .. i + users - 1
-        shared_id[key] = free_ids.back(), free_ids.pop_back();
-        plan.shared_ids.push_back(shared_id[key]);
-        plan.shared_begin.push_back(i);
-        plan.shared_end.push_back(i + users[key]);
-        plan.shared_depth.push_back(depth);
+  for (int row = 0; row < n; ++row) {
+    int64_t depth = 0, length = 0;
+    for (const Segment& s : tree.paths[row]) {
+      length = s.pos + s.len;
+      if (s.users < 2) {
+        own[row].push_back(s);
+        continue;
       }
-      path.push_back(shared_id[key]);
+      const auto [it, added] = shared_index.insert({{s.chunk, s.start}, plan.shared_ids.size()});
+      if (added) {
+        plan.shared_ids.push_back(s.chunk), plan.shared_start.push_back(s.start), plan.shared_len.push_back(s.len);
+        plan.shared_pos.push_back(s.pos), plan.shared_depth.push_back(depth);
+        plan.shared_begin.push_back(row), plan.shared_end.push_back(row);
+      }
+      if (plan.shared_end[it->second] != row) {  // a bug of this driver, not of the kernel
+        std::fprintf(stderr, "sequences under a shared segment are not contiguous\n");
+        std::abort();
+      }
+      plan.shared_end[it->second] = row + 1;
+      ++depth;
     }
-    plan.num_shared_tokens.push_back(static_cast<int64_t>(depth) * C);
-    plan.seq_lens.push_back(static_cast<int64_t>(s.size()));
+    plan.num_shared_tokens.push_back(own[row].empty() ? length : own[row][0].pos);
+    plan.seq_lens.push_back(length);
     plan.seq_pair_ptr.push_back(plan.seq_pair_ptr.back() + depth);
-    for (size_t t = static_cast<size_t>(depth) * C; t < s.size(); t += C)
-      privates[i].push_back(free_ids.back()), path.push_back(free_ids.back()), free_ids.pop_back();
-    plan.max_private = std::max(plan.max_private, static_cast<int>(privates[i].size()));
-    plan.paths.push_back(path);
+    plan.max_private = std::max(plan.max_private, static_cast<int>(own[row].size()) + 1);
   }
-  plan.private_ids.assign(static_cast<size_t>(n) * std::max(plan.max_private, 1), 0);
-  for (int i = 0; i < n; ++i)
-    for (size_t c = 0; c < privates[i].size(); ++c) plan.private_ids[i * std::max(plan.max_private, 1) + c] = privates[i][c];
+  // every row ends with at least one unused entry: its position ends the kernel's walk
+  for (int row = 0; row < n; ++row)
+    for (size_t c = 0; c < static_cast<size_t>(plan.max_private); ++c) {
+      const bool used = c < own[row].size();
+      plan.private_ids.push_back(used ? own[row][c].chunk : 0);
+      plan.private_start.push_back(used ? own[row][c].start : 0);
+      plan.private_pos.push_back(used ? own[row][c].pos : kNoPosition);
+    }
   return plan;
 }
+
+// How many cases' trees hold each kind of segment token-granular sharing makes (the run
+// fails when one is missing: the cases would no longer test it).
+struct Coverage {
+  int whole_shared = 0;    // a shared segment that is a whole chunk
+  int shared_ends = 0;     // a shared segment that ends inside its chunk (requests part there)
+  int shared_starts = 0;   // a shared segment that starts inside its chunk (below another split)
+  int private_starts = 0;  // a private segment that starts inside its chunk (goes on in place)
+  int private_short = 0;   // a private segment shorter than a chunk, not the sequence's last
+  void add(const Tree& tree, int C) {
+    Coverage one;  // this tree's: 0 or 1 each
+    for (const auto& path : tree.paths)
+      for (size_t i = 0; i < path.size(); ++i) {
+        const Segment& s = path[i];
+        const bool shared = s.users > 1;
+        one.whole_shared |= shared && s.start == 0 && s.len == C;
+        one.shared_ends |= shared && s.start + s.len < C;
+        one.shared_starts |= shared && s.start > 0;
+        one.private_starts |= !shared && s.start > 0;
+        one.private_short |= !shared && s.len < C && i + 1 < path.size();
+      }
+    whole_shared += one.whole_shared, shared_ends += one.shared_ends, shared_starts += one.shared_starts;
+    private_starts += one.private_starts, private_short += one.private_short;
+  }
+  bool complete() const {
+    return whole_shared > 0 && shared_ends > 0 && shared_starts > 0 && private_starts > 0 && private_short > 0;
+  }
+};
 
 template <typename T>
 T to_storage(float x);
@@ -120,32 +160,24 @@ uint16_t to_storage<uint16_t>(float x) { return float_to_bf16(x); }
 // (NaN or inf when an output is not finite).
 template <typename T>
 double run_case(const Variant& variant, const Case& cs) {
-  Rng rng{cs.seed * 0x9e3779b97f4a7c15ull + 1};
-  const auto seqs = random_sequences(rng, cs.num_seqs, cs.max_len);
-  Plan plan = build_plan(seqs, cs.chunk_size, rng);
+  Rng rng = case_rng(cs);
+  const Tree tree = case_tree(cs, rng);
+  const Plan plan = build_plan(tree);
   const int n = cs.num_seqs, C = cs.chunk_size, D = cs.head_dim, KV = cs.num_kv_heads, H = KV * cs.group;
-  const int64_t chunk_elems = static_cast<int64_t>(C) * D, pool_elems = plan.capacity * KV * chunk_elems;
-  std::vector<T> k(pool_elems), v(pool_elems), q(static_cast<size_t>(n) * H * D), out(q.size());
-  for (auto& x : k) x = to_storage<T>(rng.value());
-  for (auto& x : v) x = to_storage<T>(rng.value());
+  std::vector<T> k, v, q(static_cast<size_t>(n) * H * D), out(q.size());
+  fill_pool(tree, KV, C, D, rng, to_storage<T>, k, v);
   for (auto& x : q) x = to_storage<T>(rng.value());
-  for (int i = 0; i < n; ++i) {  // NaN past each sequence's length in its last chunk
-    const int64_t length = plan.seq_lens[i], last = plan.paths[i].back();
-    for (int64_t row = (length - 1) % C + 1; row < C; ++row)
-      for (int h = 0; h < KV; ++h)
-        for (int d = 0; d < D; ++d) {
-          const int64_t at = ((last * KV + h) * C + row) * D + d;
-          k[at] = v[at] = to_storage<T>(std::nanf(""));
-        }
-  }
   Params p{};
   p.q = q.data(), p.k_cache = k.data(), p.v_cache = v.data(), p.out = out.data();
-  p.shared_chunk_ids = plan.shared_ids.data(), p.shared_begin = plan.shared_begin.data();
-  p.shared_end = plan.shared_end.data(), p.shared_depth = plan.shared_depth.data();
-  p.private_chunk_ids = plan.private_ids.data(), p.num_shared_tokens = plan.num_shared_tokens.data();
+  p.shared_chunk_ids = plan.shared_ids.data(), p.shared_start = plan.shared_start.data();
+  p.shared_len = plan.shared_len.data(), p.shared_pos = plan.shared_pos.data();
+  p.shared_begin = plan.shared_begin.data(), p.shared_end = plan.shared_end.data();
+  p.shared_depth = plan.shared_depth.data();
+  p.private_chunk_ids = plan.private_ids.data(), p.private_start = plan.private_start.data();
+  p.private_pos = plan.private_pos.data(), p.num_shared_tokens = plan.num_shared_tokens.data();
   p.seq_lens = plan.seq_lens.data(), p.seq_pair_ptr = plan.seq_pair_ptr.data();
   p.num_seqs = n, p.num_heads = H, p.num_kv_heads = KV, p.head_dim = D, p.chunk_size = C;
-  p.num_shared = static_cast<int>(plan.shared_ids.size()), p.max_private = std::max(plan.max_private, 1);
+  p.num_shared = static_cast<int>(plan.shared_ids.size()), p.max_private = plan.max_private;
   p.dtype = sizeof(T) == 2 ? DType::kBFloat16 : DType::kFloat32;
   p.scale = 1.f / std::sqrt(static_cast<float>(D));
   p.window = cs.window;
@@ -164,10 +196,11 @@ double run_case(const Variant& variant, const Case& cs) {
 
   double worst = 0;
   std::vector<double> scores;
-  for (int i = 0; i < n; ++i)
+  for (int i = 0; i < n; ++i) {
+    const auto slots = key_slots(tree.paths[i]);  // the sequence's own keys, by position
     for (int h = 0; h < H; ++h) {
       const int kv = h / cs.group, length = static_cast<int>(plan.seq_lens[i]);
-      auto at = [&](int t, int d) { return ((plan.paths[i][t / C] * KV + kv) * C + t % C) * D + d; };
+      auto at = [&](int t, int d) { return ((slots[t].first * KV + kv) * C + slots[t].second) * D + d; };
       scores.assign(length, 0.0);
       double m = -INFINITY, sum = 0;
       for (int t = 0; t < length; ++t) {
@@ -191,6 +224,7 @@ double run_case(const Variant& variant, const Case& cs) {
         if (!(error <= worst)) worst = error;  // NaN sticks
       }
     }
+  }
   return worst;
 }
 
@@ -215,7 +249,7 @@ int main(int argc, char** argv) {
         }
       }
   cases.push_back({1, 200, 64, 64, 3, 3, 1, false, seed++});  // one sequence: nothing shared
-  cases.push_back({40, 40, 16, 128, 1, 1, 2, false, seed++});  // many sequences of exactly shared chunks
+  cases.push_back({40, 40, 16, 128, 1, 1, 2, false, seed++});  // many short sequences over a few chunks
   // sliding windows shorter than, across and longer than the shared prefixes
   for (int window : {1, 23, 77})
     for (int max_chunks : {1, 1000}) {
@@ -223,6 +257,19 @@ int main(int argc, char** argv) {
       cases.push_back({5, 300, 32, 256, 1, 4, max_chunks, window == 23, seed++, window});
     }
   int failures = 0, runs = 0;
+  Coverage coverage;  // the same trees for every variant
+  for (const Case& cs : cases) {
+    Rng rng = case_rng(cs);
+    coverage.add(case_tree(cs, rng), cs.chunk_size);
+  }
+  std::printf("decode trees: of %zu cases, %d with a whole shared chunk, %d with a shared segment ending inside a "
+              "chunk, %d starting inside one, %d with a private segment starting inside a chunk, %d with one shorter "
+              "than a chunk before the sequence's next\n", cases.size(), coverage.whole_shared, coverage.shared_ends,
+              coverage.shared_starts, coverage.private_starts, coverage.private_short);
+  if (!coverage.complete()) {
+    ++failures;
+    std::printf("FAIL decode trees: a kind of segment is in no case\n");
+  }
   for (int a = 1; a < argc; ++a) {
     double worst = 0;
     const Variant* variant = find_variant(argv[a]);
@@ -252,8 +299,9 @@ int main(int argc, char** argv) {
     std::printf("variant %s: %zu cases, largest error %.2f x the allowed\n", argv[a], cases.size(), worst);
     const PrefillSummary prefill = run_prefill_cases(*variant);
     runs += prefill.cases, failures += prefill.failures;
-    std::printf("variant %s prefill: %d cases, largest error %.2f x the allowed\n", argv[a], prefill.cases,
-                prefill.worst);
+    std::printf("variant %s prefill: %d cases, largest error %.2f x the allowed (%d with a segment starting inside "
+                "a chunk, %d with one ending inside a chunk before the next)\n", argv[a], prefill.cases,
+                prefill.worst, prefill.starts_inside, prefill.ends_inside);
   }
   std::printf("kernel_test: %d runs, %d failing\n", runs, failures);
   return failures == 0 ? 0 : 1;

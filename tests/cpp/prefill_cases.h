@@ -7,6 +7,9 @@
 struct PrefillSummary {
   int cases = 0, failures = 0;
   double worst = 0;  // largest error in units of the allowed error (NaN sticks)
+  // cases with a segment that starts inside a chunk, and with one that ends inside a
+  // chunk before the sequence's next (token-granular sharing)
+  int starts_inside = 0, ends_inside = 0;
 };
 
 PrefillSummary run_prefill_cases(const chunk_attn_cpu::Variant& variant);
