@@ -15,6 +15,15 @@ pool order (as a tree leaves them). Implementations, each over the same queries:
 machine's fp32 matmul rate (torch.mm, best of 1024 and 2048 square, measured before
 the grid and after each case; the best of all); `x floor` is the kernel's median time
 over that floor (the issue's target: at most 1.5 at 2,048 tokens).
+
+    python scripts/bench_prefill.py --shared-prefix      # the shared-prefix table
+
+Shared prefix: `--num-seqs` sequences whose new tokens (`--suffixes`, each) all follow
+one cached prefix of `--prefix` tokens (held once in the pool), packed next to each
+other as the engine packs them. `context`: the kernel with its context phase (every
+sequence's queries against the prefix's chunks at once); `per sequence`: the same
+kernel with the context phase off (each sequence's tiles walk the prefix); `SDPA`:
+causal SDPA over each sequence's own dense copy of the prefix, all sequences in one batch.
 """
 
 from __future__ import annotations
@@ -76,7 +85,8 @@ def run_case(geometry: str, new: int, cached: int, chunk_size: int, repeat: int,
     chunk_ids = torch.randperm(num_chunks + 8, generator=generator)[:num_chunks].tolist()
     q = torch.randn(new, num_heads, head_dim, generator=generator)  # [new, num_heads, head_dim]
     runs = [(c, 0, min(chunk_size, length - i * chunk_size)) for i, c in enumerate(chunk_ids)]
-    plan = build_prefill_plan([runs], [(0, cached, new)], num_heads // num_kv_heads)
+    plan = build_prefill_plan([[(c, *run) for c, run in zip(chunk_ids, runs)]], [(0, cached, new)],
+                              num_heads // num_kv_heads, num_kv_heads=num_kv_heads)
     scale = head_dim**-0.5
     k_dense = reference.gather_dense(k_cache, runs, length).unsqueeze(0)  # [1, kv, length, d]
     v_dense = reference.gather_dense(v_cache, runs, length).unsqueeze(0)
@@ -102,6 +112,63 @@ def run_case(geometry: str, new: int, cached: int, chunk_size: int, repeat: int,
     return row
 
 
+def run_shared_case(geometry: str, num_seqs: int, prefix: int, suffix: int, chunk_size: int, repeat: int) -> dict:
+    """`num_seqs` sequences of `suffix` new tokens after one cached `prefix`, in one tree."""
+    from chunk_llama.kv import ChunkPool, PrefixTree
+
+    num_heads, num_kv_heads, head_dim = GEOMETRIES[geometry]
+    group, length = num_heads // num_kv_heads, prefix + suffix
+    pool = ChunkPool(num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim, chunk_size=chunk_size,
+                     capacity=-(-prefix // chunk_size) + num_seqs * -(-suffix // chunk_size) + 1, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    pool.k.copy_(torch.randn(pool.k.shape, generator=generator))
+    pool.v.copy_(torch.randn(pool.v.shape, generator=generator))
+    tree = PrefixTree(pool)
+    for s in range(num_seqs):
+        tree.insert(s, list(range(prefix)) + [10**6 + s] * suffix)
+    paths = [[(id(n), n.chunk_id, n.start, len(n.tokens)) for n in tree.path(s)] for s in range(num_seqs)]
+    segments = [(s * suffix, prefix, suffix) for s in range(num_seqs)]
+    q = torch.randn(num_seqs * suffix, num_heads, head_dim, generator=generator)
+    scale = head_dim**-0.5
+    plans = {shared: build_prefill_plan(paths, segments, group, num_kv_heads=num_kv_heads, shared_context=shared)
+             for shared in (True, False)}
+    k_dense = torch.stack([reference.gather_dense(pool.k[0], tree.segments(s), length) for s in range(num_seqs)])
+    v_dense = torch.stack([reference.gather_dense(pool.v[0], tree.segments(s), length) for s in range(num_seqs)])
+    q_dense = q.view(num_seqs, suffix, num_heads, head_dim).transpose(1, 2)  # [num_seqs, H, suffix, d]
+    mask = torch.ones(suffix, length, dtype=torch.bool).tril(prefix)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q_dense, k_dense, v_dense, attn_mask=mask, scale=scale, enable_gqa=True)
+
+    out = prefill_attention_cpu(q, pool.k[0], pool.v[0], plans[True], scale)
+    expected = sdpa().transpose(1, 2).reshape_as(q)
+    row = {"geometry": geometry, "num_seqs": num_seqs, "prefix": prefix, "suffix": suffix,
+           "error": (out - expected).abs().max().item(),
+           "flops": num_seqs * causal_flops(num_heads, head_dim, prefix, suffix)}
+    row["context"] = timed(lambda: prefill_attention_cpu(q, pool.k[0], pool.v[0], plans[True], scale), repeat)
+    row["per sequence"] = timed(lambda: prefill_attention_cpu(q, pool.k[0], pool.v[0], plans[False], scale), repeat)
+    row["sdpa"] = timed(sdpa, repeat)
+    return row
+
+
+def shared_prefix_table(args) -> None:
+    rows = [run_shared_case(g, args.num_seqs, args.prefix, suffix, args.chunk_size, args.repeat)
+            for g in GEOMETRIES for suffix in args.suffixes]
+    gflops_mm = matmul_gflops()
+    print(f"# CPU: {isa.describe_host()}; variant {isa.selected_variant()}; {torch.get_num_threads()} threads; "
+          f"torch.mm fp32 {gflops_mm:.0f} GFLOP/s; chunk size {args.chunk_size}; ms = min / median of {args.repeat}")
+    print("| geometry (H/KV, d) | sequences x new tokens | shared prefix | context ms | per sequence ms | SDPA ms "
+          "| context vs per sequence | context vs SDPA | context GFLOP/s | x floor | max abs err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        h, kv, d = GEOMETRIES[row["geometry"]]
+        ms = statistics.median(row["context"])
+        print(f"| {row['geometry']} ({h}/{kv}, {d}) | {row['num_seqs']} x {row['suffix']} | {row['prefix']} | "
+              f"{fmt(row['context'])} | {fmt(row['per sequence'])} | {fmt(row['sdpa'])} | "
+              f"{statistics.median(row['per sequence']) / ms:.2f}x | {statistics.median(row['sdpa']) / ms:.2f}x | "
+              f"{row['flops'] / ms / 1e6:.0f} | {ms / (row['flops'] / gflops_mm / 1e6):.2f} | {row['error']:.1e} |")
+
+
 def fmt(times: list[float] | None) -> str:
     return "-" if not times else f"{min(times):.1f} / {statistics.median(times):.1f}"
 
@@ -115,7 +182,14 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--reference-max-tokens", type=int, default=8192,
                         help="skip the reference above this context (its mask is length^2 bytes)")
+    parser.add_argument("--shared-prefix", action="store_true", help="the shared-prefix table instead")
+    parser.add_argument("--num-seqs", type=int, default=16)
+    parser.add_argument("--prefix", type=int, default=2000)
+    parser.add_argument("--suffixes", type=int, nargs="+", default=[4, 16, 64])
     args = parser.parse_args()
+    if args.shared_prefix:
+        prepare_backend(torch.device("cpu"), torch.float32, 64, args.chunk_size)
+        return shared_prefix_table(args)
     cases = CASES
     if args.geometry or args.tokens:
         cases = [(g, n, c) for g, n, c in CASES if (args.geometry in (None, g)) and (args.tokens in (None, n))

@@ -30,44 +30,56 @@ def q_starts_for(rng: random.Random, length: int, chunk_size: int) -> int:
     return rng.choice([0, boundary, min(length - 1, boundary + rng.randint(1, chunk_size - 1)), length - 1])
 
 
-def packed_step(tokens, q_starts, *, chunk_size, num_kv_heads, group, head_dim, dtype, seed=0):
-    """A tree of `tokens`, one packed step whose sequence s has new tokens from q_starts[s] on,
-    its query rows in a shuffled order of sequences with a spare row between them.
-    Returns (pool, tree, plan, q_full) with q_full[s]: [len, num_heads, head_dim] queries of
-    every position of sequence s (the step's are the last len - q_start)."""
+def packed_step(tokens, q_starts, *, chunk_size, num_kv_heads, group, head_dim, dtype, seed=0, packed=False):
+    """A tree of `tokens`, one packed step whose sequence s has new tokens from q_starts[s] on.
+    Its query rows: the sequences in a shuffled order with a spare row between them, or
+    `packed` in token order with none (as the engine packs them: sequences with a common
+    prefix are neighbours and read it together in the context phase).
+    Returns (pool, tree, plan, q, q_full) with q_full[s]: [len, num_heads, head_dim] queries
+    of every position of sequence s (the step's are the last len - q_start)."""
     pool, tree = make_tree(tokens, chunk_size=chunk_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
                            dtype=dtype, seed=seed)
     generator = torch.Generator().manual_seed(seed + 1)
     q_full = [torch.randn(len(t), num_kv_heads * group, head_dim, generator=generator).to(dtype) for t in tokens]
     order = list(range(len(tokens)))
-    random.Random(seed).shuffle(order)
+    if packed:
+        order.sort(key=lambda s: tokens[s])
+    else:
+        random.Random(seed).shuffle(order)
     segments, row = [None] * len(tokens), 0
     for s in order:
         segments[s] = (row, q_starts[s], len(tokens[s]) - q_starts[s])
-        row += segments[s][2] + 1
-    plan = build_prefill_plan([tree.segments(s) for s in range(len(tokens))], segments, group)
+        row += segments[s][2] + (0 if packed else 1)
+    paths = [[(id(n), n.chunk_id, n.start, len(n.tokens)) for n in tree.path(s)] for s in range(len(tokens))]
+    plan = build_prefill_plan(paths, segments, group, num_q_tokens=row, num_kv_heads=num_kv_heads)
     q = torch.zeros(row, num_kv_heads * group, head_dim, dtype=dtype)  # [num_q_tokens, num_heads, head_dim]
     for s, (start, q_start, n) in enumerate(segments):
         q[start : start + n] = q_full[s][q_start:]
     return pool, tree, plan, q, q_full
 
 
-def dense_causal(q_full, k, v, scale):
-    """Stock attention: is_causal SDPA over the whole sequence. q_full: [len, H, D]; k, v: [KV, len, D]."""
+def dense_causal(q_full, k, v, scale, window=0):
+    """Stock attention: causal SDPA over the whole sequence (with a sliding window's mask if
+    `window`). q_full: [len, H, D]; k, v: [KV, len, D]."""
+    length = q_full.shape[0]
+    mask = None
+    if window:
+        position = torch.arange(length)
+        mask = (position[None, :] <= position[:, None]) & (position[None, :] > position[:, None] - window)
     out = F.scaled_dot_product_attention(q_full.float().transpose(0, 1)[None], k.float()[None], v.float()[None],
-                                         is_causal=True, scale=scale, enable_gqa=True)
+                                         attn_mask=mask, is_causal=not window, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)  # [len, H, D]
 
 
-def check_step(tokens, q_starts, variant, **case):
+def check_step(tokens, q_starts, variant, window=0, **case):
     from chunk_llama.ops.cpu import prefill_attention_cpu
 
     dtype, head_dim = case["dtype"], case["head_dim"]
     pool, tree, plan, q, q_full = packed_step(tokens, q_starts, **case)
     scale = head_dim**-0.5
-    out = prefill_attention_cpu(q, pool.k[0], pool.v[0], plan, scale, variant=variant)
+    out = prefill_attention_cpu(q, pool.k[0], pool.v[0], plan, scale, variant=variant, window=window)
     assert out.dtype == dtype and out.shape == q.shape
-    ref = reference.packed_prefill_attention(q.float(), pool.k[0].float(), pool.v[0].float(), plan, scale)
+    ref = reference.packed_prefill_attention(q.float(), pool.k[0].float(), pool.v[0].float(), plan, scale, window)
     tol = TOLERANCE[dtype]
     for s, (start, q_start, n) in enumerate(plan.segments):
         rows = slice(start, start + n)
@@ -77,7 +89,7 @@ def check_step(tokens, q_starts, variant, **case):
         length = len(tokens[s])
         k = gather_dense(pool.k[0], tree.segments(s), length)
         v = gather_dense(pool.v[0], tree.segments(s), length)
-        dense = dense_causal(q_full[s], k, v, scale)[q_start:]
+        dense = dense_causal(q_full[s], k, v, scale, window)[q_start:]
         torch.testing.assert_close(got, dense, atol=tol, rtol=tol, msg=f"sequence {s} vs dense causal SDPA")
     return plan
 
@@ -94,6 +106,30 @@ def test_random_trees(variant, dtype, head_dim, group):
     q_starts = [q_starts_for(rng, len(t), chunk_size) for t in tokens]
     check_step(tokens, q_starts, variant, chunk_size=chunk_size, num_kv_heads=2, group=group, head_dim=head_dim,
                dtype=dtype, seed=group)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 1), (256, 2)])
+@pytest.mark.parametrize("window", [0, 37])
+def test_context_phase_reads_a_common_prefix_once_for_its_sequences(variant, dtype, head_dim, group, window):
+    """Sequences packed next to each other that all see a common prefix whole read it in the
+    context phase (several runs: prefixes ending inside chunks, branches, one sequence that
+    writes part of the prefix in the same step, one whose new tokens start inside it);
+    equal to the reference and dense causal SDPA."""
+    rng = random.Random(head_dim + group + window)
+    system = [rng.randrange(3) for _ in range(150)]
+    tokens, q_starts = [], []
+    for i in range(9):
+        cut = [150, 150, 120, 97, 97, 40, 150, 150, 150][i]
+        own = [3 + i] + [rng.randrange(3) for _ in range(rng.randint(0, 30))]
+        tokens.append(system[:cut] + own)
+        q_starts.append(cut if i != 6 else 80)  # sequence 6 computes positions 80 .. itself
+    q_starts[0] = 0  # sequence 0 writes the whole prefix in this step
+    plan = check_step(tokens, q_starts, variant, window, chunk_size=32, num_kv_heads=2, group=group,
+                      head_dim=head_dim, dtype=dtype, packed=True)
+    assert plan.ctx_items.shape[0] > 0 and plan.num_partial_rows > 0
+    ctx_end = plan.ctx_end.tolist()
+    assert ctx_end[0] == 0 and 0 < ctx_end[6] <= 80 and all(ctx_end[i] > 0 for i in (1, 2, 3, 4, 7, 8))
 
 
 def test_q_start_at_and_inside_chunk_boundaries(variant):
@@ -152,21 +188,24 @@ def test_glue_rejects_bad_plans():
     from chunk_llama.ops.cpu import build, prefill_plan_tensors
 
     module = build()
-    pool, _, plan, q, _ = packed_step([[1] * 40, [2] * 20], [0, 3], chunk_size=16, num_kv_heads=1, group=2,
-                                      head_dim=64, dtype=torch.float32)
+    # both read the 40 common tokens in the context phase, then 1 and 17 tokens of their own
+    pool, _, plan, q, _ = packed_step([[1] * 40 + [3], [1] * 40 + [2] * 20], [40, 43], chunk_size=16,
+                                      num_kv_heads=1, group=2, head_dim=64, dtype=torch.float32, packed=True)
     scratch = torch.empty(10**6)
-    names = ["seg_chunk", "seg_start", "seg_pos", "q_start", "num_tokens", "token_start", "tiles"]
+    names = ["seg_chunk", "seg_start", "seg_pos", "q_start", "num_tokens", "token_start", "tiles", "token_pos",
+             "ctx_end", "ctx_chunk", "ctx_start", "ctx_len", "ctx_pos", "ctx_items", "seq_ctx_ptr", "seq_ctx_offset"]
 
-    def run(window=0, **change):
+    def run(window=0, num_partial_rows=plan.num_partial_rows, **change):
         args = dict(zip(names, prefill_plan_tensors(plan)))
         args.update(change)
-        return module.tpp_prefill(q, pool.k[0], pool.v[0], *args.values(), scratch, 0.125, window, "generic")
+        return module.tpp_prefill(q, pool.k[0], pool.v[0], list(args.values()), num_partial_rows, scratch, 0.125,
+                                  window, "generic")
 
     run()
     with pytest.raises(ValueError, match="at most 128 rows"):
         run(tiles=torch.tensor([[0, 0, 129]]))
     with pytest.raises(ValueError, match="at most 128 rows"):
-        run(tiles=torch.tensor([[1, 30, 36]]))  # past the sequence's 17 tokens x 2 heads
+        run(tiles=torch.tensor([[0, 0, 4]]))  # past the sequence's 1 token x 2 heads
     with pytest.raises(ValueError, match="not inside the pool"):
         run(seg_chunk=plan.seg_chunk + 1000)
     with pytest.raises(ValueError, match="not inside the pool"):
@@ -181,15 +220,27 @@ def test_glue_rejects_bad_plans():
         run(tiles=plan.tiles.int())
     with pytest.raises(ValueError, match="window must be 0 .none. or a positive int32"):
         run(window=-5)
+    # the context phase: its segments, items and partial rows are checked like the rest
+    # (the run of 3 segments in pieces, one item each: 18 partial rows per piece)
+    assert plan.num_partial_rows == 18 * plan.ctx_items.shape[0] > 0 and plan.ctx_end.tolist() == [40, 40]
+    with pytest.raises(ValueError, match="context segment 0"):
+        run(ctx_chunk=plan.ctx_chunk + 1000)
+    with pytest.raises(ValueError, match="context item 0 is not a run"):
+        run(ctx_items=plan.ctx_items + torch.tensor([0, 5, 0, 0, 0]))
+    with pytest.raises(ValueError, match="partial rows"):
+        run(num_partial_rows=17)
+    with pytest.raises(ValueError, match="context end 50 past its first new token at 40"):
+        run(ctx_end=plan.ctx_end.clone().fill_(50))
     with pytest.raises(ValueError, match="scratch"):
-        module.tpp_prefill(q, pool.k[0], pool.v[0], *prefill_plan_tensors(plan), torch.empty(3), 0.125, 0, "generic")
+        module.tpp_prefill(q, pool.k[0], pool.v[0], prefill_plan_tensors(plan), plan.num_partial_rows, torch.empty(3),
+                           0.125, 0, "generic")
 
 
 def test_step_builder_makes_one_plan_per_forward():
     from chunk_llama.hf.step import StepBuilder
 
     pool, tree = make_tree([[1] * 50, [1] * 40 + [2] * 10], chunk_size=16, num_kv_heads=1, head_dim=64)
-    step = StepBuilder(tree, torch.device("cpu"), group=3).prefill([(0, 0, 10, 40, 50), (1, 40, 32, 18, 50)])
+    step = StepBuilder(tree, torch.device("cpu"), group=3).prefill([(0, 0, 10, 40, 50), (1, 40, 32, 18, 50)], 58)
     plan = step.prefill
     assert plan.segments == [(0, 10, 40), (40, 32, 18)]
     for s in (0, 1):
@@ -199,4 +250,6 @@ def test_step_builder_makes_one_plan_per_forward():
         assert plan.seg_pos[s, : len(runs)].tolist() == [sum(n for *_, n in runs[:i]) for i in range(len(runs))]
     assert plan.seg_chunk[0, :3].tolist() == plan.seg_chunk[1, :3].tolist()  # the 40 common tokens, shared
     assert plan.tiles.tolist() == [[0, 0, 120], [1, 0, 54]]
+    assert plan.token_pos.tolist() == list(range(10, 50)) + list(range(32, 50))
+    assert plan.ctx_items.numel() == 0  # sequence 0 computes tokens 10 .. of the common prefix
     assert not step.is_decode

@@ -134,16 +134,21 @@ class ChunkCache(Cache):
         """Prepare a packed prefill of tokens `[start, len)` of each sequence.
 
         returns input_ids [1, num_tokens], position_ids [1, num_tokens] and
-        last_index [num_seqs] (the flattened index of each sequence's last token).
+        last_index [num_seqs] (the flattened index of each sequence's last token, in the
+        order of `seq_ids`).
         """
-        ids, positions, last_index, segments = [], [], [], []
-        for seq_id, start in zip(seq_ids, starts):
-            tokens = self.tree.tokens(seq_id)
+        ids, positions, last_of, segments = [], [], {}, []
+        tokens_of = {s: self.tree.tokens(s) for s in seq_ids}
+        start_of = dict(zip(seq_ids, starts))
+        # packed in token order: sequences with a common prefix are neighbours and read it together
+        for seq_id in sorted(seq_ids, key=tokens_of.__getitem__):
+            tokens, start = tokens_of[seq_id], start_of[seq_id]
             segments.append((seq_id, len(ids), start, len(tokens) - start, start))
             ids.extend(tokens[start:])
             positions.extend(range(start, len(tokens)))
-            last_index.append(len(ids) - 1)
-        self._step = self._builder.prefill(segments)
+            last_of[seq_id] = len(ids) - 1
+        self._step = self._builder.prefill(segments, len(ids))
+        last_index = [last_of[s] for s in seq_ids]
         device = self.pool.device
         return (
             torch.tensor([ids], device=device),
@@ -210,7 +215,7 @@ class ChunkCache(Cache):
             self._row_seq_ids = [-1 - r for r in range(batch)]
             matched = self._insert_rows(rows)
             segments = [(s, r * q_len, 0, q_len, m) for r, (s, m) in enumerate(zip(self._row_seq_ids, matched))]
-            self._step = self._builder.prefill(segments)
+            self._step = self._builder.prefill(segments, batch * q_len)
             return
         if batch != len(self._row_seq_ids):
             raise ValueError(
@@ -232,7 +237,7 @@ class ChunkCache(Cache):
         for seq_id, row in zip(self._row_seq_ids, rows):
             self.tree.extend(seq_id, row)
         segments = [(s, r * q_len, past_len, q_len, past_len) for r, s in enumerate(self._row_seq_ids)]
-        self._step = self._builder.prefill(segments, past_len=past_len)
+        self._step = self._builder.prefill(segments, batch * q_len, past_len=past_len)
 
     def _insert_rows(self, rows: list[list[int]]) -> list[int]:
         try:

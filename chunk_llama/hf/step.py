@@ -53,11 +53,15 @@ class StepBuilder:
         self.num_plan_rebuilds = 0
         self.num_plan_updates = 0
 
-    def prefill(self, segments: list[tuple[int, int, int, int, int]], past_len: int = 0) -> ForwardStep:
-        """segments: (seq_id, token_start, q_start, num_tokens, write_from) each.
+    def prefill(self, segments: list[tuple[int, int, int, int, int]], num_q_tokens: int,
+                past_len: int = 0) -> ForwardStep:
+        """segments: (seq_id, token_start, q_start, num_tokens, write_from) each, over a
+        flattened batch of `num_q_tokens` tokens.
 
         Token `token_start + j` of the flattened batch is position `q_start + j` of its
         sequence; positions from `write_from` on are new and get their K/V stored.
+        Sequences that share a prefix and lie next to each other in the batch read it
+        together (the context phase of `ops/prefill_plan.py`).
         """
         index, chunks, offsets = [], [], []
         for seq_id, token_start, q_start, num_tokens, write_from in segments:
@@ -71,8 +75,9 @@ class StepBuilder:
             write_chunk=write_chunk,
             write_offset=write_offset,
             prefill=build_prefill_plan(
-                [self.tree.segments(s) for s, *_ in segments], [(t, q, n) for _, t, q, n, _ in segments],
-                self.group, self.device,
+                [[(id(n), n.chunk_id, n.start, len(n.tokens)) for n in self.tree.path(s)] for s, *_ in segments],
+                [(t, q, n) for _, t, q, n, _ in segments], self.group, num_q_tokens=num_q_tokens,
+                num_kv_heads=self.tree.pool.num_kv_heads, device=self.device,
             ),
             past_len=past_len,
         )

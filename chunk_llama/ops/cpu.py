@@ -153,14 +153,16 @@ def prefill_attention_cpu(
     if q.shape[1] // k_cache.shape[1] != plan.group:
         raise ValueError(f"the plan's tiles are for GQA group {plan.group}, q and the cache have "
                          f"{q.shape[1]} / {k_cache.shape[1]} heads")
-    scratch = _scratch_for(module.prefill_scratch_floats(k_cache.shape[2], q.shape[-1], torch.get_num_threads()))
+    scratch = _scratch_for(module.prefill_scratch_floats(plan.num_partial_rows, q.shape[1], k_cache.shape[2],
+                                                         q.shape[-1], torch.get_num_threads()))
     return module.tpp_prefill(
-        q.contiguous(), k_cache, v_cache, *prefill_plan_tensors(plan),
-        scratch, float(scale), window, variant or isa.selected_variant(),
+        q.contiguous(), k_cache, v_cache, prefill_plan_tensors(plan), plan.num_partial_rows, scratch, float(scale),
+        window, variant or isa.selected_variant(),
     )
 
 
 def prefill_plan_tensors(plan: PrefillPlan) -> list[torch.Tensor]:
     """The plan's tensors in the order the `tpp_prefill` op takes them."""
     return [plan.seg_chunk, plan.seg_start, plan.seg_pos, plan.q_start, plan.num_tokens, plan.token_start,
-            plan.tiles]
+            plan.tiles, plan.token_pos, plan.ctx_end, plan.ctx_chunk, plan.ctx_start, plan.ctx_len, plan.ctx_pos,
+            plan.ctx_items, plan.seq_ctx_ptr, plan.seq_ctx_offset]

@@ -6,10 +6,17 @@
 // One call covers every sequence prefilled in a forward step ("packed"): sequence s
 // has num_tokens[s] new query tokens at rows token_start[s] .. of q and out, at
 // positions q_start[s] .. of the sequence, whose K/V (cached prefix and new tokens
-// alike) are already in the pool, in the segments of seg_chunk[s] (as params.h). A query row of a sequence is
-// r = token * group + g (the GQA group's heads of one token are consecutive rows of
-// one KV head); a tile is a range of at most kRowsPerItem such rows, and a work item
-// is (tile, KV head).
+// alike) are already in the pool, in the segments of seg_chunk[s] (as params.h). A
+// query row is r = token * group + g over the flattened tokens (the GQA group's heads
+// of one token are consecutive rows of one KV head).
+//
+// Context items (the chunk-first phase of prefill, chunk_llama/ops/prefill_plan.py):
+// where several sequences' new tokens all see the same context segments whole (a
+// common cached prefix), one item = (piece of that run of segments, up to kRowsPerItem
+// rows of those sequences' tokens, which are contiguous, KV head) writes each row's
+// partial (o, m, n) to the row (partial offset + token) of partial_*. A tile = (up to
+// kRowsPerItem rows of one sequence, KV head) starts from its sequence's partials
+// (seq_ctx_*) and walks its own segments from ctx_end[s] on.
 #pragma once
 
 #include <cstdint>
@@ -31,8 +38,23 @@ struct PrefillParams {
   const int64_t* num_tokens;   // [num_seqs]
   const int64_t* token_start;  // [num_seqs] its row in q and out
   const int64_t* tiles;        // [num_tiles, 3] (seq, row_begin, row_end), most work first
+  const int64_t* token_pos;    // [num_q_tokens] each query token's position in its sequence
+  const int64_t* ctx_end;      // [num_seqs] the context items cover positions before it
+  const int64_t* ctx_chunk;    // [num_ctx_segments] context segments: chunk, first slot,
+  const int64_t* ctx_start;    //   keys, position of the first
+  const int64_t* ctx_len;
+  const int64_t* ctx_pos;
+  const int64_t* ctx_items;    // [num_ctx_items, 5] (first segment, count, row_begin,
+                               //   row_end, partial offset)
+  const int64_t* seq_ctx_ptr;  // [num_seqs + 1] sequence s's context pieces are
+  const int64_t* seq_ctx_offset;  // seq_ctx_offset[seq_ctx_ptr[s] ..]: partial offsets
+  float* partial_o;            // [num_kv_heads, head_dim, num_partial_rows * group] like O^T:
+  float* partial_m;            // [num_kv_heads, num_partial_rows * group]   the partial of
+  float* partial_n;            // [num_kv_heads, num_partial_rows * group]   row r of token t's
+                               //   partial row is (offset + t) * group + (r % group)
   int64_t workspace_stride;
-  int num_tiles, num_threads;
+  int64_t num_partial_rows;
+  int num_tiles, num_ctx_items, num_threads;
   int num_seqs, max_segments, num_heads, num_kv_heads, head_dim, chunk_size;
   int window;  // sliding window, as in Params; 0: none
   DType dtype;

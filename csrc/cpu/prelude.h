@@ -4,6 +4,7 @@
 // outside the variant's namespace).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>

@@ -207,13 +207,12 @@ at::Tensor tpp_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::
 }
 
 // Prefill attention of every sequence of a step (prefill_params.h has the layout). The
-// per-step metadata (segment tables, tiles) comes from chunk_llama/ops/prefill_plan.py,
-// built once per forward; it is checked here before any pointer into the pool is made
-// from it, since a wrong chunk id, slot or tile would read out of bounds.
+// per-step metadata (segment tables, context items, tiles) comes from
+// chunk_llama/ops/prefill_plan.py, built once per forward; it is checked here before any
+// pointer into the pool or the scratch is made from it, since a wrong chunk id, slot,
+// row or partial offset would reach out of bounds.
 at::Tensor tpp_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       const at::Tensor& seg_chunk, const at::Tensor& seg_start, const at::Tensor& seg_pos,
-                       const at::Tensor& q_start, const at::Tensor& num_tokens,
-                       const at::Tensor& token_start, const at::Tensor& tiles, const at::Tensor& scratch,
+                       const std::vector<at::Tensor>& plan, int64_t num_partial_rows, const at::Tensor& scratch,
                        double scale, int64_t window, const std::string& isa) {
   const Variant& variant = variant_for(isa);
   check_window(window);
@@ -221,33 +220,60 @@ at::Tensor tpp_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const int num_q_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int capacity = k_cache.size(0), num_kv_heads = k_cache.size(1), chunk_size = k_cache.size(2);
   const int group = num_heads / num_kv_heads;
-  check_plan_tensor(seg_chunk, "seg_chunk");
-  check_plan_tensor(seg_start, "seg_start");
-  check_plan_tensor(seg_pos, "seg_pos");
-  check_plan_tensor(q_start, "q_start");
-  check_plan_tensor(num_tokens, "num_tokens");
-  check_plan_tensor(token_start, "token_start");
-  check_plan_tensor(tiles, "tiles");
-  const int64_t num_seqs = q_start.numel();
+  static const char* const kNames[] = {"seg_chunk", "seg_start", "seg_pos", "q_start", "num_tokens", "token_start",
+                                       "tiles", "token_pos", "ctx_end", "ctx_chunk", "ctx_start", "ctx_len",
+                                       "ctx_pos", "ctx_items", "seq_ctx_ptr", "seq_ctx_offset"};
+  constexpr size_t kNum = sizeof(kNames) / sizeof(kNames[0]);
+  TORCH_CHECK_VALUE(plan.size() == kNum, "the prefill plan has ", kNum, " tensors, got ", plan.size());
+  for (size_t i = 0; i < kNum; ++i) check_plan_tensor(plan[i], kNames[i]);
+  const at::Tensor &seg_chunk = plan[0], &seg_start = plan[1], &seg_pos = plan[2], &tiles = plan[6],
+                   &ctx_items = plan[13];
+  const int64_t* get[kNum];
+  for (size_t i = 0; i < kNum; ++i) get[i] = plan[i].data_ptr<int64_t>();
+  const int64_t num_seqs = plan[3].numel(), width = seg_chunk.dim() == 2 ? seg_chunk.size(1) : 0;
+  const int64_t num_ctx = plan[9].numel();
   TORCH_CHECK_VALUE(seg_chunk.dim() == 2 && seg_chunk.size(0) == num_seqs && seg_start.sizes() == seg_chunk.sizes() &&
-                        seg_pos.sizes() == seg_chunk.sizes() && num_tokens.numel() == num_seqs &&
-                        token_start.numel() == num_seqs && tiles.dim() == 2 && tiles.size(1) == 3,
-                    "prefill plan tensors do not match num_seqs=", num_seqs, " (seg_chunk, seg_start, seg_pos ",
-                    "[num_seqs, max_segments], tiles [num_tiles, 3])");
-  const int64_t width = seg_chunk.size(1);
-  const int64_t *starts = q_start.data_ptr<int64_t>();
-  const int64_t *counts = num_tokens.data_ptr<int64_t>(), *rows_at = token_start.data_ptr<int64_t>();
+                        seg_pos.sizes() == seg_chunk.sizes() && plan[4].numel() == num_seqs &&
+                        plan[5].numel() == num_seqs && tiles.dim() == 2 && tiles.size(1) == 3 &&
+                        plan[7].numel() == num_q_tokens && plan[8].numel() == num_seqs &&
+                        plan[10].numel() == num_ctx && plan[11].numel() == num_ctx && plan[12].numel() == num_ctx &&
+                        ctx_items.dim() == 2 && ctx_items.size(1) == 5 && plan[14].numel() == num_seqs + 1 &&
+                        num_partial_rows >= 0,
+                    "prefill plan tensors do not match num_seqs=", num_seqs, ", num_q_tokens=", num_q_tokens);
+  const int64_t *starts = get[3], *counts = get[4], *rows_at = get[5], *ctx_end = get[8];
+  const int64_t *ctx_ptr = get[14], *ctx_offset = get[15];
+  TORCH_CHECK_VALUE(ctx_ptr[0] == 0 && ctx_ptr[num_seqs] == plan[15].numel(), "seq_ctx_ptr must index seq_ctx_offset");
+  // a partial row's whole range of tokens [first, last] inside the partials
+  const auto check_partials = [&](int64_t offset, int64_t first, int64_t last, const char* what, int64_t i) {
+    TORCH_CHECK_VALUE(offset + first >= 0 && offset + last < num_partial_rows, what, " ", i, ": partial rows ",
+                      offset + first, " .. ", offset + last, " outside the ", num_partial_rows, " partials");
+  };
   for (int64_t s = 0; s < num_seqs; ++s) {
     TORCH_CHECK_VALUE(starts[s] >= 0 && counts[s] >= 0 && rows_at[s] >= 0 && rows_at[s] + counts[s] <= num_q_tokens,
                       "prefill sequence ", s, ": tokens ", rows_at[s], " + ", counts[s], " outside q's ",
                       num_q_tokens);
+    TORCH_CHECK_VALUE(ctx_end[s] >= 0 && ctx_end[s] <= starts[s], "prefill sequence ", s, ": context end ",
+                      ctx_end[s], " past its first new token at ", starts[s]);
+    TORCH_CHECK_VALUE(ctx_ptr[s] <= ctx_ptr[s + 1], "seq_ctx_ptr must not fall");
+    for (int64_t c = ctx_ptr[s]; c < ctx_ptr[s + 1] && counts[s] > 0; ++c)
+      check_partials(ctx_offset[c], rows_at[s], rows_at[s] + counts[s] - 1, "prefill sequence", s);
     // from position 0, each segment to the next one's position: every position up to the
     // last query's, each inside its chunk
-    check_segments(seg_chunk.data_ptr<int64_t>() + s * width, seg_start.data_ptr<int64_t>() + s * width,
-                   seg_pos.data_ptr<int64_t>() + s * width, width, 0, starts[s] + counts[s], capacity, chunk_size,
-                   "prefill segment", s);
+    check_segments(get[0] + s * width, get[1] + s * width, get[2] + s * width, width, 0, starts[s] + counts[s],
+                   capacity, chunk_size, "prefill segment", s);
   }
-  const int64_t num_tiles = tiles.size(0), *tile = tiles.data_ptr<int64_t>();
+  for (int64_t i = 0; i < num_ctx; ++i)
+    check_segment(get[9][i], get[10][i], get[11][i], capacity, chunk_size, "context segment", i);
+  const int64_t num_items = ctx_items.size(0), *item = get[13];
+  for (int64_t i = 0; i < num_items; ++i, item += 5) {
+    TORCH_CHECK_VALUE(item[0] >= 0 && item[1] >= 1 && item[0] + item[1] <= num_ctx && item[2] >= 0 &&
+                          item[2] < item[3] && item[3] <= int64_t{num_q_tokens} * group &&
+                          item[3] - item[2] <= chunk_attn_cpu::kRowsPerItem,
+                      "context item ", i, " is not a run of context segments and at most ",
+                      chunk_attn_cpu::kRowsPerItem, " query rows");
+    check_partials(item[4], item[2] / group, (item[3] - 1) / group, "context item", i);
+  }
+  const int64_t num_tiles = tiles.size(0), *tile = get[6];
   for (int64_t i = 0; i < num_tiles; ++i, tile += 3)
     TORCH_CHECK_VALUE(tile[0] >= 0 && tile[0] < num_seqs && tile[1] >= 0 && tile[1] < tile[2] &&
                           tile[2] <= counts[tile[0]] * group && tile[2] - tile[1] <= chunk_attn_cpu::kRowsPerItem,
@@ -255,7 +281,8 @@ at::Tensor tpp_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at:
                       chunk_attn_cpu::kRowsPerItem, " rows of its sequence");
   const int num_threads = at::get_num_threads();
   const int64_t stride = chunk_attn_cpu::prefill_workspace_floats(chunk_size, head_dim);
-  check_scratch(scratch, stride * num_threads);
+  const int64_t partial_floats = num_partial_rows * num_heads * (head_dim + 2);
+  check_scratch(scratch, partial_floats + stride * num_threads);
 
   auto out = at::empty_like(q);
   chunk_attn_cpu::PrefillParams p{};
@@ -263,16 +290,19 @@ at::Tensor tpp_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at:
   p.k_cache = k_cache.data_ptr();
   p.v_cache = v_cache.data_ptr();
   p.out = out.data_ptr();
-  p.workspace = scratch.data_ptr<float>();
+  p.partial_o = scratch.data_ptr<float>();
+  p.partial_m = p.partial_o + num_partial_rows * num_heads * head_dim;
+  p.partial_n = p.partial_m + num_partial_rows * num_heads;
+  p.num_partial_rows = num_partial_rows;
+  p.workspace = scratch.data_ptr<float>() + partial_floats;
   p.workspace_stride = stride;
-  p.seg_chunk = seg_chunk.data_ptr<int64_t>();
-  p.seg_start = seg_start.data_ptr<int64_t>();
-  p.seg_pos = seg_pos.data_ptr<int64_t>();
-  p.q_start = starts;
-  p.num_tokens = counts;
-  p.token_start = rows_at;
-  p.tiles = tiles.data_ptr<int64_t>();
+  p.seg_chunk = get[0], p.seg_start = get[1], p.seg_pos = get[2];
+  p.q_start = starts, p.num_tokens = counts, p.token_start = rows_at;
+  p.tiles = get[6], p.token_pos = get[7], p.ctx_end = ctx_end;
+  p.ctx_chunk = get[9], p.ctx_start = get[10], p.ctx_len = get[11], p.ctx_pos = get[12];
+  p.ctx_items = get[13], p.seq_ctx_ptr = ctx_ptr, p.seq_ctx_offset = ctx_offset;
   p.num_tiles = static_cast<int>(num_tiles);
+  p.num_ctx_items = static_cast<int>(num_items);
   p.num_threads = num_threads;
   p.num_seqs = static_cast<int>(num_seqs);
   p.max_segments = static_cast<int>(width);
@@ -287,8 +317,10 @@ at::Tensor tpp_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at:
   return out;
 }
 
-int64_t prefill_scratch_floats(int64_t chunk_size, int64_t head_dim, int64_t num_threads) {
-  return chunk_attn_cpu::prefill_workspace_floats(chunk_size, head_dim) * num_threads;
+int64_t prefill_scratch_floats(int64_t num_partial_rows, int64_t num_heads, int64_t chunk_size, int64_t head_dim,
+                               int64_t num_threads) {
+  return num_partial_rows * num_heads * (head_dim + 2) +
+         chunk_attn_cpu::prefill_workspace_floats(chunk_size, head_dim) * num_threads;
 }
 
 int64_t scratch_floats(int64_t num_pairs, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
@@ -326,12 +358,12 @@ TORCH_LIBRARY(chunk_llama_cpu, m) {
         "int chunk_size, int num_threads) -> int",
         &scratch_floats);
   m.def(
-      "tpp_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seg_chunk, Tensor seg_start, Tensor seg_pos, "
-      "Tensor q_start, "
-      "Tensor num_tokens, Tensor token_start, Tensor tiles, Tensor(a!) scratch, float scale, int window, "
-      "str isa) -> Tensor",
+      "tpp_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor[] plan, int num_partial_rows, "
+      "Tensor(a!) scratch, float scale, int window, str isa) -> Tensor",
       &tpp_prefill);
-  m.def("prefill_scratch_floats(int chunk_size, int head_dim, int num_threads) -> int", &prefill_scratch_floats);
+  m.def("prefill_scratch_floats(int num_partial_rows, int num_heads, int chunk_size, int head_dim, int num_threads) "
+        "-> int",
+        &prefill_scratch_floats);
   m.def("variants() -> str[]", &variants);
   m.def("host_runs(str isa) -> bool", &host_runs);
 }

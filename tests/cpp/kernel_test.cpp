@@ -298,10 +298,15 @@ int main(int argc, char** argv) {
     }
     std::printf("variant %s: %zu cases, largest error %.2f x the allowed\n", argv[a], cases.size(), worst);
     const PrefillSummary prefill = run_prefill_cases(*variant);
-    runs += prefill.cases, failures += prefill.failures;
+    runs += prefill.cases + prefill.context_cases, failures += prefill.failures;
     std::printf("variant %s prefill: %d cases, largest error %.2f x the allowed (%d with a segment starting inside "
                 "a chunk, %d with one ending inside a chunk before the next)\n", argv[a], prefill.cases,
                 prefill.worst, prefill.starts_inside, prefill.ends_inside);
+    std::printf("variant %s prefill with context: %d cases, largest error %.2f x the allowed (%d with context items, "
+                "%d with a run of sequences in 2 or more pieces, %d with a segment the context covers in part, %d "
+                "with a sequence computing part of a context segment, %d with an item ending inside a GQA group)\n",
+                argv[a], prefill.context_cases, prefill.context_worst, prefill.with_context, prefill.split_runs,
+                prefill.partly_covered, prefill.writers, prefill.items_in_group);
   }
   std::printf("kernel_test: %d runs, %d failing\n", runs, failures);
   return failures == 0 ? 0 : 1;

@@ -1,17 +1,33 @@
-// Prefill cases for the torch-free driver (kernel_test.cpp): packed steps of three
-// sequences in a token-granular prefix tree (test_tree.h: the second parts from the first
-// inside a chunk, so segments start and end inside chunks), new tokens from 0, a
-// segment's first position, inside a segment or only the last token, tiles of 128 and of
-// 37 rows (so tiles end inside a token's GQA group), GQA groups 1/2/3, head dims
-// 64/128/256, fp32 and bf16, against a scalar double-precision causal attention over
-// each sequence's own keys. Pool slots no segment holds are NaN (behind a segment's end
-// inside a chunk, spare chunks, the guard chunk); query rows of no sequence must stay NaN.
+// Prefill cases for the torch-free driver (kernel_test.cpp): packed steps over
+// token-granular prefix trees (test_tree.h: sequences part inside chunks, so segments
+// start and end inside chunks), tiles of 128 and of 37 rows (so tiles end inside a
+// token's GQA group), GQA groups 1/2/3, head dims 64/128/256, fp32 and bf16, a sliding
+// window on some, against a scalar double-precision causal attention over each
+// sequence's own keys. Two kinds of steps:
+// - plain: three sequences (the second parts from the first inside a chunk), new tokens
+//   from 0, a segment's first position, inside a segment or only the last token, one
+//   spare row between sequences and no context phase; the tiles walk the decode plan's
+//   segments (cut where a path's users change);
+// - with context (the context phase, chunk_llama/ops/prefill_plan.py): 4 to 6 sequences
+//   sharing prefixes of different lengths, packed next to each other in token order,
+//   most of them reading a shared prefix whole and some computing part of it in the
+//   step (no readers of it then), under a context plan built as prefill_plan.py builds
+//   it: runs of adjacent readers, cut into 1 or more pieces, in items of 128 or 37 rows
+//   (so items end inside a token's GQA group too); the tiles walk the prefill plan's
+//   segments (a chunk's run of slots as one), so a sequence's context can end inside
+//   one of them.
+// Pool slots no segment holds are NaN (behind a segment's end inside a chunk, spare
+// chunks, the guard chunk), and so is the partials' scratch: a kernel that reads one no
+// context item wrote fails. Query rows of no sequence must stay NaN. The run fails when
+// the cases no longer hold what they are there to test (run_prefill_cases).
 #include "prefill_cases.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <map>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -24,6 +40,12 @@
 using namespace chunk_attn_cpu;
 
 namespace {
+
+struct Case {
+  int chunk_size, head_dim, num_kv_heads, group, tile_rows, item_rows, window;  // window 0: none
+  bool bf16, context;  // context: a step with shared prefixes, through the context phase
+  uint64_t seed;
+};
 
 template <typename T>
 T to_storage(float x) {
@@ -51,62 +73,274 @@ std::vector<std::vector<int>> prefill_sequences(Rng& rng, int C) {
   return seqs;
 }
 
-template <typename T>
-double run(const Variant& variant, int C, int D, int KV, int group, int tile_rows, int window, uint64_t seed,
-           PrefillSummary& summary) {
-  Rng rng{seed * 0x9e3779b97f4a7c15ull + 7};
-  const bool bf16 = sizeof(T) == 2;
-  const int H = KV * group, num_seqs = 3;
-  const Tree tree = build_tree(prefill_sequences(rng, C), C, rng);
-  // Segment tables, [num_seqs, max_segments] with at least one unused entry per sequence.
-  // The segments are the decode plan's, cut where a path's users change: finer than the
-  // prefill plan's (PrefixTree.segments: one per chunk of a path, from slot 0), which the
-  // kernel reads alike, and they also start inside chunks.
-  int max_segments = 0;
-  for (const auto& path : tree.paths) max_segments = std::max(max_segments, static_cast<int>(path.size()) + 1);
-  std::vector<int64_t> seg_chunk, seg_start, seg_pos;
-  bool starts_inside = false, ends_inside = false;
-  for (const auto& path : tree.paths)
-    for (size_t i = 0; i < static_cast<size_t>(max_segments); ++i) {
-      const bool used = i < path.size();
-      seg_chunk.push_back(used ? path[i].chunk : 0);
-      seg_start.push_back(used ? path[i].start : 0);
-      seg_pos.push_back(used ? path[i].pos : kNoPosition);
-      starts_inside |= used && path[i].start > 0;
-      ends_inside |= i + 1 < path.size() && path[i].start + path[i].len < C;
+// 4 to 6 sequences of up to 80 tokens sharing prefixes of different lengths: the first of
+// 2C .. 80 tokens, each later one copies a prefix of an earlier one's (mostly its longer
+// half, so that shared prefixes span chunks), parts from it there and goes on at random.
+// Sorted: the sequences under a common prefix are next to each other (depth-first
+// order), as the step packs them.
+std::vector<std::vector<int>> shared_prefix_sequences(Rng& rng, int C) {
+  std::vector<std::vector<int>> seqs(rng.uniform(4, 6));
+  for (size_t s = 0; s < seqs.size(); ++s) {
+    size_t length = rng.uniform(2 * C, 80);
+    if (s > 0) {
+      const std::vector<int>& parent = seqs[rng.uniform(0, static_cast<int>(s) - 1)];
+      const int size = static_cast<int>(parent.size());
+      const int keep = rng.uniform(0, 2) == 0 ? rng.uniform(1, size - 1) : rng.uniform(size / 2, size - 1);
+      seqs[s].assign(parent.begin(), parent.begin() + keep);
+      seqs[s].push_back((parent[keep] + 1) % 3);  // parts here
     }
-  summary.starts_inside += starts_inside, summary.ends_inside += ends_inside;
-  // new tokens from 0, from a segment's first position, from inside a segment, or only the last
-  std::vector<int> lengths, q_starts;
-  for (const auto& path : tree.paths) {
+    while (seqs[s].size() < length) seqs[s].push_back(rng.uniform(0, 2));
+  }
+  std::sort(seqs.begin(), seqs.end());
+  return seqs;
+}
+
+// A path's segments as the prefill plan cuts them (prefill_plan.py's _merged): consecutive
+// slots of one chunk are one segment, whoever else holds a part of them.
+std::vector<Segment> merged(const std::vector<Segment>& segments) {
+  std::vector<Segment> out;
+  for (const Segment& x : segments)
+    if (!out.empty() && out.back().chunk == x.chunk && out.back().start + out.back().len == x.start)
+      out.back().len += x.len;
+    else
+      out.push_back(x);
+  return out;
+}
+
+// One packed step: the tree, the segments each sequence's tiles walk, its new tokens
+// (from q_start, num_tokens of them) and their rows in q (from token_start; q has rows
+// of no sequence too).
+struct Step {
+  Tree tree;
+  std::vector<std::vector<Segment>> walk;
+  std::vector<int64_t> q_start, num_tokens, token_start;
+  int64_t rows = 0;
+  int num_seqs() const { return static_cast<int>(q_start.size()); }
+};
+
+// Three sequences, each from 0, a segment's first position, inside a segment or only its
+// last token, packed in reverse order with one spare row behind each; the decode plan's
+// segments: finer than the prefill plan's, which the kernel reads alike.
+Step plain_step(Rng& rng, int C) {
+  Step step;
+  step.tree = build_tree(prefill_sequences(rng, C), C, rng);
+  step.walk = step.tree.paths;
+  for (const auto& path : step.tree.paths) {
     const int length = static_cast<int>(path.back().pos + path.back().len);
     const int boundary = static_cast<int>(path[rng.uniform(0, static_cast<int>(path.size()) - 1)].pos);
     const int choices[4] = {0, boundary, std::min(length - 1, boundary + rng.uniform(1, C - 1)), length - 1};
-    lengths.push_back(length), q_starts.push_back(choices[rng.uniform(0, 3)]);
+    step.q_start.push_back(choices[rng.uniform(0, 3)]);
+    step.num_tokens.push_back(length - step.q_start.back());
   }
+  step.token_start.resize(3);
+  for (int s = 2; s >= 0; --s) step.token_start[s] = step.rows, step.rows += step.num_tokens[s] + 1;
+  return step;
+}
+
+// Sequences sharing prefixes, new tokens mostly from the end of a segment they share (or
+// past all they share, or only the last token): readers of their shared prefix; some from
+// inside a shared segment, computing the rest of it in the step. Packed in order, next to
+// each other, between two spare rows (the first: global rows do not start at 0); the
+// prefill plan's segments.
+Step shared_step(Rng& rng, int C) {
+  Step step;
+  step.tree = build_tree(shared_prefix_sequences(rng, C), C, rng);
+  for (const auto& path : step.tree.paths) {
+    step.walk.push_back(merged(path));
+    const int64_t length = path.back().pos + path.back().len;
+    int shared = 0;  // the path's leading segments other sequences hold too (users only fall along it)
+    while (shared < static_cast<int>(path.size()) && path[shared].users > 1) ++shared;
+    int64_t q_start = length - 1;
+    if (shared > 0) {
+      const Segment& x = path[rng.uniform(0, shared - 1)];
+      const int64_t shared_end = path[shared - 1].pos + path[shared - 1].len;
+      switch (rng.uniform(0, 4)) {
+        case 0:
+        case 1: q_start = x.pos + x.len; break;                                      // reads up to x
+        case 2: q_start = shared_end + rng.uniform(0, C - 1); break;                 // reads all it shares
+        case 3: q_start = x.pos + rng.uniform(0, static_cast<int>(x.len) - 1); break;  // computes part of x
+        default: break;                                                              // only the last token
+      }
+    }
+    step.q_start.push_back(std::min(q_start, length - 1));
+    step.num_tokens.push_back(length - step.q_start.back());
+  }
+  step.rows = 1;
+  for (int s = 0; s < step.num_seqs(); ++s) step.token_start.push_back(step.rows), step.rows += step.num_tokens[s];
+  ++step.rows;
+  return step;
+}
+
+// The context phase's plan (PrefillParams' ctx_* and seq_ctx_*, sized as it is there).
+struct ContextPlan {
+  std::vector<int64_t> ctx_end, ctx_chunk, ctx_start, ctx_len, ctx_pos, items, seq_ctx_ptr, seq_ctx_offset;
+  int64_t num_partial_rows = 0;
+  bool split_run = false;  // a run cut into 2 or more pieces
+};
+
+ContextPlan no_context(int num_seqs) {
+  ContextPlan plan;
+  plan.ctx_end.assign(num_seqs, 0);
+  plan.seq_ctx_ptr.assign(num_seqs + 1, 0);
+  return plan;
+}
+
+// The context plan of a step as prefill_plan.py builds it (_context_runs and
+// build_prefill_plan), the tree's segments standing for its nodes, less the choice of
+// runs by the work they save (any plan must be right) and with a random number of
+// pieces (the threads' business there). A segment is read as context by the sequences
+// whose new tokens all come after it, those of them packed next to each other (2 or
+// more) together; a sequence's context is its path's leading segments read so. A run
+// of them with the same readers is cut into pieces, each its own partial rows over all
+// the readers' tokens, in items of at most item_rows query rows.
+ContextPlan context_plan(const Step& step, int group, int item_rows, Rng& rng) {
+  const int n = step.num_seqs();
+  ContextPlan plan = no_context(n);
+  std::vector<int> order(n);  // sequences in token order
+  for (int s = 0; s < n; ++s) order[s] = s;
+  std::sort(order.begin(), order.end(), [&](int a, int b) { return step.token_start[a] < step.token_start[b]; });
+  std::vector<int> next(n, -1);  // the sequence whose tokens follow each one's, no row between
+  for (int i = 0; i + 1 < n; ++i)
+    if (step.token_start[order[i]] + step.num_tokens[order[i]] == step.token_start[order[i + 1]])
+      next[order[i]] = order[i + 1];
+  using Key = std::pair<int64_t, int64_t>;  // a segment of the tree: its chunk and first slot
+  std::map<Key, std::vector<int>> readers;  // the sequences whose new tokens see it whole, in token order
+  for (int s : order)
+    for (const Segment& x : step.tree.paths[s]) {
+      if (step.q_start[s] < x.pos + x.len) break;
+      readers[{x.chunk, x.start}].push_back(s);
+    }
+  std::map<std::pair<Key, int>, std::vector<int>> run_of;  // (segment, sequence) -> its adjacent readers
+  for (const auto& [key, seqs] : readers)
+    for (size_t i = 0, j = 1; i < seqs.size(); i = j++) {
+      while (j < seqs.size() && next[seqs[j - 1]] == seqs[j]) ++j;
+      const std::vector<int> run(seqs.begin() + i, seqs.begin() + j);
+      if (run.size() > 1)
+        for (int s : run) run_of[{key, s}] = run;
+    }
+  // Each sequence walks its path's segments while it reads them with others; the first of
+  // the readers makes their context run (the others walk the same segments).
+  struct ContextRun {
+    std::vector<int> seqs;
+    std::vector<Segment> segments;
+  };
+  std::vector<ContextRun> runs;
+  std::set<std::pair<std::vector<int>, Key>> made;  // (readers, first segment) of each run
+  for (int s : order) {
+    const std::vector<int>* current = nullptr;
+    bool maker = false;
+    for (const Segment& x : step.tree.paths[s]) {
+      const auto it = run_of.find({{x.chunk, x.start}, s});
+      if (it == run_of.end()) break;
+      if (current == nullptr || *current != it->second) {
+        current = &it->second;
+        maker = made.insert({it->second, {x.chunk, x.start}}).second;
+        if (maker) runs.push_back({it->second, {}});
+      }
+      if (maker) runs.back().segments.push_back(x);
+      plan.ctx_end[s] = x.pos + x.len;
+    }
+  }
+  std::vector<std::vector<int64_t>> pieces_of(n);  // each sequence's partial offsets
+  for (const ContextRun& run : runs) {
+    const int first = static_cast<int>(plan.ctx_chunk.size());
+    for (const Segment& x : merged(run.segments)) {
+      plan.ctx_chunk.push_back(x.chunk), plan.ctx_start.push_back(x.start);
+      plan.ctx_len.push_back(x.len), plan.ctx_pos.push_back(x.pos);
+    }
+    const int num_segments = static_cast<int>(plan.ctx_chunk.size()) - first;
+    const int64_t token_begin = step.token_start[run.seqs.front()];
+    const int64_t token_end = step.token_start[run.seqs.back()] + step.num_tokens[run.seqs.back()];
+    const int pieces = rng.uniform(1, num_segments);
+    plan.split_run |= pieces > 1;  // (a run has 2 or more sequences)
+    for (int i = 0; i < pieces; ++i) {
+      const int64_t lo = first + num_segments * i / pieces, hi = first + num_segments * (i + 1) / pieces;
+      const int64_t offset = plan.num_partial_rows - token_begin;  // token t's partial: row offset + t
+      plan.num_partial_rows += token_end - token_begin;
+      for (int64_t row = token_begin * group; row < token_end * group; row += item_rows)
+        plan.items.insert(plan.items.end(), {lo, hi - lo, row, std::min(token_end * group, row + item_rows), offset});
+      for (int s : run.seqs) pieces_of[s].push_back(offset);
+    }
+  }
+  for (int s = 0; s < n; ++s) {
+    plan.seq_ctx_offset.insert(plan.seq_ctx_offset.end(), pieces_of[s].begin(), pieces_of[s].end());
+    plan.seq_ctx_ptr[s + 1] = static_cast<int64_t>(plan.seq_ctx_offset.size());
+  }
+  return plan;
+}
+
+// Adds what a context case holds to the summary's counts (each 0 or 1 per case).
+void count_context(const Step& step, const ContextPlan& plan, int group, PrefillSummary& summary) {
+  bool partly_covered = false, writer = false, item_in_group = false;
+  for (int s = 0; s < step.num_seqs(); ++s) {
+    const int64_t end = plan.ctx_end[s];
+    for (const Segment& x : step.walk[s]) partly_covered |= x.pos < end && end < x.pos + x.len;
+    // a sequence that holds a context segment and computes some of its keys in the step
+    const auto slots = key_slots(step.tree.paths[s]);
+    for (size_t c = 0; c < plan.ctx_chunk.size(); ++c) {
+      const int64_t pos = plan.ctx_pos[c];
+      writer |= pos < static_cast<int64_t>(slots.size()) &&
+                slots[pos] == std::make_pair(plan.ctx_chunk[c], plan.ctx_start[c]) &&
+                step.q_start[s] < pos + plan.ctx_len[c];
+    }
+  }
+  for (size_t i = 0; i < plan.items.size(); i += 5) item_in_group |= plan.items[i + 3] % group != 0;
+  summary.with_context += !plan.items.empty(), summary.split_runs += plan.split_run;
+  summary.partly_covered += partly_covered, summary.writers += writer, summary.items_in_group += item_in_group;
+}
+
+template <typename T>
+double run(const Variant& variant, const Case& cs, PrefillSummary& summary) {
+  Rng rng{cs.seed * 0x9e3779b97f4a7c15ull + 7};
+  const int C = cs.chunk_size, D = cs.head_dim, KV = cs.num_kv_heads, group = cs.group, H = KV * group;
+  const Step step = cs.context ? shared_step(rng, C) : plain_step(rng, C);
+  const int num_seqs = step.num_seqs();
+  // Segment tables, [num_seqs, max_segments] with at least one unused entry per sequence.
+  int max_segments = 0;
+  for (const auto& walk : step.walk) max_segments = std::max(max_segments, static_cast<int>(walk.size()) + 1);
+  std::vector<int64_t> seg_chunk, seg_start, seg_pos;
+  bool starts_inside = false, ends_inside = false;
+  for (const auto& walk : step.walk)
+    for (size_t i = 0; i < static_cast<size_t>(max_segments); ++i) {
+      const bool used = i < walk.size();
+      seg_chunk.push_back(used ? walk[i].chunk : 0);
+      seg_start.push_back(used ? walk[i].start : 0);
+      seg_pos.push_back(used ? walk[i].pos : kNoPosition);
+      starts_inside |= used && walk[i].start > 0;
+      ends_inside |= i + 1 < walk.size() && walk[i].start + walk[i].len < C;
+    }
+  if (!cs.context) summary.starts_inside += starts_inside, summary.ends_inside += ends_inside;
   std::vector<T> k, v;
-  fill_pool(tree, KV, C, D, rng, to_storage<T>, k, v);
-  // packed queries: sequences in reverse order, one spare (NaN) row between them
-  std::vector<int64_t> q_start(q_starts.begin(), q_starts.end()), num_tokens, token_start(num_seqs);
-  int rows = 0;
-  for (int s = 0; s < num_seqs; ++s) num_tokens.push_back(lengths[s] - q_starts[s]);
-  for (int s = num_seqs - 1; s >= 0; --s) token_start[s] = rows, rows += static_cast<int>(num_tokens[s]) + 1;
-  std::vector<T> q(static_cast<size_t>(rows) * H * D), out(q.size(), to_storage<T>(std::nanf("")));
+  fill_pool(step.tree, KV, C, D, rng, to_storage<T>, k, v);
+  std::vector<T> q(static_cast<size_t>(step.rows) * H * D), out(q.size(), to_storage<T>(std::nanf("")));
   for (auto& x : q) x = to_storage<T>(rng.value());
+  std::vector<int64_t> token_pos(step.rows, 0);  // rows of no sequence: 0
+  for (int s = 0; s < num_seqs; ++s)
+    for (int64_t i = 0; i < step.num_tokens[s]; ++i) token_pos[step.token_start[s] + i] = step.q_start[s] + i;
   std::vector<int64_t> tiles;
   for (int s = 0; s < num_seqs; ++s)
-    for (int64_t r = 0; r < num_tokens[s] * group; r += tile_rows)
-      tiles.insert(tiles.end(), {s, r, std::min<int64_t>(num_tokens[s] * group, r + tile_rows)});
+    for (int64_t r = 0; r < step.num_tokens[s] * group; r += cs.tile_rows)
+      tiles.insert(tiles.end(), {s, r, std::min<int64_t>(step.num_tokens[s] * group, r + cs.tile_rows)});
+  const ContextPlan plan = cs.context ? context_plan(step, group, cs.item_rows, rng) : no_context(num_seqs);
+  if (cs.context) count_context(step, plan, group, summary);
+  std::vector<float> partial_o(plan.num_partial_rows * H * D, std::nanf(""));  // NaN: unwritten
+  std::vector<float> partial_m(plan.num_partial_rows * H, std::nanf("")), partial_n = partial_m;
 
   PrefillParams p{};
   p.q = q.data(), p.k_cache = k.data(), p.v_cache = v.data(), p.out = out.data();
   p.seg_chunk = seg_chunk.data(), p.seg_start = seg_start.data(), p.seg_pos = seg_pos.data();
-  p.q_start = q_start.data(), p.num_tokens = num_tokens.data();
-  p.token_start = token_start.data(), p.tiles = tiles.data();
-  p.num_tiles = static_cast<int>(tiles.size() / 3), p.num_threads = 1;
+  p.q_start = step.q_start.data(), p.num_tokens = step.num_tokens.data();
+  p.token_start = step.token_start.data(), p.tiles = tiles.data(), p.token_pos = token_pos.data();
+  p.ctx_end = plan.ctx_end.data(), p.ctx_chunk = plan.ctx_chunk.data(), p.ctx_start = plan.ctx_start.data();
+  p.ctx_len = plan.ctx_len.data(), p.ctx_pos = plan.ctx_pos.data(), p.ctx_items = plan.items.data();
+  p.seq_ctx_ptr = plan.seq_ctx_ptr.data(), p.seq_ctx_offset = plan.seq_ctx_offset.data();
+  p.partial_o = partial_o.data(), p.partial_m = partial_m.data(), p.partial_n = partial_n.data();
+  p.num_partial_rows = plan.num_partial_rows;
+  p.num_tiles = static_cast<int>(tiles.size() / 3), p.num_ctx_items = static_cast<int>(plan.items.size() / 5);
+  p.num_threads = 1;
   p.num_seqs = num_seqs, p.max_segments = max_segments, p.num_heads = H, p.num_kv_heads = KV, p.head_dim = D;
-  p.chunk_size = C, p.dtype = bf16 ? DType::kBFloat16 : DType::kFloat32, p.scale = 1.f / std::sqrt(float(D));
-  p.window = window;
+  p.chunk_size = C, p.dtype = cs.bf16 ? DType::kBFloat16 : DType::kFloat32, p.scale = 1.f / std::sqrt(float(D));
+  p.window = cs.window;
   p.workspace_stride = prefill_workspace_floats(C, D);
   std::vector<float> workspace(p.workspace_stride, std::nanf(""));
   p.workspace = workspace.data();
@@ -114,36 +348,40 @@ double run(const Variant& variant, int C, int D, int KV, int group, int tile_row
 
   double worst = 0;
   std::vector<double> w;
-  std::vector<std::vector<std::pair<int64_t, int64_t>>> slots;  // each sequence's own keys, by position
-  for (const auto& path : tree.paths) slots.push_back(key_slots(path));
-  for (int s = 0; s < num_seqs; ++s)
-    for (int i = 0; i < num_tokens[s]; ++i)
+  std::vector<bool> owned(step.rows);  // query rows of some sequence
+  for (int s = 0; s < num_seqs; ++s) {
+    const auto slots = key_slots(step.tree.paths[s]);  // the sequence's own keys, by position
+    for (int64_t i = 0; i < step.num_tokens[s]; ++i) {
+      owned[step.token_start[s] + i] = true;
       for (int h = 0; h < H; ++h) {
-        const int pos = q_starts[s] + i, kv = h / group;
-        const int64_t q_row = ((token_start[s] + i) * H + h) * D;
-        auto at = [&](int t, int d) { return ((slots[s][t].first * KV + kv) * C + slots[s][t].second) * D + d; };
+        const int64_t pos = step.q_start[s] + i, kv = h / group;
+        const int64_t q_row = ((step.token_start[s] + i) * H + h) * D;
+        auto at = [&](int64_t t, int d) { return ((slots[t].first * KV + kv) * C + slots[t].second) * D + d; };
         w.assign(pos + 1, 0.0);
         double m = -INFINITY, sum = 0;
-        for (int t = 0; t <= pos; ++t) {
+        for (int64_t t = 0; t <= pos; ++t) {
           for (int d = 0; d < D; ++d) w[t] += load_scalar(q.data(), q_row + d) * double(load_scalar(k.data(), at(t, d)));
           w[t] *= p.scale;
-          if (window > 0 && t <= pos - window) w[t] = -INFINITY;  // before the window
+          if (cs.window > 0 && t <= pos - cs.window) w[t] = -INFINITY;  // before the window
           m = std::max(m, w[t]);
         }
         for (double& x : w) sum += (x = std::exp(x - m));
         for (int d = 0; d < D; ++d) {
           double expected = 0;
-          for (int t = 0; t <= pos; ++t) expected += w[t] * load_scalar(v.data(), at(t, d));
+          for (int64_t t = 0; t <= pos; ++t) expected += w[t] * load_scalar(v.data(), at(t, d));
           expected /= sum;
           double allowed = 1e-6 + 1e-6 * std::fabs(expected);  // as kernel_test.cpp's decode cases
-          if (bf16 && expected != 0) allowed += std::ldexp(1.0, std::ilogb(expected) - 8);
+          if (cs.bf16 && expected != 0) allowed += std::ldexp(1.0, std::ilogb(expected) - 8);
           const double error = std::fabs(load_scalar(out.data(), q_row + d) - expected) / allowed;
           if (!(error <= worst)) worst = error;  // NaN sticks
         }
       }
-  for (int s = 0; s < num_seqs; ++s)  // the spare row after each sequence is untouched
-    for (int64_t i = (token_start[s] + num_tokens[s]) * H * D; i < (token_start[s] + num_tokens[s] + 1) * H * D; ++i)
-      if (!std::isnan(load_scalar(out.data(), i))) worst = INFINITY;
+    }
+  }
+  for (int64_t row = 0; row < step.rows; ++row)  // rows of no sequence are untouched
+    if (!owned[row])
+      for (int64_t i = row * H * D; i < (row + 1) * H * D; ++i)
+        if (!std::isnan(load_scalar(out.data(), i))) worst = INFINITY;
   return worst;
 }
 
@@ -152,29 +390,41 @@ double run(const Variant& variant, int C, int D, int KV, int group, int tile_row
 PrefillSummary run_prefill_cases(const Variant& variant) {
   PrefillSummary summary;
   uint64_t seed = 1;
-  for (int bf16 = 0; bf16 < 2; ++bf16)
-    for (int head_dim : {64, 128, 256})
-      for (int group : {1, 2, 3}) {
-        const int chunk_size = head_dim == 256 ? 16 : 32, tile_rows = group == 2 ? 128 : 37;
-        // a sliding window on every other case: shorter than a chunk, or across chunks
-        const int window = (seed % 2) * (head_dim == 128 ? 7 : 21);
-        const double error =
-            bf16 ? run<uint16_t>(variant, chunk_size, head_dim, 2, group, tile_rows, window, seed, summary)
-                 : run<float>(variant, chunk_size, head_dim, 2, group, tile_rows, window, seed, summary);
-        ++summary.cases;
-        if (!(error <= summary.worst)) summary.worst = error;
-        if (!(error <= 1.0)) {
-          ++summary.failures;
-          std::printf("FAIL %s prefill: %s d=%d group=%d chunk=%d tile=%d window=%d seed=%llu: max error %.3g x the "
-                      "allowed\n", variant.name, bf16 ? "bf16" : "fp32", head_dim, group, chunk_size, tile_rows, window,
-                      static_cast<unsigned long long>(seed), error);
+  for (int context = 0; context < 2; ++context)
+    for (int bf16 = 0; bf16 < 2; ++bf16)
+      for (int head_dim : {64, 128, 256})
+        for (int group : {1, 2, 3}) {
+          const int chunk_size = head_dim == 256 ? 16 : 32, tile_rows = group == 2 ? 128 : 37;
+          // items of 128 rows or of 37, with group 2 or 3 either ending inside a token's group
+          const int item_rows = (seed / 2) % 2 ? 128 : 37;
+          // a sliding window on every other case: shorter than a chunk, across chunks, and
+          // with context across several of them (items that skip a segment, partials of
+          // rows that see none of the context)
+          const int window = (seed % 2) * (head_dim == 128 ? 7 : (head_dim == 64 || !context ? 21 : 40));
+          const Case cs{chunk_size, head_dim, 2, group, tile_rows, item_rows, window, bf16 == 1, context == 1, seed++};
+          const double error = bf16 ? run<uint16_t>(variant, cs, summary) : run<float>(variant, cs, summary);
+          double& worst = context ? summary.context_worst : summary.worst;
+          ++(context ? summary.context_cases : summary.cases);
+          if (!(error <= worst)) worst = error;
+          if (!(error <= 1.0)) {
+            ++summary.failures;
+            std::printf("FAIL %s prefill%s: %s d=%d group=%d chunk=%d tile=%d item=%d window=%d seed=%llu: max error "
+                        "%.3g x the allowed\n", variant.name, context ? " with context" : "", bf16 ? "bf16" : "fp32",
+                        head_dim, group, chunk_size, tile_rows, item_rows, window,
+                        static_cast<unsigned long long>(cs.seed), error);
+          }
         }
-        ++seed;
-      }
-  if (summary.starts_inside == 0 || summary.ends_inside == 0) {  // the cases would no longer test them
+  // the cases would no longer test what they are there for
+  if (summary.starts_inside == 0 || summary.ends_inside == 0) {
     ++summary.failures;
     std::printf("FAIL %s prefill: no case has a segment starting inside a chunk, or ending inside one before the "
                 "next\n", variant.name);
+  }
+  if (summary.split_runs == 0 || summary.partly_covered == 0 || summary.writers == 0 || summary.items_in_group == 0) {
+    ++summary.failures;
+    std::printf("FAIL %s prefill with context: no case has a run of sequences in 2 or more pieces, a segment the "
+                "context covers in part, a sequence computing part of a context segment, or an item ending inside a "
+                "GQA group\n", variant.name);
   }
   return summary;
 }

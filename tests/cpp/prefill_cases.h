@@ -5,11 +5,21 @@
 #include "variants.h"
 
 struct PrefillSummary {
-  int cases = 0, failures = 0;
+  // plain steps (no context phase)
+  int cases = 0;
   double worst = 0;  // largest error in units of the allowed error (NaN sticks)
   // cases with a segment that starts inside a chunk, and with one that ends inside a
   // chunk before the sequence's next (token-granular sharing)
   int starts_inside = 0, ends_inside = 0;
+  // steps through the context phase (shared prefixes read by several sequences at once)
+  int context_cases = 0;
+  double context_worst = 0;
+  int with_context = 0;     // cases with context items
+  int split_runs = 0;       // ... with a run of 2 or more sequences cut into 2 or more pieces
+  int partly_covered = 0;   // ... with a tile segment that starts before its sequence's ctx_end
+  int writers = 0;          // ... with a sequence computing part of a context segment (no reader)
+  int items_in_group = 0;   // ... with an item that ends inside a token's GQA group
+  int failures = 0;         // of either kind, and coverage the cases lack
 };
 
 PrefillSummary run_prefill_cases(const chunk_attn_cpu::Variant& variant);
