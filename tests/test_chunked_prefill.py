@@ -64,7 +64,8 @@ def test_teacher_forced_logits_and_seeded_samples_equal_stock_in_pieces():
     assert [o.token_ids for o in outputs] == expected
 
 
-def test_running_requests_decode_between_the_pieces_of_a_long_prompt():
+def test_running_requests_decode_beside_the_pieces_of_a_long_prompt(monkeypatch):
+    """Each piece's step is one mixed forward: the short request's next token rides with it."""
     stock = tiny_llama()
     engine = ChunkLlamaEngine(copy.deepcopy(stock), max_batch_size=4, chunk_size=16, kv_cache_bytes=1 << 22,
                               max_prefill_tokens=32)
@@ -75,14 +76,18 @@ def test_running_requests_decode_between_the_pieces_of_a_long_prompt():
     short_id = engine.add_request(short, config)
     engine.step()
     long_id = engine.add_request(long_prompt, config)
+    forwards = []
+    forward = engine.runner._forward
+    monkeypatch.setattr(engine.runner, "_forward", lambda *a, **k: forwards.append(a[0].shape) or forward(*a, **k))
     short_tokens, long_tokens = [], []
     for _ in range(-(-200 // 32)):  # 32-token pieces
         deltas = {d.request_id: d for d in engine.step()}
         short_tokens.append(len(deltas[short_id].token_ids))
         long_tokens.append(len(deltas[long_id].token_ids) if long_id in deltas else 0)
-    # the short request got a token in every step while the long prompt went in pieces;
-    # the long one got its first two tokens (prefill and decode) in the last piece's step
-    assert short_tokens == [1] * 7 and long_tokens == [0] * 6 + [2]
+    # the short request got a token in every step while the long prompt went in pieces,
+    # in one forward per step with the piece; the long one its first in the last piece's step
+    assert short_tokens == [1] * 7 and long_tokens == [0] * 6 + [1]
+    assert forwards == [(1, 33)] * 6 + [(1, 200 - 6 * 32 + 1)]
     outputs = run_all(engine)
     assert outputs[long_id].token_ids == stock_greedy(stock, long_prompt, config)
     assert outputs[short_id].token_ids == stock_greedy(stock, short, config)

@@ -95,6 +95,36 @@ def test_a_failed_step_is_rolled_back_and_its_requests_finish_as_stock(layer, ph
     assert_tree_consistent(engine.cache.tree)
 
 
+@pytest.mark.parametrize("error", [RuntimeError("boom"), KeyboardInterrupt()], ids=["exception", "keyboard-interrupt"])
+def test_a_failed_mixed_step_leaves_running_and_admitted_requests_as_they_were(error, monkeypatch):
+    """A step that admits prompts while others decode is one forward; if it fails, the
+    decoding requests keep their tokens and the admitted go back to the queue."""
+    stock = tiny_llama(num_layers=3, eos=None)
+    engine = ChunkLlamaEngine(copy.deepcopy(stock), max_batch_size=4, chunk_size=16, kv_cache_bytes=400 * PER_CHUNK_16)
+    prompts = shared_prompts(5, 3)
+    first = engine.add_request(prompts[0], GREEDY)
+    engine.step()
+    engine.step()
+    later = [engine.add_request(p, GREEDY) for p in prompts[1:]]
+    snapshot = tree_snapshot(engine.cache.tree)
+    running = [(s.seq_id, list(s.output_ids)) for s in engine.scheduler.running]
+    appended = []
+    append_tokens = engine.cache.append_tokens
+    monkeypatch.setattr(engine.cache, "append_tokens", lambda tokens: appended.append(tokens) or append_tokens(tokens))
+    FailOnce(engine, 1, "prefill", error)
+    with pytest.raises(type(error)):
+        engine.step()
+    assert appended and list(appended[0]) == [running[0][0]]  # the failed forward was a mixed one
+    assert tree_snapshot(engine.cache.tree) == snapshot and not engine.cache.tree.in_step
+    assert [(s.seq_id, list(s.output_ids)) for s in engine.scheduler.running] == running
+    assert len(engine.scheduler.waiting) == 2
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({d.request_id: d.output for d in engine.step() if d.finished})
+    assert [outputs[i].token_ids for i in [first, *later]] == [stock_greedy(stock, p, GREEDY) for p in prompts]
+    assert_tree_consistent(engine.cache.tree)
+
+
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 def test_generate_that_raises_aborts_its_requests_and_the_next_call_equals_stock(phase):
     stock = tiny_llama(num_layers=3, eos=None)
@@ -185,3 +215,34 @@ def test_keyboard_interrupt_in_stock_generate_leaves_the_model_stock_outside_the
     with torch.no_grad():
         assert torch.allclose(model(input_ids=ids, attention_mask=mask).logits,
                               stock(input_ids=ids, attention_mask=mask).logits, atol=1e-5)
+
+
+def test_decode_tokens_without_room_beside_the_pieces_decode_in_their_own_forward(monkeypatch):
+    """When the pool has no room for the decoding requests' next tokens in a mixed step, the
+    step prefills alone and they decode right after it (where preemption may make room)."""
+    stock = tiny_llama(num_layers=3, eos=None)
+    engine = ChunkLlamaEngine(copy.deepcopy(stock), max_batch_size=4, chunk_size=16, kv_cache_bytes=400 * PER_CHUNK_16)
+    prompts = shared_prompts(6, 2)
+    first = engine.add_request(prompts[0], GREEDY)
+    engine.step()
+    second = engine.add_request(prompts[1], GREEDY)
+    append_tokens = engine.cache.append_tokens
+    calls = []
+
+    def full_once(tokens):
+        calls.append(tokens)
+        if len(calls) == 1:
+            raise KVCacheFull("injected")
+        return append_tokens(tokens)
+
+    monkeypatch.setattr(engine.cache, "append_tokens", full_once)
+    forwards = []
+    forward = engine.runner._forward
+    monkeypatch.setattr(engine.runner, "_forward", lambda *a, **k: forwards.append(a[0].shape) or forward(*a, **k))
+    deltas = {d.request_id: d for d in engine.step()}
+    assert len(forwards) == 2 and forwards[1] == (1, 1)  # the prefill alone, then the decode of the first
+    assert len(deltas[first].token_ids) == 1 and len(deltas[second].token_ids) == 1
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({d.request_id: d.output for d in engine.step() if d.finished})
+    assert [outputs[first].token_ids, outputs[second].token_ids] == [stock_greedy(stock, p, GREEDY) for p in prompts]

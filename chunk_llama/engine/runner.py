@@ -1,12 +1,21 @@
-"""One engine iteration on the model: admit, prefill the admitted, decode everyone.
+"""One engine iteration on the model: admit, then one forward that prefills the admitted
+and decodes everyone already running.
+
+An iteration that admits prompts (or the next piece of a long one) is a mixed step:
+the running sequences' next tokens ride in the same packed forward as the prompt
+pieces (each decoding sequence is one more packed sequence with one new token), so
+the model's weights are read once for both, and a running request still gets a token
+every iteration while a long prompt goes in pieces (chunked prefill). Without
+admissions the step is a plain decode step through the two-phase kernel.
 
 Each forward pass is one atomic step of the cache: it is committed only after the
 forward completed and its tokens were selected, and rolled back if anything in
 between raised (an exception, `KeyboardInterrupt`, a user's hook or processor).
 A failed prefill puts the queue, the running list and a partly prefilled prompt
-back as they were (its requests wait in arrival order, to be prefilled again); a
-failed decode leaves the running sequences as they were, to be decoded again. Nothing
-that advanced before the failure is lost: `take_advanced` still returns it.
+back as they were (its requests wait in arrival order, to be prefilled again), and
+the running sequences it decoded as they were; a failed decode leaves the running
+sequences as they were, to be decoded again. Nothing that advanced before the
+failure is lost: `take_advanced` still returns it.
 """
 
 from __future__ import annotations
@@ -40,13 +49,15 @@ class ModelRunner:
         self._advanced: dict[int, Sequence] = {}
 
     def run_iteration(self) -> None:
-        """Admit and prefill, then decode everyone (the just prefilled decode their second token too)."""
+        """Admit, then prefill the admitted and decode the running in one forward (a plain
+        decode step when nothing is admitted)."""
         try:
             admitted = self.scheduler.admit()
             self.peak_batch_size = max(self.peak_batch_size, len(self.scheduler.running))
             if admitted:
-                self._prefill(admitted)
-            if self.scheduler.running:
+                fresh = {id(w.seq) for w in admitted}
+                self._prefill(admitted, [s for s in self.scheduler.running if id(s) not in fresh])
+            elif self.scheduler.running:
                 self._decode(list(self.scheduler.running))
         except BaseException:
             self.cache.end_step(completed=False)  # whatever raised, no step stays open (a no-op if ended)
@@ -58,33 +69,47 @@ class ModelRunner:
         return advanced
 
     @torch.no_grad()
-    def _prefill(self, work: list[PrefillWork]) -> None:
-        """One packed forward over this step's prompt pieces; the sequences whose prompt it
-        completes get their first token."""
+    def _prefill(self, work: list[PrefillWork], decoding: list[Sequence]) -> None:
+        """One packed forward over this step's prompt pieces and the next token of each of
+        `decoding`; the sequences whose prompt it completes get their first token. When the
+        pool has no room for the decoding sequences' tokens beside the pieces, they decode
+        in a forward of their own after it (which may preempt)."""
         seqs = [w.seq for w in work]
         complete = [i for i, s in enumerate(seqs) if self.cache.tree.seq_len(s.seq_id) == len(s.all_ids)]
-        done = [seqs[i] for i in complete]
+        mark = self.cache.savepoint()
+        try:
+            self.cache.append_tokens({s.seq_id: s.output_ids[-1] for s in decoding})
+            deferred = []
+        except KVCacheFull:
+            self.cache.rollback_to(mark)
+            decoding, deferred = [], decoding
+        selected = [seqs[i] for i in complete] + decoding
         try:
             input_ids, position_ids, last_index = self.cache.begin_prefill(
-                [s.seq_id for s in seqs], [w.start for w in work]
+                [s.seq_id for s in seqs + decoding], [w.start for w in work] + [len(s.all_ids) - 1 for s in decoding]
             )
-            logits = self._forward(input_ids, position_ids, logits_to_keep=last_index[complete])[0]
-            if done:
-                tokens, scores = self._select(done, logits)
-                stopped = self._stopped_by_criteria(done, tokens, scores)
+            keep = last_index[complete + list(range(len(seqs), len(seqs) + len(decoding)))]
+            logits = self._forward(input_ids, position_ids, logits_to_keep=keep)[0]
+            if selected:
+                tokens, scores = self._select(selected, logits)
+                stopped = self._stopped_by_criteria(selected, tokens, scores)
         except BaseException:
             self.cache.end_step(completed=False)
             self.scheduler.undo_admission()
             raise
         self.cache.end_step(completed=True)
-        self.counters["prefill_tokens_computed"] += input_ids.shape[1]
+        self.counters["prefill_tokens_computed"] += input_ids.shape[1] - len(decoding)
         self.counters["prefill_tokens_reused"] += sum(w.reused for w in work)
         self.counters["prefill_steps"] += 1
+        self.counters["decode_steps"] += bool(decoding)
         for w in work:  # the first admission's hits (a re-prefill after preemption is not a request's hit)
             if w.seq.num_cached_tokens is None:
                 w.seq.num_cached_tokens = w.reused
-        if done:
-            self._apply(done, logits, tokens, scores, stopped)
+        if selected:
+            self._note_unshared(self.scheduler.running)
+            self._apply(selected, logits, tokens, scores, stopped)
+        if deferred:
+            self._decode([s for s in deferred if not s.is_finished])
 
     @torch.no_grad()
     def _decode(self, decoding: list[Sequence]) -> None:
@@ -111,11 +136,15 @@ class ModelRunner:
             self.cache.end_step(completed=False)
             raise
         self.cache.end_step(completed=True)
+        self._note_unshared(seqs)
+        self.counters["decode_steps"] += 1
+        self._apply(seqs, logits, tokens, scores, stopped)
+
+    def _note_unshared(self, seqs: list[Sequence]) -> None:
+        """What these sequences would hold with one copy each (no sharing), at most."""
         chunk_size = self.cache.chunk_size
         unshared = sum(-(-len(s.all_ids) // chunk_size) for s in seqs)
         self.peak_unshared_chunks = max(self.peak_unshared_chunks, unshared)
-        self.counters["decode_steps"] += 1
-        self._apply(seqs, logits, tokens, scores, stopped)
 
     def _forward(self, input_ids, position_ids, logits_to_keep) -> torch.Tensor:
         return self.model(

@@ -38,7 +38,7 @@ class Scheduler:
 
     `max_prefill_tokens` bounds the uncached prompt tokens computed in one step. A
     prompt with more uncached tokens than the step has left is prefilled in pieces
-    over several steps (chunked prefill), each followed by the decode step of the
+    over several steps (chunked prefill), each with the decode of the
     running requests, so their inter-token latency stays bounded while a long
     prompt is admitted. Only that group's first sample is in the tree meanwhile
     (`partial`; one group at a time, and nothing is admitted behind it); its other

@@ -127,6 +127,13 @@ class ChunkCache(Cache):
         self._open_step()
         self.tree.extend(seq_id, tokens)
 
+    def append_tokens(self, tokens_by_seq: dict[int, int]) -> None:
+        """Append one token to each sequence, to be computed by the next `begin_prefill`
+        (a mixed step: decode tokens beside prompt pieces). Raises `KVCacheFull` (nothing
+        changed) when a new chunk is needed and none is free."""
+        self._open_step()
+        self.tree.append(list(tokens_by_seq), list(tokens_by_seq.values()))
+
     def remove_sequence(self, seq_id: int) -> None:
         self.tree.remove(seq_id)
 
