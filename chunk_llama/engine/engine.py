@@ -29,7 +29,7 @@ from chunk_llama.engine.request import RequestDelta, RequestOutput, Sequence
 from chunk_llama.engine.runner import ModelRunner
 from chunk_llama.engine.scheduler import Scheduler
 from chunk_llama.hf import ChunkCache, is_patched, patch_model
-from chunk_llama.ops import backend_info, prepare_backend
+from chunk_llama.ops import backend_info, linear, prepare_backend
 
 
 class ChunkLlamaEngine:
@@ -86,6 +86,7 @@ class ChunkLlamaEngine:
         # The native kernel is built now (first use only, announced on stderr), not in
         # the first step a user times; a CPU variant this host cannot run fails here.
         prepare_backend(pool.device, pool.dtype, pool.head_dim, pool.chunk_size)
+        linear.backend(pool.dtype, pool.device)  # its one-time check, and why not, logged now
         self.inputs = InputProcessor(model, tokenizer, self.cache.chunk_size, pool.capacity, max_batch_size)
         self.scheduler = Scheduler(self.cache, max_batch_size, max_prefill_tokens)
         self.runner = ModelRunner(model, self.cache, self.scheduler, self.inputs)
@@ -232,7 +233,8 @@ class ChunkLlamaEngine:
         """Counters and memory peaks. `peak_kv_bytes` counts chunks held by live
         sequences; `peak_pool_bytes` also counts retained (cached) prefixes.
         `attention_backend` is the decode kernel in use ("cpu:avx2", "cuda", "reference",
-        ...) and `attention_fallback_reason` why the reference runs, if it does."""
+        ...) and `attention_fallback_reason` why the reference runs, if it does;
+        `linear_backend` what the model's linear layers run on ("onednn" or "torch")."""
         pool, tree = self.cache.pool, self.cache.tree
         backend = backend_info(pool.device, pool.dtype, pool.head_dim, pool.chunk_size)
         return dict(
@@ -254,6 +256,7 @@ class ChunkLlamaEngine:
             chunk_size=pool.chunk_size,
             attention_backend=":".join(filter(None, (backend["backend"], backend["isa"]))),
             attention_fallback_reason=backend["reason"],
+            linear_backend=linear.backend(pool.dtype, pool.device),
         )
 
     def reset_peaks(self) -> None:

@@ -28,6 +28,11 @@ def exit_chunk_forward() -> None:
     _active.depth = max(0, getattr(_active, "depth", 0) - 1)
 
 
+def in_chunk_forward() -> bool:
+    """Whether this thread is inside a forward pass on a ChunkCache."""
+    return getattr(_active, "depth", 0) > 0
+
+
 def chunk_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """query: [batch, num_heads, q_len, head_dim] -> ([batch, q_len, num_heads, head_dim], None)."""
     cache = kwargs.get("chunk_cache")
@@ -41,7 +46,7 @@ def chunk_attention_forward(module, query, key, value, attention_mask, scaling=N
 
 
 def chunk_mask(*args, **kwargs):
-    if getattr(_active, "depth", 0) > 0:
+    if in_chunk_forward():
         return None
     return sdpa_mask(*args, **kwargs)
 

@@ -1,7 +1,8 @@
 """`patch_model`: one call that makes a transformers causal LM use `ChunkCache`.
 
-The model's `forward` is wrapped (on the instance, like accelerate's hooks) rather
-than hooked: forward hooks do not run when a forward raises a `BaseException` such
+The model's `forward` is wrapped (on the instance, like accelerate's hooks), and so
+is each `nn.Linear`'s (its layers run through `ops/linear.py` in forwards on a
+`ChunkCache`, `F.linear` otherwise). Wrapped rather than hooked: forward hooks do not run when a forward raises a `BaseException` such
 as `KeyboardInterrupt`, and a step left open would leave the cache half written and
 this thread's masks switched off. Under stock `generate` the wrapper opens each
 step (`begin_rows`) and ends it: committed when the forward completed, rolled back
@@ -13,10 +14,18 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from chunk_llama.hf import attention
 from chunk_llama.hf.cache import ChunkCache
 from chunk_llama.models import check_dtype, check_supported
+from chunk_llama.ops import linear
+
+
+def _linear_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if attention.in_chunk_forward():
+        return linear.linear(x, module.weight, module.bias)
+    return F.linear(x, module.weight, module.bias)
 
 
 def _chunk_forward(original_forward, *args, **kwargs):
@@ -52,7 +61,9 @@ def patch_model(model: torch.nn.Module, *, chunk_size: int = 64) -> torch.nn.Mod
 
     After patching, `model(..., past_key_values=ChunkCache(model))` and
     `model.generate(..., past_key_values=ChunkCache(model))` use the prefix tree;
-    without a `ChunkCache` the model computes exactly what stock SDPA does.
+    without a `ChunkCache` the model computes exactly what stock SDPA does. In forwards
+    on a `ChunkCache`, float32 linear layers on x86 CPUs run through oneDNN (see
+    `ops/linear.py`; `CHUNK_LLAMA_LINEAR=torch` keeps `F.linear`).
     `chunk_size` is the default for caches and engines made for this model.
     """
     check_supported(model.config)
@@ -68,6 +79,9 @@ def patch_model(model: torch.nn.Module, *, chunk_size: int = 64) -> torch.nn.Mod
         original = model.forward
         # update_wrapper keeps the signature visible (generate inspects forward's parameters)
         model.forward = functools.update_wrapper(functools.partial(_chunk_forward, original), original)
+        for module in model.modules():
+            if type(module) is torch.nn.Linear:  # subclasses (quantized layers) keep their own forward
+                module.forward = functools.partial(_linear_forward, module)
         model._chunk_llama_patched = True
     return model
 
