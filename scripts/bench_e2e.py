@@ -154,7 +154,7 @@ def main() -> None:
               f"{os.cpu_count()} CPUs ({platform.machine()}), {datetime.date.today()}")
     table = render_table(rows, header)
     engine_all_at_once = [r for r in rows if r["system"] == "engine" and math.isinf(r["rps"])]
-    if engine_all_at_once:
+    if engine_all_at_once and args.n_shared:  # the shared-prefix workload's yardstick
         forward_s = stock_forward_seconds(model, max(prompts, key=len))
         every_first = max(r["ttft_p99_s"] for r in engine_all_at_once)
         table += (f"\n\nTime to every first token (engine, all at once): {every_first:.2f} s = "

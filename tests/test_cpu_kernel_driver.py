@@ -52,6 +52,8 @@ def run_driver(command: list[str], variants: list[str], timeout: float) -> str:
     for variant in variants:
         assert f"variant {variant}: 50 cases" in done.stdout, done.stdout
         assert f"variant {variant} prefill: 18 cases" in done.stdout, done.stdout
+        assert f"variant {variant} prefill with context: 18 cases" in done.stdout, done.stdout
+        assert f"variant {variant} linear: 96 cases" in done.stdout, done.stdout
     assert "0 failing" in done.stdout, done.stdout
     return done.stdout
 

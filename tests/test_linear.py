@@ -1,5 +1,6 @@
-"""Linear layers in chunk-llama's forwards: oneDNN for float32 on x86 CPUs (`ops/linear.py`),
-equal to `F.linear` to float32 rounding; `F.linear` itself everywhere else."""
+"""Linear layers in chunk-llama's forwards (`ops/linear.py`): the CPU kernel's
+`small_linear` for few rows, oneDNN for more, float32 on x86 CPUs, each as close to the
+float64 result as `F.linear` is; `F.linear` itself everywhere else."""
 
 import copy
 import logging
@@ -9,48 +10,88 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import tiny_llama
+from test_cpu_kernel import _variant_params
 
 from chunk_llama import ChunkCache, ChunkLlamaEngine, patch_model
 from chunk_llama.ops import linear
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
+x86_only = pytest.mark.skipif(not X86, reason="chunk-llama's linear paths are used on x86-64 CPUs only")
 
 
 @pytest.fixture(autouse=True)
 def fresh_choice(monkeypatch):
     monkeypatch.delenv(linear.ENV, raising=False)
-    linear.onednn_unavailable_reason.cache_clear()
-    linear._log_once.cache_clear()
+    for cached in (linear._chosen, linear.onednn_unavailable_reason, linear._log_once):
+        cached.cache_clear()
     yield
+    linear._chosen.cache_clear()
     linear.onednn_unavailable_reason.cache_clear()
 
 
-@pytest.mark.skipif(not X86, reason="oneDNN linear layers are used on x86-64 CPUs only")
-@pytest.mark.parametrize("rows", [1, 17, 123])
-@pytest.mark.parametrize("in_features,out_features", [(37, 64), (576, 1536), (96, 49)])
-@pytest.mark.parametrize("bias", [True, False])
-def test_onednn_equals_f_linear(rows, in_features, out_features, bias):
-    generator = torch.Generator().manual_seed(rows)
-    x = torch.randn(2, rows, in_features, generator=generator)
+def check_against_float64(out, x, weight, bias):
+    """As close to the float64 result as F.linear (MKL) is: float32 rounding in another order."""
+    exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    error = (out.double() - exact).abs().max().item()
+    stock_error = (F.linear(x, weight, bias).double() - exact).abs().max().item()
+    assert out.shape == exact.shape and error <= max(4 * stock_error, 1e-6 * x.shape[-1] ** 0.5)
+
+
+def random_layer(rows, in_features, out_features, bias, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=generator)
     weight = torch.randn(out_features, in_features, generator=generator)
-    b = torch.randn(out_features, generator=generator) if bias else None
-    assert linear.use_onednn(x, weight)
-    # as close to the float64 result as F.linear (MKL) is: float32 rounding, in another order
-    exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
-    error = (linear.linear(x, weight, b).double() - exact).abs().max().item()
-    stock_error = (F.linear(x, weight, b).double() - exact).abs().max().item()
-    assert error <= max(4 * stock_error, 1e-6 * in_features**0.5)
-    assert not linear.use_onednn(x.bfloat16(), weight.bfloat16())  # torch's bfloat16 matmul is oneDNN already
+    return x, weight, torch.randn(out_features, generator=generator) if bias else None
 
 
-@pytest.mark.skipif(not X86, reason="oneDNN linear layers are used on x86-64 CPUs only")
-def test_only_forwards_on_a_chunk_cache_use_onednn(monkeypatch):
-    stock = tiny_llama()
-    patched = patch_model(copy.deepcopy(stock))
-    assert linear.backend(torch.float32) == "onednn"  # (its one-time check runs here)
+@pytest.mark.parametrize("variant", _variant_params())
+@pytest.mark.parametrize("rows", [1, 5, 17, 128])
+@pytest.mark.parametrize("in_features,out_features", [(37, 1), (96, 49), (576, 130)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_small_linear_every_variant(variant, rows, in_features, out_features, bias):
+    """Odd sizes: tiles narrower than the register tile in rows and columns, and
+    in_features that are not a multiple of the lanes."""
+    from chunk_llama.ops.cpu import build
+
+    x, weight, b = random_layer(rows, in_features, out_features, bias, seed=rows)
+    check_against_float64(build().small_linear(x, weight, b, variant), x, weight, b)
+
+
+def test_small_linear_rejects_bad_tensors():
+    from chunk_llama.ops.cpu import build
+
+    module = build()
+    x, weight, b = random_layer(3, 8, 5, True)
+    with pytest.raises(TypeError, match="float32 CPU tensors"):
+        module.small_linear(x.double(), weight.double(), None, "generic")
+    with pytest.raises(ValueError, match="weight \\[out, in\\]"):
+        module.small_linear(x, weight.t().contiguous(), None, "generic")
+    with pytest.raises(ValueError, match="bias must be a contiguous float32 CPU vector of 5"):
+        module.small_linear(x, weight, b[:4], "generic")
+
+
+@x86_only
+@pytest.mark.parametrize("rows", [1, 129, 300])
+def test_linear_takes_small_linear_up_to_its_rows_then_onednn(rows, monkeypatch):
+    assert linear.onednn_unavailable_reason() is None  # (its one-time check runs here)
     calls = []
     onednn = linear._onednn
-    monkeypatch.setattr(linear, "_onednn", lambda *a: calls.append(a[1].shape) or onednn(*a))
+    monkeypatch.setattr(linear, "_onednn", lambda *a: calls.append("onednn") or onednn(*a))
+    x, weight, b = random_layer(rows, 576, 130, True)
+    out = linear.linear(x.view(1, rows, 576), weight, b)
+    check_against_float64(out[0], x, weight, b)
+    assert calls == ([] if rows <= linear.SMALL_ROWS else ["onednn"])
+    assert linear.linear(x.bfloat16(), weight.bfloat16()).dtype == torch.bfloat16  # F.linear: oneDNN already
+
+
+@x86_only
+def test_only_forwards_on_a_chunk_cache_take_them(monkeypatch):
+    stock = tiny_llama()
+    patched = patch_model(copy.deepcopy(stock))
+    assert "onednn" in linear.backend(torch.float32)  # (oneDNN's one-time check runs here)
+    calls = []
+    small = linear._small_linear
+    monkeypatch.setattr(linear, "_small_linear", lambda: calls.append(1) or small())
     ids = torch.randint(6, 96, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         # no ChunkCache: F.linear, bit for bit what stock computes
@@ -59,30 +100,31 @@ def test_only_forwards_on_a_chunk_cache_use_onednn(monkeypatch):
     assert len(calls) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the LM head
     torch.testing.assert_close(out, stock(ids).logits, rtol=1e-4, atol=1e-4)
     engine = ChunkLlamaEngine(patched, max_batch_size=2, chunk_size=16)
-    assert engine.stats["linear_backend"] == "onednn"
+    assert engine.stats["linear_backend"].startswith("small_linear:")
 
 
 def test_the_user_keeps_f_linear(monkeypatch, caplog):
     monkeypatch.setenv(linear.ENV, "torch")
-    x, weight = torch.randn(3, 8), torch.randn(5, 8)
+    x, weight, _ = random_layer(3, 8, 5, False)
     with caplog.at_level(logging.WARNING, logger="chunk_llama.ops.linear"):
-        assert not linear.use_onednn(x, weight) and linear.backend(torch.float32) == "torch"
+        assert torch.equal(linear.linear(x, weight), F.linear(x, weight)) and linear.backend(torch.float32) == "torch"
     assert not caplog.records  # a choice, not a fallback
     monkeypatch.setenv(linear.ENV, "fast")
-    linear.onednn_unavailable_reason.cache_clear()
-    with pytest.raises(ValueError, match="CHUNK_LLAMA_LINEAR must be auto, onednn or torch"):
+    linear._chosen.cache_clear()
+    with pytest.raises(ValueError, match="CHUNK_LLAMA_LINEAR must be auto or torch"):
         linear.backend(torch.float32)
 
 
-@pytest.mark.skipif(not X86, reason="oneDNN linear layers are used on x86-64 CPUs only")
-def test_a_failing_onednn_falls_back_to_f_linear_and_says_why(monkeypatch, caplog):
+@x86_only
+def test_a_failing_onednn_leaves_many_rows_to_f_linear_and_says_why(monkeypatch, caplog):
     def broken(*args):
         raise RuntimeError("no primitive")
 
     monkeypatch.setattr(linear, "_onednn", broken)
     with caplog.at_level(logging.WARNING, logger="chunk_llama.ops.linear"):
-        assert linear.backend(torch.float32) == "torch" and linear.backend(torch.float32) == "torch"
-        x, weight = torch.randn(3, 8), torch.randn(5, 8)
+        assert linear.backend(torch.float32).startswith("small_linear:") and linear.backend(torch.float32)
+        x, weight, _ = random_layer(200, 8, 5, False)
         assert torch.equal(linear.linear(x, weight), F.linear(x, weight))
     assert [r.getMessage() for r in caplog.records] == [
-        "chunk-llama: float32 linear layers run F.linear (MKL), not oneDNN: oneDNN linear failed its check: no primitive"]
+        "chunk-llama: float32 linear layers: many rows run F.linear (MKL), not oneDNN: oneDNN linear failed its "
+        "check: no primitive"]

@@ -1,18 +1,23 @@
-"""The model's linear layers during chunk-llama's forwards: oneDNN for float32 on x86 CPUs.
+"""The model's linear layers during chunk-llama's forwards, on x86 CPUs in float32.
 
 torch runs a float32 `F.linear` on the CPU through MKL, whose fast paths are for
 Intel CPUs: on the project's AMD EPYC (Zen 5) it reaches about 210 GFLOP/s at 1,024
-rows and 120 at 16, where oneDNN (torch's bundled `mkldnn`, the library torch already
-uses for bfloat16 matmuls) reaches about 430 and 200 on the same weights, read in place
-(its plain-layout path: no packed copy, so no second copy of the model). The layers
-are 80% of a forward's time, so the engine's forwards run them through oneDNN
-(`torch.ops.mkldnn._linear_pointwise`) on x86 CPUs; everything else keeps `F.linear`:
-other dtypes and devices, and any forward without a `ChunkCache` (a patched model then
-still computes exactly what stock does).
+rows and 120 at 16. The layers are 80% of a forward's time, so the engine's forwards
+run them on two faster paths, both on the weights in place (no packed copy, so no
+second copy of the model):
+- few rows (a decode step: one per sequence, up to SMALL_ROWS): the CPU kernel's
+  `small_linear` (`csrc/cpu/linear.h`), in the variant the attention kernels use,
+  about 350 GFLOP/s at 16 rows with AVX-512 and 210 with AVX2;
+- more rows (prefill): oneDNN (torch's bundled `mkldnn`, the library torch already uses
+  for bfloat16 matmuls; `torch.ops.mkldnn._linear_pointwise` on the plain layout),
+  about 430 GFLOP/s at 1,024 rows.
+Everything else keeps `F.linear`: other dtypes, devices and architectures, and any
+forward without a `ChunkCache` (a patched model then still computes exactly what stock
+does). All paths round in float32, in their own orders.
 
 `CHUNK_LLAMA_LINEAR=torch` keeps `F.linear` everywhere. The oneDNN path is checked
 against `F.linear` once per process before first use; if it is missing or disagrees,
-`F.linear` runs and the reason is logged once.
+`F.linear` runs and the reason is logged once (as is a missing CPU kernel).
 """
 
 from __future__ import annotations
@@ -27,18 +32,23 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 ENV = "CHUNK_LLAMA_LINEAR"
+# Rows up to which `small_linear` beats oneDNN (measured at 1 .. 128 rows, in 576 out
+# 1536 and the LM head, with AVX-512 and with AVX2 on both sides).
+SMALL_ROWS = 128
+
+
+@functools.cache
+def _chosen() -> bool:
+    """Whether chunk-llama's paths may run (not CHUNK_LLAMA_LINEAR=torch, an x86-64 CPU)."""
+    choice = os.environ.get(ENV, "auto")
+    if choice not in ("auto", "torch"):
+        raise ValueError(f"{ENV} must be auto or torch, got {choice!r}")
+    return choice == "auto" and platform.machine().lower() in ("x86_64", "amd64")
 
 
 @functools.cache
 def onednn_unavailable_reason() -> str | None:
-    """Why float32 linear layers keep `F.linear` here, or None when oneDNN runs them."""
-    choice = os.environ.get(ENV, "auto")
-    if choice not in ("auto", "onednn", "torch"):
-        raise ValueError(f"{ENV} must be auto, onednn or torch, got {choice!r}")
-    if choice == "torch":
-        return f"{ENV}=torch"
-    if platform.machine().lower() not in ("x86_64", "amd64") and choice == "auto":
-        return f"oneDNN linear layers are only used on x86-64 CPUs (this is {platform.machine()})"
+    """Why many-row float32 linear layers keep `F.linear` here, or None when oneDNN runs them."""
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return "this torch build has no oneDNN linear (torch.ops.mkldnn._linear_pointwise)"
     try:  # the same numbers as F.linear, to float32 rounding
@@ -52,39 +62,60 @@ def onednn_unavailable_reason() -> str | None:
     return None
 
 
-def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x: [..., in_features]; weight: [out_features, in_features] -> [..., out_features]."""
-    flat = x.reshape(-1, x.shape[-1]).contiguous()
-    out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+def _onednn(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x2d, weight, bias, "none", [], "")
 
 
-def use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and weight.is_contiguous() and onednn_unavailable_reason() is None)
+def _small_linear():
+    """The CPU kernel's op and variant, or None when the kernel does not run here."""
+    from chunk_llama.ops import isa
+    from chunk_llama.ops.cpu import build
+    from chunk_llama.ops.jit import force_reference
+
+    if force_reference():
+        return None
+    module = build()
+    return None if module is None else functools.partial(module.small_linear, isa=isa.selected_variant())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, through oneDNN where `use_onednn` says so."""
-    if use_onednn(x, weight):
-        return _onednn(x, weight, bias)
-    return F.linear(x, weight, bias)
+    """`F.linear` (x: [..., in_features]; weight: [out_features, in_features]), through
+    `small_linear` or oneDNN where this module says so."""
+    if not (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and weight.is_contiguous() and (bias is None or bias.is_contiguous()) and _chosen()):
+        return F.linear(x, weight, bias)
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    small = _small_linear() if flat.shape[0] <= SMALL_ROWS else None
+    if small is not None:
+        out = small(flat, weight, bias)
+    elif onednn_unavailable_reason() is None:
+        out = _onednn(flat, weight, bias)
+    else:
+        return F.linear(x, weight, bias)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def backend(dtype: torch.dtype, device: torch.device | str = "cpu") -> str:
-    """'onednn' or 'torch': what the engine's forwards run the linear layers of a model of
-    this dtype and device with (logs once why oneDNN does not where it could, unless the
-    user chose so)."""
-    if torch.device(device).type != "cpu" or dtype != torch.float32:
+    """What the engine's forwards run the linear layers of a model of this dtype and
+    device with: "small_linear:<variant> + onednn" (few rows + many rows), one of them,
+    or "torch" (F.linear). Logs once why a path is missing where it could run."""
+    if torch.device(device).type != "cpu" or dtype != torch.float32 or not _chosen():
         return "torch"
+    from chunk_llama.ops import isa
+
+    paths = []
+    if _small_linear() is not None:
+        paths.append(f"small_linear:{isa.selected_variant()}")
+    else:
+        _log_once("few rows run F.linear (MKL): the CPU kernel does not run here")
     reason = onednn_unavailable_reason()
     if reason is None:
-        return "onednn"
-    if os.environ.get(ENV) != "torch":
-        _log_once(reason)
-    return "torch"
+        paths.append("onednn")
+    else:
+        _log_once(f"many rows run F.linear (MKL), not oneDNN: {reason}")
+    return " + ".join(paths) or "torch"
 
 
 @functools.cache
-def _log_once(reason: str) -> None:
-    logger.warning("chunk-llama: float32 linear layers run F.linear (MKL), not oneDNN: %s", reason)
+def _log_once(message: str) -> None:
+    logger.warning("chunk-llama: float32 linear layers: %s", message)

@@ -45,6 +45,7 @@ struct Prefetch {
 #include "chunk_first.h"
 #include "seq_first.h"
 #include "prefill.h"
+#include "linear.h"
 
 namespace chunk_attn_cpu {
 namespace CHUNK_ATTN_ISA {

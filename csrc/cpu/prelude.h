@@ -13,6 +13,7 @@
 #include <omp.h>
 #endif
 
+#include "linear_params.h"
 #include "params.h"
 #include "prefill_params.h"
 #include "scalar.h"

@@ -5,12 +5,14 @@
 // torch/extension.h (about 11 s instead of 45 s here) and needs no pybind11.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <string>
 #include <vector>
 
+#include "linear_params.h"
 #include "params.h"
 #include "prefill_params.h"
 #include "schedule.h"
@@ -317,6 +319,32 @@ at::Tensor tpp_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at:
   return out;
 }
 
+// y = x W^T (+ bias) for a few rows of x (linear_params.h): float32 CPU tensors, W an
+// nn.Linear's weight in place.
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                        const std::string& isa) {
+  const Variant& variant = variant_for(isa);
+  TORCH_CHECK_TYPE(x.device().is_cpu() && weight.device().is_cpu() && x.scalar_type() == at::kFloat &&
+                       weight.scalar_type() == at::kFloat,
+                   "small_linear takes float32 CPU tensors, got x ", x.scalar_type(), " on ", x.device(), ", weight ",
+                   weight.scalar_type(), " on ", weight.device());
+  TORCH_CHECK_VALUE(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1) && x.is_contiguous() &&
+                        weight.is_contiguous(),
+                    "small_linear needs contiguous x [rows, in] and weight [out, in], got ", x.sizes(), " and ",
+                    weight.sizes());
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK_VALUE(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->dim() == 1 &&
+                          bias->size(0) == weight.size(0) && bias->is_contiguous(),
+                      "small_linear's bias must be a contiguous float32 CPU vector of ", weight.size(0));
+  auto y = at::empty({x.size(0), weight.size(0)}, x.options());
+  chunk_attn_cpu::LinearParams p{x.data_ptr<float>(), weight.data_ptr<float>(),
+                                 has_bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), x.size(0),
+                                 weight.size(0), x.size(1), at::get_num_threads()};
+  variant.linear(p);
+  return y;
+}
+
 int64_t prefill_scratch_floats(int64_t num_partial_rows, int64_t num_heads, int64_t chunk_size, int64_t head_dim,
                                int64_t num_threads) {
   return num_partial_rows * num_heads * (head_dim + 2) +
@@ -364,6 +392,7 @@ TORCH_LIBRARY(chunk_llama_cpu, m) {
   m.def("prefill_scratch_floats(int num_partial_rows, int num_heads, int chunk_size, int head_dim, int num_threads) "
         "-> int",
         &prefill_scratch_floats);
+  m.def("small_linear(Tensor x, Tensor weight, Tensor? bias, str isa) -> Tensor", &small_linear);
   m.def("variants() -> str[]", &variants);
   m.def("host_runs(str isa) -> bool", &host_runs);
 }

@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "linear_params.h"
 #include "params.h"
 #include "prefill_params.h"
 
@@ -13,6 +14,7 @@ struct Variant {
   const char* name;
   void (*run)(const Params&);                  // decode
   void (*prefill)(const PrefillParams&);
+  void (*linear)(const LinearParams&);        // a linear layer of few rows
   bool (*host_runs)();
 };
 
@@ -28,12 +30,12 @@ static inline bool host_runs_always() { return true; }
 // Best first; the last one (generic) runs everywhere.
 static const Variant kVariants[] = {
 #if defined(__x86_64__) || defined(_M_X64)
-    {"avx512", avx512::tpp_decode, avx512::tpp_prefill, host_runs_avx512},
-    {"avx2", avx2::tpp_decode, avx2::tpp_prefill, host_runs_avx2},
+    {"avx512", avx512::tpp_decode, avx512::tpp_prefill, avx512::small_linear, host_runs_avx512},
+    {"avx2", avx2::tpp_decode, avx2::tpp_prefill, avx2::small_linear, host_runs_avx2},
 #elif defined(__aarch64__)
-    {"neon", neon::tpp_decode, neon::tpp_prefill, host_runs_always},  // Advanced SIMD is part of ARMv8-A
+    {"neon", neon::tpp_decode, neon::tpp_prefill, neon::small_linear, host_runs_always},  // Advanced SIMD is part of ARMv8-A
 #endif
-    {"generic", generic::tpp_decode, generic::tpp_prefill, host_runs_always},
+    {"generic", generic::tpp_decode, generic::tpp_prefill, generic::small_linear, host_runs_always},
 };
 constexpr int kNumVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 

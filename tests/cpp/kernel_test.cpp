@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "linear_params.h"
 #include "params.h"
 #include "prefill_cases.h"
 #include "scalar.h"
@@ -230,6 +231,37 @@ double run_case(const Variant& variant, const Case& cs) {
 
 }  // namespace
 
+// small_linear (linear.h) of every odd size against a double-precision y = x W^T + b:
+// tiles narrower than the register tile in rows and columns, in_features that are not a
+// multiple of the lanes. Returns the largest error in units of the allowed (a float32
+// dot product's rounding: 1e-6 of the sum of the terms' magnitudes).
+double run_linear_cases(const Variant& variant, int& cases) {
+  Rng rng{12345};
+  double worst = 0;
+  for (int rows : {1, 3, 5, 17})
+    for (int in : {7, 37, 96, 130})
+      for (int out : {1, 5, 49})
+        for (int bias = 0; bias < 2; ++bias) {
+          std::vector<float> x(static_cast<size_t>(rows) * in), w(static_cast<size_t>(out) * in), b(out), y(rows * out);
+          for (auto* v : {&x, &w, &b})
+            for (float& e : *v) e = rng.value();
+          LinearParams p{x.data(), w.data(), bias ? b.data() : nullptr, y.data(), rows, out, in, 1};
+          variant.linear(p);
+          ++cases;
+          for (int r = 0; r < rows; ++r)
+            for (int c = 0; c < out; ++c) {
+              double exact = bias ? b[c] : 0.0, magnitude = bias ? std::fabs(b[c]) : 0.0;
+              for (int i = 0; i < in; ++i) {
+                exact += double(x[r * in + i]) * w[c * in + i];
+                magnitude += std::fabs(double(x[r * in + i]) * w[c * in + i]);
+              }
+              const double error = std::fabs(y[r * out + c] - exact) / (1e-6 * magnitude + 1e-30);
+              if (!(error <= worst)) worst = error;  // NaN sticks
+            }
+        }
+  return worst;
+}
+
 int main(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(stderr, "usage: %s VARIANT...\n", argv[0]);
@@ -297,6 +329,15 @@ int main(int argc, char** argv) {
       }
     }
     std::printf("variant %s: %zu cases, largest error %.2f x the allowed\n", argv[a], cases.size(), worst);
+    int linear_cases = 0;
+    const double linear_worst = run_linear_cases(*variant, linear_cases);
+    runs += linear_cases;
+    if (!(linear_worst <= 1.0)) {
+      ++failures;
+      std::printf("FAIL %s linear: max error %.3g x the allowed\n", argv[a], linear_worst);
+    }
+    std::printf("variant %s linear: %d cases, largest error %.2f x the allowed\n", argv[a], linear_cases,
+                linear_worst);
     const PrefillSummary prefill = run_prefill_cases(*variant);
     runs += prefill.cases + prefill.context_cases, failures += prefill.failures;
     std::printf("variant %s prefill: %d cases, largest error %.2f x the allowed (%d with a segment starting inside "
