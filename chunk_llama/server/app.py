@@ -50,10 +50,11 @@ def _validation_message(errors) -> tuple[str, str | None]:
     return "; ".join(parts) + more, param
 
 
-def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = ()) -> FastAPI:
+def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_thread: bool = True) -> FastAPI:
     """The server app for `engine`, serving it as `model_name` (requests may also name it by
-    one of `aliases`, e.g. the path it was loaded from). The engine loop starts and stops
-    with the app (its lifespan)."""
+    one of `aliases`, e.g. the path it was loaded from). The engine loop (`app.state.loop`)
+    starts in a thread of its own with the app (its lifespan), or, with `loop_thread=False`,
+    is the caller's to `run`; it stops with the app either way."""
     metrics = Metrics()
     loop = EngineLoop(engine, on_deltas=metrics.on_deltas, on_finish=metrics.on_finish)
     served = [model_name, *aliases]
@@ -62,7 +63,8 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = ()) -> Fas
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        loop.start()
+        if loop_thread:
+            loop.start()
         try:
             yield
         finally:

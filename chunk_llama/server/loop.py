@@ -10,6 +10,12 @@ deltas wait in `_early` until then. A handler that stops listening (its client l
 If a step raises (a bug, or memory the engine could not find), every request in
 flight gets the error as its last item and is aborted, and the loop goes on: a
 failed step would otherwise be retried with the same requests forever.
+
+`chunk-llama serve` runs the loop in the main thread (`run`) and uvicorn in another:
+the kernels' OpenMP teams belong to the thread that starts them, and once the main
+thread has one (loading the model makes it), parallel regions started from any other
+thread ran 1.7-2x slower here (libgomp, 2 cores: a decode step 45 -> 59 ms). `start`
+runs the loop in a thread of its own (tests, an app embedded elsewhere).
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ class EngineLoop:
         self._num_submitting = 0
         self._wake = threading.Event()
         self._stopping = threading.Event()
+        self._running = threading.Event()
         self._thread: threading.Thread | None = None
         self.num_running = 0  # requests in the engine's batch after the last step
         self.num_in_flight = 0  # requests submitted and not finished
@@ -98,12 +105,12 @@ class EngineLoop:
 
     # ------------------------------------------------------------ loop thread
     def start(self) -> None:
-        """Start the loop thread."""
-        self._thread = threading.Thread(target=self._run, name="chunk-llama-engine-loop", daemon=True)
+        """Run the loop in a thread of its own."""
+        self._thread = threading.Thread(target=self.run, name="chunk-llama-engine-loop", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Abort what is in flight and end the loop thread."""
+        """Abort what is in flight and end the loop (and its thread, if it has one)."""
         self._stopping.set()
         self._wake.set()
         with self._lock:
@@ -111,15 +118,23 @@ class EngineLoop:
         for sub in subs:
             self.engine.abort(sub.request_id)
             self._deliver(sub, EngineFailure("the server is shutting down"))
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
     @property
     def alive(self) -> bool:
-        """Whether the loop thread runs."""
-        return self._thread is not None and self._thread.is_alive()
+        """Whether the loop runs (in its thread, or in the thread that called `run`)."""
+        return self._running.is_set()
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """Step the engine in this thread until `stop`."""
+        self._running.set()
+        try:
+            self._step_until_stopped()
+        finally:
+            self._running.clear()
+
+    def _step_until_stopped(self) -> None:
         engine = self.engine
         while not self._stopping.is_set():
             self._wake.clear()

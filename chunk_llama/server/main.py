@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -50,9 +52,33 @@ def serve(
         loaded, tokenizer, max_batch_size=max_batch_size, chunk_size=chunk_size, kv_cache_bytes=kv_cache_bytes
     )
     aliases = (model,) if model is not None and model != name else ()
-    app = create_app(engine, name, aliases=aliases)
+    app = create_app(engine, name, aliases=aliases, loop_thread=False)
     print(
-        f"serving {name!r} on http://{host}:{port}/v1 (attention: {engine.stats['attention_backend']})",
+        f"serving {name!r} on http://{host}:{port}/v1 (attention: {engine.stats['attention_backend']}, "
+        f"linear layers: {engine.stats['linear_backend']})",
         file=sys.stderr,
     )
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    # The engine steps in this thread, which made the model's OpenMP teams (see
+    # server/loop.py); uvicorn serves from another and ends the loop when it stops.
+    loop = app.state.loop
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+
+    def serve_http():
+        try:
+            server.run()
+        finally:
+            loop.stop()
+
+    http = threading.Thread(target=serve_http, name="chunk-llama-http")
+    http.start()
+    signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))  # both end it gracefully
+    try:
+        loop.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.should_exit = True
+        loop.stop()
+        http.join(30)
+    if not server.started:
+        raise SystemExit(f"the HTTP server did not start on {host}:{port} (see its log above)")
