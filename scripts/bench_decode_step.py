@@ -1,12 +1,14 @@
 """One decode step of the default model: 32 sequences sharing a long prompt vs an empty context.
 
     python scripts/bench_decode_step.py --batch 32 --n-shared 2000 --repeat 5
+    python scripts/bench_decode_step.py --device cuda --dtype bfloat16 --geometry llama-3.2-1b --repeat 20
 
 Times a whole model forward of one token per sequence (all layers, attention
 included) for: stock transformers with a DynamicCache holding every sequence's
 copy of the context; chunk-llama through the PyTorch reference; chunk-llama
 through the native kernel; and chunk-llama with an (almost) empty context, the
 floor that attention cannot go below. All in one process, medians of --repeat.
+`--geometry` runs random weights of a real model's shapes (scripts/e2e_systems.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import time
 import torch
 from transformers import DynamicCache
 
+from e2e_systems import GEOMETRIES, random_weight_model
+
 import chunk_llama
 from chunk_llama import ChunkCache
 from chunk_llama.ops import prepare_backend
@@ -30,6 +34,8 @@ def median_ms(fn, repeat):
     for _ in range(repeat):
         start = time.perf_counter()
         fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
@@ -46,8 +52,8 @@ def chunk_step_ms(model, prompts, repeat, force_reference):
 
     def step():
         order = cache.begin_decode({i: 42 for i in range(len(prompts))})
-        ids = torch.full((len(order), 1), 42)
-        pos = torch.tensor([[lengths[i]] for i in order])
+        ids = torch.full((len(order), 1), 42, device=model.device)
+        pos = torch.tensor([[lengths[i]] for i in order], device=model.device)
         for i in order:
             lengths[i] += 1
         model(input_ids=ids, position_ids=pos, past_key_values=cache, logits_to_keep=1)
@@ -62,13 +68,13 @@ def chunk_step_ms(model, prompts, repeat, force_reference):
 def stock_step_ms(model, prompt, batch, repeat):
     model.set_attn_implementation("sdpa")
     cache = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([prompt]), past_key_values=cache)
+    model(input_ids=torch.tensor([prompt], device=model.device), past_key_values=cache)
     cache.batch_repeat_interleave(batch)  # every sequence holds its own copy, as stock does
     length = [len(prompt)]
 
     def step():
-        ids = torch.full((batch, 1), 42)
-        pos = torch.full((batch, 1), length[0])
+        ids = torch.full((batch, 1), 42, device=model.device)
+        pos = torch.full((batch, 1), length[0], device=model.device)
         length[0] += 1
         model(input_ids=ids, position_ids=pos, past_key_values=cache, logits_to_keep=1)
 
@@ -83,15 +89,22 @@ def main() -> None:
     parser.add_argument("--n-shared", type=int, default=2000)
     parser.add_argument("--n-private", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), help="random weights of this model's shapes")
     args = parser.parse_args()
-    model, tokenizer = chunk_llama.load_default_model(torch.float32)
+    dtype = getattr(torch, args.dtype)
+    if args.geometry:
+        model = random_weight_model(args.geometry, dtype, args.device, seed=0)
+    else:
+        model = chunk_llama.load_default_model(dtype)[0].to(args.device)
     chunk_llama.patch_model(model)
     torch.manual_seed(0)
     shared = torch.randint(100, 40000, (args.n_shared,)).tolist()
     prompts = [shared + torch.randint(100, 40000, (args.n_private,)).tolist() for _ in range(args.batch)]
     empty = [torch.randint(100, 40000, (args.n_private,)).tolist() for _ in range(args.batch)]
     head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
-    info = prepare_backend(torch.device("cpu"), torch.float32, head_dim, 64)  # builds before any timing
+    info = prepare_backend(model.device, dtype, head_dim, 64)  # builds before any timing
     backend = f"{info['backend']} ({info['isa']})" if info["isa"] else info["backend"]
     rows = {
         "stock DynamicCache, shared context": stock_step_ms(model, prompts[0], args.batch, args.repeat),
@@ -100,8 +113,9 @@ def main() -> None:
         f"chunk-llama {backend}, empty context": chunk_step_ms(model, empty, args.repeat, False),
     }
     floor = rows[f"chunk-llama {backend}, empty context"]
-    print(f"\ndecode step, default model, b={args.batch}, {args.n_shared} shared + {args.n_private} own tokens, "
-          f"fp32, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    machine = torch.cuda.get_device_name() if model.device.type == "cuda" else f"{torch.get_num_threads()} threads"
+    print(f"\ndecode step, {args.geometry or 'default model'}, b={args.batch}, {args.n_shared} shared + "
+          f"{args.n_private} own tokens, {args.dtype}, torch {torch.__version__}, {machine}")
     print("| system | ms per step | vs empty context |\n|---|---|---|")
     for name, ms in rows.items():
         print(f"| {name} | {ms:.1f} | {ms / floor:.2f}x |")

@@ -4,11 +4,16 @@
     python scripts/bench_e2e.py --rps 0.1 0.25 inf --systems engine stock cb_share --out docs/bench
     python scripts/bench_e2e.py --n-shared 0 --n-prompt 512 --systems engine cb_share cb_noshare
     python scripts/bench_e2e.py --prompt-set toolqa --limit 10 --systems engine cb_share
+    python scripts/bench_e2e.py --device cuda --dtype bfloat16 --geometry llama-3.2-1b \
+        --num-requests 32 --n-shared 2000 --max-new-tokens 64
 
 Workload: `--num-requests` requests whose prompts share `--n-shared` tokens of a
 system prompt (the shipped tool manual) and then differ: a short chat question
 each by default, or a unique tail up to `--n-prompt` tokens. They arrive by a
-Poisson process at each `--rps` (`inf`: all at once). Systems, all on the same
+Poisson process at each `--rps` (`inf`: all at once). `--geometry` runs a model of a
+real model's shape with random weights instead of the default model's file (speed does
+not depend on the weights' values; parity is still checked on the same weights), on
+random token ids: the shared prefix, then 24 unique tokens per request. Systems, all on the same
 model, prompts and greedy settings in this process:
   engine      this library's engine (online API)
   stock       stock `model.generate` on static left-padded batches
@@ -36,14 +41,13 @@ import statistics
 import time
 
 import torch
-from e2e_systems import greedy_config, per_request_reference, run_engine, run_generate_batch, run_stock
+from e2e_systems import (GEOMETRIES, greedy_config, per_request_reference, random_prompts, random_weight_model,
+                         run_engine, run_generate_batch, run_stock)
 
 import chunk_llama
 from chunk_llama.cli import DEFAULT_PROMPTS, DEFAULT_SYSTEM, read_prompts
 
 SYSTEMS = ("engine", "stock", "cb_share", "cb_noshare")
-
-
 def build_prompts(tokenizer, n_shared: int, n_prompt: int | None, num_requests: int) -> list[list[int]]:
     with open(DEFAULT_SYSTEM, encoding="utf-8") as f:
         manual = tokenizer(f.read())["input_ids"]
@@ -104,6 +108,9 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--chunk-size", type=int, default=64, help="the engine's chunk size")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--geometry", choices=sorted(GEOMETRIES),
+                        help="random weights of this model's shapes instead of the default model's file")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-parity", action="store_true", help="skip the per-request stock reference")
     parser.add_argument("--out", help="folder for NAME.md, NAME.csv and NAME.png")
@@ -111,10 +118,19 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
 
-    model, tokenizer = chunk_llama.load_default_model(getattr(torch, args.dtype))
+    dtype = getattr(torch, args.dtype)
+    if args.geometry:
+        model, tokenizer = random_weight_model(args.geometry, dtype, args.device, args.seed), None
+    else:
+        model, tokenizer = chunk_llama.load_default_model(dtype)
+        model.to(args.device)
     model.set_attn_implementation("sdpa")
     engine_model = copy.deepcopy(model)  # patched by the engine; the others run stock
-    if args.prompt_set:
+    if args.geometry:
+        if args.prompt_set or args.n_prompt:
+            parser.error("--geometry runs random token ids: no --prompt-set or --n-prompt")
+        prompts = random_prompts(model.config.vocab_size, args.n_shared, args.num_requests, args.seed)
+    elif args.prompt_set:
         from chunk_llama.eval import load_prompt_set
         from chunk_llama.eval.runner import prompt_ids
 
@@ -149,9 +165,12 @@ def main() -> None:
 
     lengths = [len(p) for p in prompts]
     shared = args.n_shared if isinstance(args.n_shared, str) else f"{args.n_shared} shared tokens,"
+    model_name = f"{args.geometry} geometry, random weights" if args.geometry else "SmolLM2-135M-Instruct"
+    machine = (torch.cuda.get_device_name() if args.device.startswith("cuda")
+               else f"{os.cpu_count()} CPUs ({platform.machine()})")
     header = (f"{len(prompts)} requests, {shared} prompts {min(lengths)}-{max(lengths)} tokens, "
-              f"{args.max_new_tokens} new tokens, {args.dtype}, SmolLM2-135M-Instruct, torch {torch.__version__}, "
-              f"{os.cpu_count()} CPUs ({platform.machine()}), {datetime.date.today()}")
+              f"{args.max_new_tokens} new tokens, {args.dtype}, {model_name}, torch {torch.__version__}, "
+              f"{machine}, {datetime.date.today()}")
     table = render_table(rows, header)
     engine_all_at_once = [r for r in rows if r["system"] == "engine" and math.isinf(r["rps"])]
     if engine_all_at_once and args.n_shared:  # the shared-prefix workload's yardstick
@@ -186,7 +205,10 @@ def stock_forward_seconds(model, prompt: list[int], repeat: int = 3) -> float:
     with torch.no_grad():
         for _ in range(repeat):
             start = time.perf_counter()
-            model(input_ids=torch.tensor([prompt]), past_key_values=DynamicCache(config=model.config), logits_to_keep=1)
+            model(input_ids=torch.tensor([prompt], device=model.device), past_key_values=DynamicCache(config=model.config),
+                  logits_to_keep=1)
+            if model.device.type == "cuda":
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
     return min(times)
 

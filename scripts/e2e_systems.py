@@ -9,6 +9,7 @@ plus the system's peak KV bytes and batch size where it can tell.
 from __future__ import annotations
 
 import copy
+import random
 import time
 
 import torch
@@ -16,6 +17,41 @@ from transformers import ContinuousBatchingConfig, GenerationConfig, LogitsProce
 
 from chunk_llama import ChunkLlamaEngine
 from chunk_llama.eval.parity import stock_generate_tokens, trim_at_eos
+
+
+# Real models' attention and MLP shapes (their published configs), for random-weight runs.
+GEOMETRIES = {
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True),
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+                         rope_theta=500000.0),
+    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0),
+}
+QUESTION_TOKENS = 24
+
+
+def random_weight_model(geometry: str, dtype: torch.dtype, device: str, seed: int):
+    """A Llama model of `geometry`'s shapes, random weights (std 0.1, not transformers' 0.02:
+    near-uniform logits would make greedy decoding a string of near-ties in half
+    precision, where any two correct kernels part ways), no EOS (every request runs to
+    its token budget)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**GEOMETRIES[geometry], max_position_embeddings=8192, bos_token_id=1, eos_token_id=None,
+                         pad_token_id=0, initializer_range=0.1)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def random_prompts(vocab_size: int, n_shared: int, num_requests: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, vocab_size) for _ in range(n_shared)]
+    return [shared + [rng.randrange(3, vocab_size) for _ in range(QUESTION_TOKENS)] for _ in range(num_requests)]
 
 
 def _wait_until(t: float) -> None:
@@ -46,7 +82,8 @@ def run_engine(model, prompts, arrivals, config, max_batch_size=32, chunk_size=6
                     tokens=out.token_ids, first_token=out.first_token_time, finish=out.finish_time
                 )
     stats = engine.stats
-    return records, dict(peak_kv_bytes=stats["peak_kv_bytes"], peak_batch_size=stats["peak_batch_size"])
+    return records, dict(peak_kv_bytes=stats["peak_kv_bytes"], peak_batch_size=stats["peak_batch_size"],
+                         attention_backend=stats["attention_backend"])
 
 
 class _FirstCallTimer(LogitsProcessor):
@@ -72,8 +109,9 @@ def run_stock(model, prompts, arrivals, config, max_batch_size=32, pad_id=0):
         now = time.perf_counter()
         batch = [i for i in range(served, min(len(prompts), served + max_batch_size)) if records[i]["arrival"] <= now]
         width = max(len(prompts[i]) for i in batch)
-        ids = torch.tensor([[pad_id] * (width - len(prompts[i])) + prompts[i] for i in batch])
-        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in batch])
+        ids = torch.tensor([[pad_id] * (width - len(prompts[i])) + prompts[i] for i in batch], device=model.device)
+        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in batch],
+                            device=model.device)
         timer = _FirstCallTimer()
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,

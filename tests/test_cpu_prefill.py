@@ -30,7 +30,8 @@ def q_starts_for(rng: random.Random, length: int, chunk_size: int) -> int:
     return rng.choice([0, boundary, min(length - 1, boundary + rng.randint(1, chunk_size - 1)), length - 1])
 
 
-def packed_step(tokens, q_starts, *, chunk_size, num_kv_heads, group, head_dim, dtype, seed=0, packed=False):
+def packed_step(tokens, q_starts, *, chunk_size, num_kv_heads, group, head_dim, dtype, seed=0, packed=False,
+                token_granular=True):
     """A tree of `tokens`, one packed step whose sequence s has new tokens from q_starts[s] on.
     Its query rows: the sequences in a shuffled order with a spare row between them, or
     `packed` in token order with none (as the engine packs them: sequences with a common
@@ -38,7 +39,7 @@ def packed_step(tokens, q_starts, *, chunk_size, num_kv_heads, group, head_dim, 
     Returns (pool, tree, plan, q, q_full) with q_full[s]: [len, num_heads, head_dim] queries
     of every position of sequence s (the step's are the last len - q_start)."""
     pool, tree = make_tree(tokens, chunk_size=chunk_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                           dtype=dtype, seed=seed)
+                           dtype=dtype, seed=seed, token_granular=token_granular)
     generator = torch.Generator().manual_seed(seed + 1)
     q_full = [torch.randn(len(t), num_kv_heads * group, head_dim, generator=generator).to(dtype) for t in tokens]
     order = list(range(len(tokens)))

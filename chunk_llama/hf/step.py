@@ -77,7 +77,7 @@ class StepBuilder:
             prefill=build_prefill_plan(
                 [[(id(n), n.chunk_id, n.start, len(n.tokens)) for n in self.tree.path(s)] for s, *_ in segments],
                 [(t, q, n) for _, t, q, n, _ in segments], self.group, num_q_tokens=num_q_tokens,
-                num_kv_heads=self.tree.pool.num_kv_heads, device=self.device,
+                num_kv_heads=self.tree.pool.num_kv_heads, device=self.device, chunk_size=self.tree.chunk_size,
             ),
             past_len=past_len,
         )

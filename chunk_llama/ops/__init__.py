@@ -1,6 +1,6 @@
 """Attention kernels over the chunk pool, with backend dispatch.
 
-`tpp_decode_attention` (and `packed_prefill_attention`, CPU only so far) picks the native kernel for the tensors' device (CUDA, or
+`tpp_decode_attention` and `packed_prefill_attention` pick the native kernel for the tensors' device (CUDA, or
 C++/OpenMP on the CPU, in the variant `CHUNK_LLAMA_CPU_ISA` selects) when one is built
 and supports them, else the PyTorch reference (`reference.py`), which is also the
 oracle the native kernels are tested against. Every fallback to the reference is
@@ -141,13 +141,21 @@ def tpp_decode_attention(
 
 
 def prefill_backend(q: torch.Tensor, k_cache: torch.Tensor) -> str:
-    """'cpu' or 'reference': what `packed_prefill_attention` runs for these tensors. The
-    CPU kernel has the decode kernel's support set (dtype, head dim, chunk size); there
-    is no CUDA prefill kernel yet. A fallback is logged once per reason."""
-    info = _resolve(q.device, q.dtype, k_cache.dtype, q.shape[-1], k_cache.shape[2], build=True)
-    if info["backend"] == "cpu":
-        return "cpu"
-    reason = info["reason"] or f"there is no native prefill kernel for {q.device.type} tensors yet"
+    """'cpu', 'cuda' or 'reference': what `packed_prefill_attention` runs for these tensors.
+    The CPU kernel has the decode kernel's support set (dtype, head dim, chunk size); the
+    CUDA prefill is PyTorch's FlashAttention-2 varlen over the gathered contexts
+    (`cuda_prefill.py`). A fallback is logged once per reason."""
+    if q.device.type == "cuda" and not force_reference():
+        from chunk_llama.ops import cuda_prefill
+
+        reason = cuda_prefill.unsupported_reason(q.device.index, q.dtype, k_cache.dtype, q.shape[-1])
+        if reason is None:
+            return "cuda"
+    else:
+        info = _resolve(q.device, q.dtype, k_cache.dtype, q.shape[-1], k_cache.shape[2], build=True)
+        if info["backend"] == "cpu":
+            return "cpu"
+        reason = info["reason"] or f"there is no native prefill kernel for {q.device.type} tensors"
     _log_once(f"prefill: {reason}", "chunk-llama: prefill attention runs the PyTorch reference: %s", reason)
     return "reference"
 
@@ -164,7 +172,14 @@ def packed_prefill_attention(
     returns [num_q_tokens, num_heads, head_dim] (rows of no sequence uninitialised)
     """
     window = check_window(window)
-    if prefill_backend(q, k_cache) == "cpu":
+    backend = prefill_backend(q, k_cache)
+    if backend == "cuda" and plan.varlen is None:
+        raise ValueError("the prefill plan was built for the CPU; build it on the CUDA device of the cache")
+    if backend == "cuda":
+        from chunk_llama.ops.cuda_prefill import packed_prefill_attention_varlen
+
+        return packed_prefill_attention_varlen(q, k_cache, v_cache, plan.varlen, scale, window)
+    if backend == "cpu":
         from chunk_llama.ops.cpu import prefill_attention_cpu
 
         return prefill_attention_cpu(q, k_cache, v_cache, plan, scale, window=window)

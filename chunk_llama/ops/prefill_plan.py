@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from chunk_llama.kv.plan import NO_POSITION
+from chunk_llama.ops.cuda_prefill import VarlenContext, build_varlen_context
 
 # csrc/cpu/params.h kRowsPerItem: the most query rows (tokens x GQA group) one kernel
 # work item holds; the glue rejects wider tiles.
@@ -48,6 +49,7 @@ class PrefillPlan:
         partial offset): global rows; the partial of token t is row partial offset + t
     seq_ctx_ptr: [num_seqs + 1], seq_ctx_offset: [...] each sequence's partial offsets
     segments: (token_start, q_start, num_tokens) per sequence, as Python ints (reference)
+    varlen: the contexts as one packed varlen batch, for the CUDA prefill (None on the CPU)
     """
 
     seg_chunk: torch.Tensor
@@ -69,6 +71,7 @@ class PrefillPlan:
     num_partial_rows: int
     segments: list[tuple[int, int, int]]
     group: int
+    varlen: VarlenContext | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -157,13 +160,17 @@ def _context_runs(paths: list[list[Run]], segments: list[tuple[int, int, int]], 
 
 def build_prefill_plan(paths: list[list[Run]], segments: list[tuple[int, int, int]], group: int,
                        num_q_tokens: int | None = None, num_kv_heads: int = 1, shared_context: bool = True,
-                       device: torch.device | str = "cpu") -> PrefillPlan:
+                       device: torch.device | str = "cpu", chunk_size: int | None = None) -> PrefillPlan:
     """paths: each sequence's nodes (identity, chunk, first slot, tokens), as
     `PrefixTree.path` gives them (the same identity on two paths: the same K/V);
     segments: (token_start, q_start, num_tokens) each; num_q_tokens: rows of the query
     tensor (default: the last sequence's end); shared_context: False leaves every
-    sequence's keys to its own tiles (no context phase)."""
+    sequence's keys to its own tiles (no context phase). On a CUDA device the plan also
+    holds the varlen batch of the CUDA prefill, which has no context phase (with the
+    pool's `chunk_size` it gathers whole chunks where it can)."""
     kv_segments = [_merged(path) for path in paths]
+    on_cuda = torch.device(device).type == "cuda"
+    shared_context = shared_context and not on_cuda
     width = max((len(runs) for runs in kv_segments), default=0) + 1  # an unused entry ends every walk
     chunks, starts, positions = [], [], []
     for runs in kv_segments:
@@ -238,4 +245,5 @@ def build_prefill_plan(paths: list[list[Run]], segments: list[tuple[int, int, in
         num_partial_rows=num_partial_rows,
         segments=list(segments),
         group=group,
+        varlen=build_varlen_context(kv_segments, segments, chunk_size, device) if on_cuda else None,
     )

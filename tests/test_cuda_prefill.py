@@ -1,0 +1,102 @@
+"""The CUDA prefill (ops/cuda_prefill.py): the varlen packing of a step's contexts, checked
+on any device against the reference with an SDPA oracle of the varlen kernel, and
+PyTorch's FlashAttention-2 varlen kernel itself on a GPU (skipped without one)."""
+
+import random
+
+import pytest
+import torch
+from helpers import random_token_lists
+from test_cpu_prefill import dense_causal, packed_step, q_starts_for
+
+from chunk_llama import ops
+from chunk_llama.ops import build_prefill_plan, reference
+from chunk_llama.ops.cuda_prefill import build_varlen_context, flash_varlen, packed_prefill_attention_varlen, sdpa_varlen
+from chunk_llama.ops.prefill_plan import _merged
+from chunk_llama.ops.reference import gather_dense
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU and a CUDA build of torch")
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def varlen_of(tree, plan, device, whole_chunks):
+    paths = [[(id(n), n.chunk_id, n.start, len(n.tokens)) for n in tree.path(s)] for s in range(plan.num_seqs)]
+    return build_varlen_context([_merged(p) for p in paths], plan.segments, tree.chunk_size if whole_chunks else None,
+                                device)
+
+
+def check_varlen(tokens, q_starts, *, attend, device, window=0, packed=False, whole_chunks=False, **case):
+    """whole_chunks: a tree that shares whole chunks only (as on CUDA), gathered chunk by chunk."""
+    dtype, head_dim = case["dtype"], case["head_dim"]
+    pool, tree, plan, q, q_full = packed_step(tokens, q_starts, packed=packed, token_granular=not whole_chunks,
+                                              **case)
+    pool.k, pool.v = [k.to(device) for k in pool.k], [v.to(device) for v in pool.v]
+    ctx = varlen_of(tree, plan, device, whole_chunks)
+    assert (ctx.kv_slot is None) == whole_chunks
+    in_order = [start for start, _, _ in plan.segments] == [sum(n for *_, n in plan.segments[:s]) for s in
+                                                            range(plan.num_seqs)]
+    assert (ctx.q_rows is None) == in_order  # rows in sequence order need no gather
+    scale = head_dim**-0.5
+    q = q.to(device)
+    out = packed_prefill_attention_varlen(q, pool.k[0], pool.v[0], ctx, scale, window, attend=attend)
+    want = reference.packed_prefill_attention(q, pool.k[0], pool.v[0], plan, scale, window)
+    for s, (start, q_start, n) in enumerate(plan.segments):
+        rows = slice(start, start + n)
+        torch.testing.assert_close(out[rows].float(), want[rows].float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+        ids = tree.segments(s)
+        k = gather_dense(pool.k[0], ids, len(tokens[s])).cpu()
+        v = gather_dense(pool.v[0], ids, len(tokens[s])).cpu()
+        dense = dense_causal(q_full[s], k, v, scale, window)[q_start:]
+        torch.testing.assert_close(out[rows].float().cpu(), dense, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("whole_chunks", [False, True])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("window", [0, 1, 37])
+@pytest.mark.parametrize("group", [1, 3])
+def test_varlen_packing_equals_the_reference(whole_chunks, packed, window, group):
+    """Random trees (token-granular splits, prefixes ending inside chunks; or whole-chunk
+    sharing, gathered by chunk), new tokens from 0, a chunk boundary, inside a chunk or the
+    last token; rows shuffled with spare rows between sequences, or packed."""
+    rng = random.Random(group * 10 + window)
+    for trial in range(3):
+        tokens = random_token_lists(rng, rng.choice([1, 5, 17]), rng.choice([37, 123]), vocab=3)
+        q_starts = [q_starts_for(rng, len(t), 16) for t in tokens]
+        check_varlen(tokens, q_starts, attend=sdpa_varlen, device="cpu", window=window, packed=packed, chunk_size=16,
+                     whole_chunks=whole_chunks, num_kv_heads=2, group=group, head_dim=64, dtype=torch.float32,
+                     seed=trial)
+
+
+def test_a_context_shorter_than_its_new_tokens_is_refused():
+    with pytest.raises(ValueError, match="fewer than"):
+        build_varlen_context([[(0, 0, 10)]], [(0, 5, 6)], 16, "cpu")
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 4), (256, 4), (96, 1)])
+@pytest.mark.parametrize("window", [0, 37, 700])
+def test_flash_varlen_on_the_gpu(dtype, head_dim, group, window):
+    rng = random.Random(head_dim + group + window)
+    tokens = random_token_lists(rng, 17, 300, vocab=3) + [[1] * 1000 + [2] * 123]
+    q_starts = [q_starts_for(rng, len(t), 64) for t in tokens]
+    for packed, whole_chunks in ((False, False), (True, False), (False, True), (True, True)):
+        check_varlen(tokens, q_starts, attend=flash_varlen, device="cuda", window=window, packed=packed, chunk_size=64,
+                     whole_chunks=whole_chunks, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype)
+
+
+@needs_gpu
+def test_the_dispatch_runs_the_cuda_prefill_on_a_gpu_plan(caplog):
+    rng = random.Random(5)
+    tokens = random_token_lists(rng, 9, 200, vocab=3)
+    pool, tree, plan, q, _ = packed_step(tokens, [0] * len(tokens), packed=True, chunk_size=64, num_kv_heads=3,
+                                         group=3, head_dim=64, dtype=torch.bfloat16)
+    k, v = pool.k[0].cuda(), pool.v[0].cuda()
+    paths = [[(id(n), n.chunk_id, n.start, len(n.tokens)) for n in tree.path(s)] for s in range(len(tokens))]
+    gpu_plan = build_prefill_plan(paths, plan.segments, 3, num_kv_heads=3, device="cuda", chunk_size=64)
+    assert gpu_plan.varlen is not None and ops.prefill_backend(q.cuda(), k) == "cuda"
+    out = ops.packed_prefill_attention(q.cuda(), k, v, gpu_plan, 0.125)
+    want = reference.packed_prefill_attention(q.cuda(), k, v, gpu_plan, 0.125)
+    torch.testing.assert_close(out.float(), want.float(), atol=1.6e-2, rtol=1.6e-2)
+    with pytest.raises(ValueError, match="built for the CPU"):
+        ops.packed_prefill_attention(q.cuda(), k, v, plan, 0.125)
