@@ -130,9 +130,16 @@ def run_one(args, device, dtype, batch, n_prompt, n_shared, limits, variant=None
     # [1, 1, 1, n_prompt]: the window as stock's SDPA path gets it, a boolean mask
     mask = (torch.arange(n_prompt, device=device) >= n_prompt - keys)[None, None, None]
 
+    # CUDA's SDPA kernels take a mask or GQA, not both: with a window, stock repeats the
+    # KV heads (transformers' repeat_kv); done once here, outside the timing
+    repeat_heads = device.type == "cuda" and window and group > 1
+    k_mask, v_mask = (k_dense.repeat_interleave(group, 1), v_dense.repeat_interleave(group, 1)) if repeat_heads \
+        else (k_dense, v_dense)
+
     def sdpa_dense():
-        return F.scaled_dot_product_attention(q[:, :, None], k_dense, v_dense, scale=scale,
-                                              attn_mask=mask if window else None, enable_gqa=group > 1)[:, :, 0]
+        return F.scaled_dot_product_attention(q[:, :, None], k_mask, v_mask, scale=scale,
+                                              attn_mask=mask if window else None,
+                                              enable_gqa=group > 1 and not repeat_heads)[:, :, 0]
 
     def sdpa_window_slice():
         return F.scaled_dot_product_attention(q[:, :, None], k_dense[:, :, -keys:], v_dense[:, :, -keys:],
