@@ -20,7 +20,6 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -132,22 +131,18 @@ def flash_varlen(q, k, v, ctx: VarlenContext, scale: float, window: int) -> torc
 
 
 def sdpa_varlen(q, k, v, ctx: VarlenContext, scale: float, window: int) -> torch.Tensor:
-    """What `flash_varlen` computes, one SDPA per sequence with an explicit mask: the
+    """What `flash_varlen` computes, the reference's `prefill_attention` per sequence: the
     oracle of the packing on any device."""
+    from chunk_llama.ops.reference import prefill_attention  # the reference imports this module's plan
+
     out = torch.empty_like(q)
     cu_q, cu_k = ctx.cu_q.tolist(), ctx.cu_k.tolist()
     used = None if ctx.seqused_k is None else ctx.seqused_k.tolist()
     for s in range(len(cu_q) - 1):
         num_q, num_k = cu_q[s + 1] - cu_q[s], cu_k[s + 1] - cu_k[s] if used is None else used[s]
-        query_pos = torch.arange(num_k - num_q, num_k, device=q.device)[:, None]
-        key_pos = torch.arange(num_k, device=q.device)[None, :]
-        mask = (key_pos <= query_pos) & ((key_pos > query_pos - window) if window else True)
-        rows = slice(cu_q[s], cu_q[s + 1])
-        keys = slice(cu_k[s], cu_k[s] + num_k)
-        out[rows] = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1), k[keys].transpose(0, 1), v[keys].transpose(0, 1), attn_mask=mask, scale=scale,
-            enable_gqa=True,
-        ).transpose(0, 1)
+        rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s] + num_k)
+        out[rows] = prefill_attention(q[rows], k[keys].transpose(0, 1), v[keys].transpose(0, 1), num_k - num_q,
+                                      scale, window)
     return out
 
 
