@@ -42,9 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from chunk_llama.ops import build_prefill_plan, isa, linear, prepare_backend, reference  # noqa: E402
 from chunk_llama.ops.cpu import prefill_attention_cpu  # noqa: E402
 
-GEOMETRIES = {"default": (9, 3, 64), "llama3-8b": (32, 8, 128)}  # query heads, KV heads, head dim
+# query heads, KV heads, head dim
+GEOMETRIES = {"default": (9, 3, 64), "llama3-8b": (32, 8, 128), "phi3-mini": (32, 32, 96)}
+GRID = ("default", "llama3-8b")  # the geometries of the default tables
 # (geometry, new tokens, cached prefix tokens)
-CASES = [(g, n, 0) for g in GEOMETRIES for n in (512, 2048, 8192)] + [(g, 512, 1536) for g in GEOMETRIES]
+CASES = [(g, n, 0) for g in GRID for n in (512, 2048, 8192)] + [(g, 512, 1536) for g in GRID]
 
 
 def timed(fn, repeat: int) -> list[float]:
@@ -158,7 +160,7 @@ def run_shared_case(geometry: str, num_seqs: int, prefix: int, suffix: int, chun
 
 def shared_prefix_table(args) -> None:
     rows = [run_shared_case(g, args.num_seqs, args.prefix, suffix, args.chunk_size, args.repeat)
-            for g in GEOMETRIES for suffix in args.suffixes]
+            for g in GRID for suffix in args.suffixes]
     gflops_mm = matmul_gflops()
     print(f"# CPU: {isa.describe_host()}; variant {isa.selected_variant()}; {torch.get_num_threads()} threads; "
           f"fp32 matmul {gflops_mm:.0f} GFLOP/s; chunk size {args.chunk_size}; ms = min / median of {args.repeat}")

@@ -37,7 +37,7 @@ def check(tokens, **case):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256])
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("chunk_size", [16, 48, 64, 128])
 def test_random_trees(variant, dtype, head_dim, group, chunk_size):
@@ -71,7 +71,7 @@ def branching_tokens(num_seqs: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 1), (256, 2)])
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (80, 4), (96, 3), (128, 1), (256, 2)])
 @pytest.mark.parametrize("max_chunks_per_item", [1, 2, 5, 1000])
 def test_segments_of_shared_runs(variant, dtype, head_dim, group, max_chunks_per_item):
     """Phase 1 merges up to `max_chunks_per_item` chunks of a run per work item; 50

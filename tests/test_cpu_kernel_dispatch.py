@@ -53,8 +53,8 @@ def test_backend_info(monkeypatch):
                                                             "reason": None}
     monkeypatch.setenv(isa.ENV, "generic")
     assert ops.backend_info(cpu, torch.bfloat16, 128, 16)["isa"] == "generic"
-    info = ops.backend_info(cpu, torch.float32, 96, 64)
-    assert info["backend"] == "reference" and info["isa"] is None and "head dims 64, 128, 256, not 96" in info["reason"]
+    info = ops.backend_info(cpu, torch.float32, 72, 64)
+    assert info["backend"] == "reference" and info["isa"] is None and "head dims 32, 64, 80, 96, 128, 256, not 72" in info["reason"]
     assert "multiple of 16, not 40" in ops.backend_info(cpu, torch.float32, 64, 40)["reason"]
     assert "not float16" in ops.backend_info(cpu, torch.float16, 64, 64)["reason"]
     monkeypatch.setenv("CHUNK_LLAMA_FORCE_REFERENCE", "1")
@@ -64,8 +64,8 @@ def test_backend_info(monkeypatch):
 
 def test_fallbacks_are_logged_once_per_reason(monkeypatch, caplog):
     ops._logged.clear()
-    q = torch.randn(2, 2, 96)
-    pool, _ = make_tree([[1] * 50], chunk_size=48, num_kv_heads=1, head_dim=96)
+    q = torch.randn(2, 2, 72)
+    pool, _ = make_tree([[1] * 50], chunk_size=48, num_kv_heads=1, head_dim=72)
     with caplog.at_level(logging.WARNING, logger="chunk_llama.ops"):
         assert ops.decode_backend(q, pool.k[0]) == "reference"
         assert ops.decode_backend(q, pool.k[0]) == "reference"
@@ -77,7 +77,7 @@ def test_fallbacks_are_logged_once_per_reason(monkeypatch, caplog):
         assert ops.decode_backend(torch.randn(1, 1, 64), pool64.k[0]) == "reference"
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 3, messages
-    assert "head dims 64, 128, 256, not 96" in messages[0]
+    assert "head dims 32, 64, 80, 96, 128, 256, not 72" in messages[0]
     assert "multiple of 16, not 40" in messages[1]
     assert "CHUNK_LLAMA_FORCE_REFERENCE" in messages[2]
 

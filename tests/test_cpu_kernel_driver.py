@@ -50,9 +50,9 @@ def run_driver(command: list[str], variants: list[str], timeout: float) -> str:
     done = subprocess.run([*command, *variants], check=False, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"{' '.join([*command, *variants])}:\n{done.stdout[-4000:]}{done.stderr[-2000:]}"
     for variant in variants:
-        assert f"variant {variant}: 50 cases" in done.stdout, done.stdout
-        assert f"variant {variant} prefill: 18 cases" in done.stdout, done.stdout
-        assert f"variant {variant} prefill with context: 18 cases" in done.stdout, done.stdout
+        assert f"variant {variant}: 52 cases" in done.stdout, done.stdout
+        assert f"variant {variant} prefill: 30 cases" in done.stdout, done.stdout
+        assert f"variant {variant} prefill with context: 30 cases" in done.stdout, done.stdout
         assert f"variant {variant} linear: 96 cases" in done.stdout, done.stdout
     assert "0 failing" in done.stdout, done.stdout
     return done.stdout

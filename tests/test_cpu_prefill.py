@@ -96,7 +96,7 @@ def check_step(tokens, q_starts, variant, window=0, **case):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256])
 @pytest.mark.parametrize("group", [1, 2, 3])
 def test_random_trees(variant, dtype, head_dim, group):
     """Sequences branching off one another (shared chunk ids in one call), odd lengths,
@@ -110,7 +110,7 @@ def test_random_trees(variant, dtype, head_dim, group):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 1), (256, 2)])
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (80, 2), (96, 3), (128, 1), (256, 2)])
 @pytest.mark.parametrize("window", [0, 37])
 def test_context_phase_reads_a_common_prefix_once_for_its_sequences(variant, dtype, head_dim, group, window):
     """Sequences packed next to each other that all see a common prefix whole read it in the
@@ -170,18 +170,18 @@ def test_dispatch_runs_the_kernel_and_logs_fallbacks_once(monkeypatch, caplog):
     pool, _, plan, q, _ = packed_step([[1] * 40], [5], chunk_size=16, num_kv_heads=1, group=2, head_dim=64,
                                       dtype=torch.float32)
     assert ops.prefill_backend(q, pool.k[0]) == "cpu"
-    pool96, _, plan96, q96, _ = packed_step([[1] * 40], [5], chunk_size=16, num_kv_heads=1, group=2, head_dim=96,
+    pool72, _, plan72, q72, _ = packed_step([[1] * 40], [5], chunk_size=16, num_kv_heads=1, group=2, head_dim=72,
                                             dtype=torch.float32)
     with caplog.at_level(logging.WARNING, logger="chunk_llama.ops"):
         for _ in range(2):
-            out = ops.packed_prefill_attention(q96, pool96.k[0], pool96.v[0], plan96, 0.1)
-        ref = reference.packed_prefill_attention(q96, pool96.k[0], pool96.v[0], plan96, 0.1)
+            out = ops.packed_prefill_attention(q72, pool72.k[0], pool72.v[0], plan72, 0.1)
+        ref = reference.packed_prefill_attention(q72, pool72.k[0], pool72.v[0], plan72, 0.1)
         torch.testing.assert_close(out[:35], ref[:35])
         monkeypatch.setenv("CHUNK_LLAMA_FORCE_REFERENCE", "1")
         assert ops.prefill_backend(q, pool.k[0]) == "reference"
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2, messages
-    assert "prefill attention runs the PyTorch reference" in messages[0] and "not 96" in messages[0]
+    assert "prefill attention runs the PyTorch reference" in messages[0] and "not 72" in messages[0]
     assert "CHUNK_LLAMA_FORCE_REFERENCE" in messages[1]
 
 

@@ -16,14 +16,14 @@ from chunk_llama import ChunkLlamaEngine, load_model
 COMMON = dict(vocab_size=96, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=512,
               initializer_range=0.2, bos_token_id=1, eos_token_id=5, pad_token_id=0)
 
-# (config class, geometry): MHA, GQA and MQA; head dims 16 (the reference), 64 and
-# 256 (the native CPU kernel)
+# (config class, geometry): MHA, GQA and MQA; head dims 16 (the reference), 64, 96
+# (Phi-3 mini's) and 256 (the native CPU kernel)
 FAMILIES = {
     "qwen2": ("Qwen2Config", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)),
     "qwen3": ("Qwen3Config", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=64)),
     "mistral": ("MistralConfig", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
                                       sliding_window=None)),
-    "phi3": ("Phi3Config", dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2)),
+    "phi3": ("Phi3Config", dict(hidden_size=192, num_attention_heads=2, num_key_value_heads=2)),
     "gemma3_text": ("Gemma3TextConfig", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
                                              head_dim=256, query_pre_attn_scalar=64,
                                              layer_types=["full_attention"] * 2)),
@@ -71,6 +71,8 @@ def test_engine_equals_stock_generate(family):
         assert out.token_ids == ref.sequences[0, len(prompt):].tolist()
         assert (out.logits - torch.stack([step[0] for step in ref.logits])).abs().max() <= 1e-4
     assert engine.stats["prefill_tokens_reused"] > 0
+    head_dim = engine.cache.pool.head_dim
+    assert engine.stats["attention_backend"].startswith("reference" if head_dim == 16 else "cpu"), head_dim
 
 
 @pytest.mark.parametrize("config_name,kwargs,feature", [

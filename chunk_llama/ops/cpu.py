@@ -20,7 +20,7 @@ from chunk_llama.ops.jit import CSRC, build_failure, load_extension
 from chunk_llama.ops.prefill_plan import PrefillPlan
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
-SUPPORTED_HEAD_DIMS = (64, 128, 256)  # chunk sizes: any multiple of 16
+SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # csrc/cpu/params.h; chunk sizes: any multiple of 16
 # Measured on the project's 2-core machine (glue and variants compiled in parallel);
 # replaced by the last build's own duration once there is one.
 BUILD_SECONDS_ESTIMATE = 15.0

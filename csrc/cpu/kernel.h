@@ -84,9 +84,10 @@ void decode(const Params& p) {
 void tpp_decode(const Params& p) {
   const bool bf16 = p.dtype == DType::kBFloat16;
   switch (p.head_dim) {
-    case 64: return bf16 ? decode<uint16_t, 64>(p) : decode<float, 64>(p);
-    case 128: return bf16 ? decode<uint16_t, 128>(p) : decode<float, 128>(p);
-    default: return bf16 ? decode<uint16_t, 256>(p) : decode<float, 256>(p);
+#define CHUNK_ATTN_DECODE_CASE(D) \
+  case D: return bf16 ? decode<uint16_t, D>(p) : decode<float, D>(p);
+    CHUNK_ATTN_CPU_HEAD_DIMS(CHUNK_ATTN_DECODE_CASE)
+#undef CHUNK_ATTN_DECODE_CASE
   }
 }
 

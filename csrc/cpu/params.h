@@ -71,8 +71,15 @@ constexpr int kGuardRows = 16;
 constexpr int kRowsPerItem = 128;  // bounds a phase-1 item's O buffer; more rows split into items
 constexpr int kMaxBlockRows = 64;  // widest phase-1 row block of any variant (kRowVecs * kLanes)
 
+// The head dims the kernels are instantiated for (X(D) once each): those of the model
+// families people run (32: tiny configs; 64, 128: most; 80: Phi-2, StableLM; 96: Phi-3;
+// 256: Gemma). Any multiple of 16 works in the code; each one costs build time.
+#define CHUNK_ATTN_CPU_HEAD_DIMS(X) X(32) X(64) X(80) X(96) X(128) X(256)
+
 static inline bool supports(int chunk_size, int head_dim) {
-  return chunk_size > 0 && chunk_size % 16 == 0 && (head_dim == 64 || head_dim == 128 || head_dim == 256);
+#define CHUNK_ATTN_IS_HEAD_DIM(D) || head_dim == D
+  return chunk_size > 0 && chunk_size % 16 == 0 && (false CHUNK_ATTN_CPU_HEAD_DIMS(CHUNK_ATTN_IS_HEAD_DIM));
+#undef CHUNK_ATTN_IS_HEAD_DIM
 }
 
 static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }

@@ -294,9 +294,10 @@ void prefill(const PrefillParams& p) {
 void tpp_prefill(const PrefillParams& p) {
   const bool bf16 = p.dtype == DType::kBFloat16;
   switch (p.head_dim) {
-    case 64: return bf16 ? prefill<uint16_t, 64>(p) : prefill<float, 64>(p);
-    case 128: return bf16 ? prefill<uint16_t, 128>(p) : prefill<float, 128>(p);
-    default: return bf16 ? prefill<uint16_t, 256>(p) : prefill<float, 256>(p);
+#define CHUNK_ATTN_PREFILL_CASE(D) \
+  case D: return bf16 ? prefill<uint16_t, D>(p) : prefill<float, D>(p);
+    CHUNK_ATTN_CPU_HEAD_DIMS(CHUNK_ATTN_PREFILL_CASE)
+#undef CHUNK_ATTN_PREFILL_CASE
   }
 }
 

@@ -46,6 +46,22 @@ inline void prefetch_block(const Params& p, int64_t at) {
   }
 }
 
+// o[0 : NV * kLanes] += sum over u < num_keys of probs[u] * v[u * D : ...]: NV dim
+// vectors of O_g in registers, each V row read in order.
+template <int NV, typename T, int D>
+inline void accumulate_pv(float* o, const T* v, const float* probs, int num_keys) {
+  Vec out[NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < NV; ++i) out[i] = vload(o + i * kLanes);
+  for (int u = 0; u < num_keys; ++u) {
+    const Vec pu = vset1(probs[u]);
+#pragma GCC unroll 16
+    for (int i = 0; i < NV; ++i) out[i] = vfma(pu, vload(v + u * D + i * kLanes), out[i]);
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < NV; ++i) vstore(o + i * kLanes, out[i]);
+}
+
 template <typename T, int D>
 void seq_first_item(const Params& p, int seq, int kv_head, float* ws) {
   constexpr int kVecs = D / kLanes;
@@ -106,10 +122,12 @@ void seq_first_item(const Params& p, int seq, int kv_head, float* ws) {
         for (int u = 0; u < num_keys; ++u) {  // row by row: the reads of K are sequential
           Vec a0 = vzero(), a1 = vzero();
 #pragma GCC unroll 16
-          for (int i = 0; i < kVecs; i += 2) {
+          for (int i = 0; i + 1 < kVecs; i += 2) {
             a0 = vfma(vload(kb + u * D + i * kLanes), vload(q + g * D + i * kLanes), a0);
             a1 = vfma(vload(kb + u * D + (i + 1) * kLanes), vload(q + g * D + (i + 1) * kLanes), a1);
           }
+          if constexpr (kVecs % 2)  // an odd number of dim vectors (e.g. D = 80 in 16 lanes)
+            a0 = vfma(vload(kb + u * D + (kVecs - 1) * kLanes), vload(q + g * D + (kVecs - 1) * kLanes), a0);
           acc[u] = vadd(a0, a1);
         }
         // lanes past num_keys: + -inf, so 2^(s - m) = 0 there
@@ -126,32 +144,12 @@ void seq_first_item(const Params& p, int seq, int kv_head, float* ws) {
           m[g] = m_new;
         }
         n[g] += vreduce_add(e);
-        if constexpr (kVecs <= kSeqPvVecs) {  // O_g in registers, each V row read whole, in order
-          Vec out[kVecs];
-#pragma GCC unroll 16
-          for (int i = 0; i < kVecs; ++i) out[i] = vload(og + i * kLanes);
-          for (int u = 0; u < num_keys; ++u) {
-            const Vec pu = vset1(probs[u]);
-#pragma GCC unroll 16
-            for (int i = 0; i < kVecs; ++i) out[i] = vfma(pu, vload(vb + u * D + i * kLanes), out[i]);
-          }
-#pragma GCC unroll 16
-          for (int i = 0; i < kVecs; ++i) vstore(og + i * kLanes, out[i]);
-        } else {  // O_g wider than the registers: a slice of dims at a time (measured faster
-                  // than all of O_g through L1 a few keys at a time)
-          for (int d0 = 0; d0 < D; d0 += kSeqPvVecs * kLanes) {
-            Vec out[kSeqPvVecs];
-#pragma GCC unroll 16
-            for (int i = 0; i < kSeqPvVecs; ++i) out[i] = vload(og + d0 + i * kLanes);
-            for (int u = 0; u < num_keys; ++u) {
-              const Vec pu = vset1(probs[u]);
-#pragma GCC unroll 16
-              for (int i = 0; i < kSeqPvVecs; ++i) out[i] = vfma(pu, vload(vb + u * D + d0 + i * kLanes), out[i]);
-            }
-#pragma GCC unroll 16
-            for (int i = 0; i < kSeqPvVecs; ++i) vstore(og + d0 + i * kLanes, out[i]);
-          }
-        }
+        // O_g in registers where it fits; wider, a slice of dims at a time (measured faster
+        // than all of O_g through L1 a few keys at a time), the last one narrower where
+        // kSeqPvVecs vectors do not divide D
+        constexpr int kSlice = (kVecs < kSeqPvVecs ? kVecs : kSeqPvVecs) * kLanes, kWhole = D / kSlice * kSlice;
+        for (int d0 = 0; d0 < kWhole; d0 += kSlice) accumulate_pv<kSlice / kLanes, T, D>(og + d0, vb + d0, probs, num_keys);
+        if constexpr (kWhole < D) accumulate_pv<(D - kWhole) / kLanes, T, D>(og + kWhole, vb + kWhole, probs, num_keys);
       }
     }
   }

@@ -98,7 +98,7 @@ void check_attention_tensors(const at::Tensor& q, const at::Tensor& k_cache, con
   TORCH_CHECK_VALUE(num_heads % num_kv_heads == 0, "num_heads ", num_heads, " is not a multiple of num_kv_heads ",
                     num_kv_heads);
   TORCH_CHECK_VALUE(chunk_attn_cpu::supports(chunk_size, head_dim), "the CPU kernel supports chunk sizes that are ",
-                    "multiples of 16 and head dims 64/128/256, got chunk_size ", chunk_size, ", head_dim ", head_dim);
+                    "multiples of 16 and head dims 32/64/80/96/128/256, got chunk_size ", chunk_size, ", head_dim ", head_dim);
   // Score tiles read up to kGuardRows K/V rows past a segment that ends inside a chunk.
   for (const at::Tensor* cache : {&k_cache, &v_cache})
     TORCH_CHECK_VALUE(cache->storage_offset() + cache->numel() + chunk_attn_cpu::kGuardRows * head_dim <=

@@ -282,6 +282,8 @@ int main(int argc, char** argv) {
       }
   cases.push_back({1, 200, 64, 64, 3, 3, 1, false, seed++});  // one sequence: nothing shared
   cases.push_back({40, 40, 16, 128, 1, 1, 2, false, seed++});  // many short sequences over a few chunks
+  cases.push_back({17, 130, 16, 80, 2, 2, 1000, false, seed++});  // D = 80: an odd number of 16-lane vectors
+  cases.push_back({9, 150, 32, 96, 2, 3, 1, true, seed++});  // D = 96: a narrower last P V slice (8 lanes)
   // sliding windows shorter than, across and longer than the shared prefixes
   for (int window : {1, 23, 77})
     for (int max_chunks : {1, 1000}) {

@@ -392,7 +392,7 @@ PrefillSummary run_prefill_cases(const Variant& variant) {
   uint64_t seed = 1;
   for (int context = 0; context < 2; ++context)
     for (int bf16 = 0; bf16 < 2; ++bf16)
-      for (int head_dim : {64, 128, 256})
+      for (int head_dim : {64, 80, 96, 128, 256})
         for (int group : {1, 2, 3}) {
           const int chunk_size = head_dim == 256 ? 16 : 32, tile_rows = group == 2 ? 128 : 37;
           // items of 128 rows or of 37, with group 2 or 3 either ending inside a token's group
