@@ -7,7 +7,8 @@ Cases: one sequence of `new` tokens after `cached` ones, or `num_seqs` sequences
 default model's (9/3 heads, d=64), Llama 3 8B's (32/8, d=128) and Gemma 3's (4/1,
 d=256, window 512) attention shapes. Implementations, over the same queries and K/V:
   chunk     `ops.packed_prefill_attention` on the pool (chunks in random pool order): the
-            step's contexts gathered into one varlen batch, FlashAttention-2 varlen
+            step's contexts gathered into one varlen batch, FlashAttention-2 varlen; with
+            nothing cached the step's own K/V (given as the engine gives them), no gather
   flash     `F.scaled_dot_product_attention` under the flash backend on K/V already
             dense per sequence (what stock runs: its own K/V copy per sequence, not timed
             as a gather), causal bottom-right, the window as FlashAttention's own
@@ -94,8 +95,12 @@ def run_case(geometry, num_seqs, new, cached, dtype, chunk_size, repeat) -> dict
             return torch.nn.functional.scaled_dot_product_attention(
                 q_dense.transpose(1, 2), k_heads, v_heads, attn_mask=mask, scale=scale)
 
+    # the step's own K/V, [num_seqs * new, kv, d], as the layers hand them to the cache
+    new_kv = (k_dense[:, :, cached:].transpose(1, 2).flatten(0, 1).contiguous(),
+              v_dense[:, :, cached:].transpose(1, 2).flatten(0, 1).contiguous())
+
     def chunk():
-        return packed_prefill_attention(q, pool.k[0], pool.v[0], plan, scale, window or None)
+        return packed_prefill_attention(q, pool.k[0], pool.v[0], plan, scale, window or None, new_kv=new_kv)
 
     out = chunk()
     want = reference.packed_prefill_attention(q, pool.k[0], pool.v[0], plan, scale, window)

@@ -67,6 +67,45 @@ def test_varlen_packing_equals_the_reference(whole_chunks, packed, window, group
                      seed=trial)
 
 
+def step_kv(pool, tree, plan, num_rows):
+    """The K and V of every query row as the layer would have computed them (what the pool
+    holds at its positions): [num_rows, num_kv_heads, head_dim] each, spare rows zero."""
+    k_rows = torch.zeros(num_rows, *pool.k[0].shape[1:2], pool.k[0].shape[3], dtype=pool.k[0].dtype)
+    v_rows = torch.zeros_like(k_rows)
+    for s, (start, q_start, n) in enumerate(plan.segments):
+        length = q_start + n
+        k_rows[start : start + n] = gather_dense(pool.k[0], tree.segments(s), length)[:, q_start:].transpose(0, 1)
+        v_rows[start : start + n] = gather_dense(pool.v[0], tree.segments(s), length)[:, q_start:].transpose(0, 1)
+    return k_rows, v_rows
+
+
+@pytest.mark.parametrize("whole_chunks", [False, True])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("window", [0, 37])
+def test_fresh_prompts_read_the_layers_new_kv_not_the_pool(whole_chunks, packed, window):
+    """Where no sequence has a cached position the keys are the step's own K/V, packed like
+    the queries: with the pool poisoned (NaN) the result still equals the reference on the
+    real pool. With one cached position anywhere the pool is read: new K/V poisoned, still equal."""
+    rng = random.Random(window + packed)
+    tokens = random_token_lists(rng, 7, 123, vocab=3)
+    for q_starts in ([0] * len(tokens), [0] * (len(tokens) - 1) + [5]):
+        pool, tree, plan, q, _ = packed_step(tokens, q_starts, packed=packed, token_granular=not whole_chunks,
+                                             chunk_size=16, num_kv_heads=2, group=3, head_dim=64, dtype=torch.float32)
+        ctx = varlen_of(tree, plan, "cpu", whole_chunks)
+        assert ctx.fresh == (max(q_starts) == 0)
+        new_kv = step_kv(pool, tree, plan, q.shape[0])
+        want = reference.packed_prefill_attention(q, pool.k[0], pool.v[0], plan, 0.125, window)
+        if ctx.fresh:
+            k_cache, v_cache = torch.full_like(pool.k[0], float("nan")), torch.full_like(pool.v[0], float("nan"))
+        else:
+            k_cache, v_cache = pool.k[0], pool.v[0]
+            new_kv = tuple(torch.full_like(x, float("nan")) for x in new_kv)
+        out = packed_prefill_attention_varlen(q, k_cache, v_cache, ctx, 0.125, window, attend=sdpa_varlen,
+                                              new_kv=new_kv)
+        for start, _, n in plan.segments:
+            torch.testing.assert_close(out[start : start + n], want[start : start + n], atol=1e-5, rtol=1e-5)
+
+
 def test_a_context_shorter_than_its_new_tokens_is_refused():
     with pytest.raises(ValueError, match="fewer than"):
         build_varlen_context([[(0, 0, 10)]], [(0, 5, 6)], 16, "cpu")
@@ -97,6 +136,12 @@ def test_the_dispatch_runs_the_cuda_prefill_on_a_gpu_plan(caplog):
     assert gpu_plan.varlen is not None and ops.prefill_backend(q.cuda(), k) == "cuda"
     out = ops.packed_prefill_attention(q.cuda(), k, v, gpu_plan, 0.125)
     want = reference.packed_prefill_attention(q.cuda(), k, v, gpu_plan, 0.125)
+    torch.testing.assert_close(out.float(), want.float(), atol=1.6e-2, rtol=1.6e-2)
+    # fresh prompts: the layer's new K/V are read, not the pool (poisoned here)
+    assert gpu_plan.varlen.fresh
+    new_kv = tuple(x.cuda() for x in step_kv(pool, tree, plan, q.shape[0]))
+    out = ops.packed_prefill_attention(q.cuda(), torch.full_like(k, float("nan")), torch.full_like(v, float("nan")),
+                                       gpu_plan, 0.125, new_kv=new_kv)
     torch.testing.assert_close(out.float(), want.float(), atol=1.6e-2, rtol=1.6e-2)
     with pytest.raises(ValueError, match="built for the CPU"):
         ops.packed_prefill_attention(q.cuda(), k, v, plan, 0.125)

@@ -92,6 +92,7 @@ class ChunkCache(Cache):
         self._builder = StepBuilder(self.tree, self.pool.device, config.num_attention_heads // num_kv_heads)
         self._plan_counters_at_open = (0, 0)
         self._step: ForwardStep | None = None
+        self._new_kv: tuple | None = None  # (step, layer, (K, V)) of the last update, for the CUDA prefill
         self._row_seq_ids: list[int] = []  # generate mode: sequence of each batch row
 
     # ------------------------------------------------------------ engine API
@@ -178,7 +179,7 @@ class ChunkCache(Cache):
         """End the step: commit it if its forward completed, else roll it back, so the
         tree, the pool and the counters are as they were before it (a no-op when no step
         is open, e.g. when it was already ended)."""
-        self._step = None
+        self._step = self._new_kv = None
         if not self.tree.in_step:
             return
         if completed:
@@ -271,7 +272,10 @@ class ChunkCache(Cache):
                 f"the model computes {key_states.dtype} on {key_states.device} but this ChunkCache holds "
                 f"{k_layer.dtype} on {k_layer.device}; create the cache (or engine) after moving the model"
             )
-        dispatch.store_kv(step, k_layer, v_layer, key_states, value_states)
+        new_kv = dispatch.store_kv(step, k_layer, v_layer, key_states, value_states)
+        varlen = step.prefill.varlen if step.prefill is not None else None
+        # the CUDA prefill of fresh prompts reads them from here rather than gathering them back
+        self._new_kv = (step, layer_idx, new_kv) if varlen is not None and varlen.fresh else None
         return key_states, value_states
 
     def attend(self, layer_idx: int, query: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
@@ -280,7 +284,10 @@ class ChunkCache(Cache):
 
         query: [batch, num_heads, q_len, head_dim]; returns [batch, q_len, num_heads, head_dim]
         """
-        return dispatch.attend(self._step, self.pool.k[layer_idx], self.pool.v[layer_idx], query, scale, window)
+        stash = self._new_kv
+        new_kv = stash[2] if stash is not None and stash[0] is self._step and stash[1] == layer_idx else None
+        return dispatch.attend(self._step, self.pool.k[layer_idx], self.pool.v[layer_idx], query, scale, window,
+                               new_kv)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if self._step is not None:

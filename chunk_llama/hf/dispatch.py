@@ -19,27 +19,29 @@ def store_kv(
     v_layer: torch.Tensor,
     key_states: torch.Tensor,
     value_states: torch.Tensor,
-) -> None:
-    """Write the step's new K/V of one layer into their slots.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the step's new K/V of one layer into their slots; returns them flattened,
+    [batch * q_len, num_kv_heads, head_dim] each (the prefill may read them instead of the pool).
 
     k_layer, v_layer: [capacity, num_kv_heads, chunk_size, head_dim]
     key_states, value_states: [batch, num_kv_heads, q_len, head_dim]
     """
     batch, num_kv_heads, q_len, head_dim = key_states.shape
+    flat_k = key_states.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
+    flat_v = value_states.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
     if step.write_token_index.numel():
-        # [batch * q_len, num_kv_heads, head_dim] rows of the tokens to store
-        flat_k = key_states.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
-        flat_v = value_states.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
         k_layer[step.write_chunk, :, step.write_offset] = flat_k[step.write_token_index]
         v_layer[step.write_chunk, :, step.write_offset] = flat_v[step.write_token_index]
+    return flat_k, flat_v
 
 
 def attend(
     step: ForwardStep, k_layer: torch.Tensor, v_layer: torch.Tensor, query: torch.Tensor, scale: float,
-    window: int | None = None,
+    window: int | None = None, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of the step's queries over the cache of one layer (a query sees its
     `window` latest positions on a sliding-window layer; every earlier one if None).
+    new_kv: what `store_kv` returned for this layer in this step, or None.
 
     query: [batch, num_heads, q_len, head_dim]; returns [batch, q_len, num_heads, head_dim]
     """
@@ -54,5 +56,5 @@ def attend(
         return out.to(query.dtype).unsqueeze(1)
     # [batch * q_len, num_heads, head_dim]
     flat_q = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_dim).to(k_layer.dtype)
-    out = packed_prefill_attention(flat_q, k_layer, v_layer, step.prefill, scale, window)
+    out = packed_prefill_attention(flat_q, k_layer, v_layer, step.prefill, scale, window, new_kv)
     return out.view(batch, q_len, num_heads, head_dim).to(query.dtype)

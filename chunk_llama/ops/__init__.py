@@ -162,13 +162,16 @@ def prefill_backend(q: torch.Tensor, k_cache: torch.Tensor) -> str:
 
 def packed_prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan, scale: float,
-    window: int | None = None,
+    window: int | None = None, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of every sequence prefilled in a step over its whole context.
 
     q: [num_q_tokens, num_heads, head_dim], sequence s at rows plan.segments[s][0] ..
     k_cache, v_cache: [capacity, num_kv_heads, chunk_size, head_dim]
     window: the layer's sliding window, or None
+    new_kv: the step's K and V ([num_q_tokens, num_kv_heads, head_dim] each, already in the
+        pool) as the layer computed them; the CUDA prefill reads them instead of gathering
+        from the pool where no sequence has cached positions (the other kernels read the pool)
     returns [num_q_tokens, num_heads, head_dim] (rows of no sequence uninitialised)
     """
     window = check_window(window)
@@ -178,7 +181,7 @@ def packed_prefill_attention(
     if backend == "cuda":
         from chunk_llama.ops.cuda_prefill import packed_prefill_attention_varlen
 
-        return packed_prefill_attention_varlen(q, k_cache, v_cache, plan.varlen, scale, window)
+        return packed_prefill_attention_varlen(q, k_cache, v_cache, plan.varlen, scale, window, new_kv=new_kv)
     if backend == "cpu":
         from chunk_llama.ops.cpu import prefill_attention_cpu
 

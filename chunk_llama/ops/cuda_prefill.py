@@ -6,7 +6,10 @@ its whole context's K/V (cached prefix and new tokens), gathered from the pool b
 index built once per step (`VarlenContext`) and read by every layer. Where every
 sequence's context is whole chunks from slot 0 (the CUDA cache shares by whole chunks)
 the gather copies whole chunks (one index per chunk) and FlashAttention reads only each
-sequence's first `seqused_k` keys of them; otherwise it gathers slot by slot. Causal
+sequence's first `seqused_k` keys of them; otherwise it gathers slot by slot. Where no
+sequence has cached positions (`fresh`: new prompts, the first piece of a long one)
+there is nothing to gather: the keys are the step's own K/V as the layer computed them,
+packed like the queries, the same call stock transformers makes. Causal
 masking is bottom-right aligned (a query at position p sees keys 0 .. p), a sliding
 window goes in as FlashAttention's left window, GQA as its KV-head groups. The gather
 costs one pass over the context's K/V per layer, memory linear in the step's context,
@@ -16,6 +19,7 @@ save that pass (not built yet).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -34,6 +38,9 @@ class VarlenContext:
         None when the sequences' rows are already 0 .. total_queries - 1 in order
     cu_q, cu_k: [num_seqs + 1] int32 offsets of each sequence's queries and keys
     max_q, max_k: the longest sequence's query and key counts; total_q: all queries
+    fresh: no sequence has a cached position: its keys are its new tokens, packed as the
+        queries (cu_k == cu_q), which `packed_prefill_attention_varlen` reads from the
+        layer's new K/V when it is given them instead of gathering
     """
 
     kv_chunk: torch.Tensor
@@ -45,6 +52,7 @@ class VarlenContext:
     max_q: int
     max_k: int
     total_q: int
+    fresh: bool = False
 
 
 def build_varlen_context(kv_segments: list[list[tuple[int, int, int]]], segments: list[tuple[int, int, int]],
@@ -91,7 +99,7 @@ def build_varlen_context(kv_segments: list[list[tuple[int, int, int]]], segments
         kv_chunk=kv_chunk.to(device), kv_slot=kv_slot, seqused_k=seqused_k,
         q_rows=None if identity else torch.tensor(q_rows, dtype=torch.long).to(device),
         cu_q=as_int(cu_q), cu_k=as_int(cu_k), max_q=max((n for *_, n in segments), default=0),
-        max_k=max(padded, default=0), total_q=cu_q[-1],
+        max_k=max(padded, default=0), total_q=cu_q[-1], fresh=all(q_start == 0 for _, q_start, _ in segments),
     )
 
 
@@ -148,19 +156,26 @@ def sdpa_varlen(q, k, v, ctx: VarlenContext, scale: float, window: int) -> torch
 
 def packed_prefill_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                     ctx: VarlenContext, scale: float, window: int = 0,
-                                    attend=flash_varlen) -> torch.Tensor:
+                                    attend=flash_varlen, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+                                    ) -> torch.Tensor:
     """`ops.packed_prefill_attention` through a varlen kernel (`attend`) over the gathered contexts.
 
     q: [num_q_tokens, num_heads, head_dim]; k_cache, v_cache: [capacity, num_kv_heads, chunk_size, head_dim]
+    new_kv: K and V of the step's tokens, [num_q_tokens, num_kv_heads, head_dim] each, as the
+        layer computed them (and stored them in the pool): read instead of the pool when
+        `ctx.fresh`; None: always gather
     returns [num_q_tokens, num_heads, head_dim] (rows of no sequence uninitialised)
     """
-    # [capacity, chunk_size, num_kv_heads, head_dim] views; gathered: [total_keys, num_kv_heads, head_dim]
-    k_slots, v_slots = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
-    if ctx.kv_slot is None:
-        k, v = k_slots[ctx.kv_chunk].flatten(0, 1), v_slots[ctx.kv_chunk].flatten(0, 1)
+    pack = (lambda x: x[: ctx.total_q]) if ctx.q_rows is None else (lambda x: x[ctx.q_rows])  # noqa: E731
+    if ctx.fresh and new_kv is not None:
+        k, v = pack(new_kv[0]), pack(new_kv[1])  # [total_q, num_kv_heads, head_dim]
+        ctx = dataclasses.replace(ctx, cu_k=ctx.cu_q, max_k=ctx.max_q, seqused_k=None)
+    elif ctx.kv_slot is None:
+        # [capacity, chunk_size, num_kv_heads, head_dim] views; gathered: [total_keys, num_kv_heads, head_dim]
+        k, v = k_cache.transpose(1, 2)[ctx.kv_chunk].flatten(0, 1), v_cache.transpose(1, 2)[ctx.kv_chunk].flatten(0, 1)
     else:
-        k, v = k_slots[ctx.kv_chunk, ctx.kv_slot], v_slots[ctx.kv_chunk, ctx.kv_slot]
-    packed_q = q[: ctx.total_q] if ctx.q_rows is None else q[ctx.q_rows]
+        k, v = k_cache.transpose(1, 2)[ctx.kv_chunk, ctx.kv_slot], v_cache.transpose(1, 2)[ctx.kv_chunk, ctx.kv_slot]
+    packed_q = pack(q)
     out = attend(packed_q.contiguous(), k, v, ctx, scale, window)
     if ctx.q_rows is None and ctx.total_q == q.shape[0]:
         return out
