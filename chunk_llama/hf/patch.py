@@ -20,6 +20,7 @@ from chunk_llama.hf import attention
 from chunk_llama.hf.cache import ChunkCache
 from chunk_llama.models import check_dtype, check_supported
 from chunk_llama.ops import linear
+from chunk_llama.ops.jit import frozen_settings
 
 
 def _linear_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -39,11 +40,12 @@ def _chunk_forward(original_forward, *args, **kwargs):
     owns_step = not cache.in_step
     attention.enter_chunk_forward()
     try:
-        if owns_step:
-            cache.begin_rows(kwargs.get("input_ids"), kwargs.get("attention_mask"))
-        kwargs["attention_mask"] = None  # the tree implies the mask
-        kwargs["chunk_cache"] = cache
-        output = original_forward(**kwargs)
+        with frozen_settings():  # the kernels' settings, read once for all layers
+            if owns_step:
+                cache.begin_rows(kwargs.get("input_ids"), kwargs.get("attention_mask"))
+            kwargs["attention_mask"] = None  # the tree implies the mask
+            kwargs["chunk_cache"] = cache
+            output = original_forward(**kwargs)
     except BaseException:
         if owns_step:
             cache.end_step(completed=False)

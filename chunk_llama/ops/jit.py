@@ -21,10 +21,12 @@ reason, and the caller falls back to the reference.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -39,8 +41,37 @@ _modules: dict[str, object] = {}
 _failures: dict[str, str] = {}
 
 
+_frozen = threading.local()
+
+
+def setting(name: str, default: str = "") -> str:
+    """Environment variable `name`: read once per `frozen_settings` block in this thread
+    (a forward consults the kernel settings hundreds of times), else read now."""
+    values = getattr(_frozen, "values", None)
+    if values is None:
+        return os.environ.get(name, default)
+    key = (name, default)
+    if key not in values:
+        values[key] = os.environ.get(name, default)
+    return values[key]
+
+
+@contextlib.contextmanager
+def frozen_settings():
+    """Within the block (a model forward), `setting` reads each variable once: a change
+    takes effect at the next block."""
+    outer = getattr(_frozen, "values", None)
+    if outer is None:
+        _frozen.values = {}
+    try:
+        yield
+    finally:
+        if outer is None:
+            _frozen.values = None
+
+
 def force_reference() -> bool:
-    return os.environ.get("CHUNK_LLAMA_FORCE_REFERENCE", "") not in ("", "0")
+    return setting("CHUNK_LLAMA_FORCE_REFERENCE") not in ("", "0")
 
 
 def cache_dir() -> Path:

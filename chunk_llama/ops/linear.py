@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import platform
 
 import torch
 import torch.nn.functional as F
+
+from chunk_llama.ops import isa
+from chunk_llama.ops.cpu import build
+from chunk_llama.ops.jit import force_reference, setting
 
 logger = logging.getLogger(__name__)
 ENV = "CHUNK_LLAMA_LINEAR"
@@ -40,7 +43,7 @@ SMALL_ROWS = 128
 @functools.cache
 def _chosen() -> bool:
     """Whether chunk-llama's paths may run (not CHUNK_LLAMA_LINEAR=torch, an x86-64 CPU)."""
-    choice = os.environ.get(ENV, "auto")
+    choice = setting(ENV, "auto")
     if choice not in ("auto", "torch"):
         raise ValueError(f"{ENV} must be auto or torch, got {choice!r}")
     return choice == "auto" and platform.machine().lower() in ("x86_64", "amd64")
@@ -68,14 +71,13 @@ def _onednn(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 
 def _small_linear():
     """The CPU kernel's op and variant, or None when the kernel does not run here."""
-    from chunk_llama.ops import isa
-    from chunk_llama.ops.cpu import build
-    from chunk_llama.ops.jit import force_reference
+    return None if force_reference() else _small_linear_of(isa.selected_variant())
 
-    if force_reference():
-        return None
-    module = build()
-    return None if module is None else functools.partial(module.small_linear, isa=isa.selected_variant())
+
+@functools.cache
+def _small_linear_of(variant: str):
+    module = build()  # None for good: a build that failed is not retried in this process
+    return None if module is None else functools.partial(module.small_linear, isa=variant)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
