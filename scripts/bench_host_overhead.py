@@ -12,25 +12,13 @@ sequence; stock: one forward of one token per sequence on a DynamicCache (SDPA);
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from bench_decode_step import median_ms
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import chunk_llama
 from chunk_llama import ChunkCache
-
-
-def median_ms(fn, repeat: int) -> float:
-    fn()
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 @torch.no_grad()

@@ -162,11 +162,9 @@ def shared_prefix_table(args) -> None:
     rows = [run_shared_case(g, args.num_seqs, args.prefix, suffix, args.chunk_size, args.repeat)
             for g in GRID for suffix in args.suffixes]
     gflops_mm = matmul_gflops()
-    print(f"# CPU: {isa.describe_host()}; variant {isa.selected_variant()}; {torch.get_num_threads()} threads; "
-          f"fp32 matmul {gflops_mm:.0f} GFLOP/s; chunk size {args.chunk_size}; ms = min / median of {args.repeat}")
-    print("| geometry (H/KV, d) | sequences x new tokens | shared prefix | context ms | per sequence ms | SDPA ms "
-          "| context vs per sequence | context vs SDPA | context GFLOP/s | x floor | max abs err |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print_head(f"{gflops_mm:.0f} GFLOP/s", args, ["geometry (H/KV, d)", "sequences x new tokens", "shared prefix",
+               "context ms", "per sequence ms", "SDPA ms", "context vs per sequence", "context vs SDPA",
+               "context GFLOP/s", "x floor", "max abs err"])
     for row in rows:
         h, kv, d = GEOMETRIES[row["geometry"]]
         ms = statistics.median(row["context"])
@@ -174,6 +172,14 @@ def shared_prefix_table(args) -> None:
               f"{fmt(row['context'])} | {fmt(row['per sequence'])} | {fmt(row['sdpa'])} | "
               f"{statistics.median(row['per sequence']) / ms:.2f}x | {statistics.median(row['sdpa']) / ms:.2f}x | "
               f"{row['flops'] / ms / 1e6:.0f} | {ms / (row['flops'] / gflops_mm / 1e6):.2f} | {row['error']:.1e} |")
+
+
+def print_head(matmul_rate: str, args, columns: list[str]) -> None:
+    """The machine line and a markdown table's header."""
+    print(f"# CPU: {isa.describe_host()}; variant {isa.selected_variant()}; {torch.get_num_threads()} threads; "
+          f"fp32 matmul {matmul_rate}; chunk size {args.chunk_size}; ms = min / median of {args.repeat}")
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
 
 
 def fmt(times: list[float] | None) -> str:
@@ -215,12 +221,9 @@ def main() -> None:
         rates.append(matmul_gflops())
         print(f"# done: {geometry} {new} new, {cached} cached", file=sys.stderr, flush=True)
     gflops_mm = max(rates)
-    print(f"# CPU: {isa.describe_host()}; variant {isa.selected_variant()}; {torch.get_num_threads()} threads; "
-          f"fp32 matmul {gflops_mm:.0f} GFLOP/s (best of {len(rates)}, lowest {min(rates):.0f}); chunk size "
-          f"{args.chunk_size}; ms = min / median of {args.repeat}")
-    print("| geometry (H/KV, d) | new tokens | cached | kernel ms | SDPA causal ms | reference ms | kernel vs SDPA "
-          "| kernel GFLOP/s | floor ms | x floor | max abs err |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print_head(f"{gflops_mm:.0f} GFLOP/s (best of {len(rates)}, lowest {min(rates):.0f})", args,
+               ["geometry (H/KV, d)", "new tokens", "cached", "kernel ms", "SDPA causal ms", "reference ms",
+                "kernel vs SDPA", "kernel GFLOP/s", "floor ms", "x floor", "max abs err"])
     for row in rows:
         h, kv, d = GEOMETRIES[row["geometry"]]
         kernel_ms = statistics.median(row["kernel"])
