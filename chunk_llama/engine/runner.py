@@ -31,6 +31,7 @@ from chunk_llama.engine.sampler import select_tokens
 from chunk_llama.engine.scheduler import PrefillWork, Scheduler
 from chunk_llama.engine.text import advance_text, hit_stop_string
 from chunk_llama.hf import ChunkCache
+from chunk_llama.hf.compat import cache_argument
 from chunk_llama.kv import KVCacheFull
 
 
@@ -43,6 +44,7 @@ class ModelRunner:
         self.scheduler = scheduler
         self.inputs = inputs
         self.device = model.device
+        self.cache_argument = cache_argument(model)
         self.peak_batch_size = 0
         self.peak_unshared_chunks = 0  # what the live sequences would hold with no sharing
         self.counters = dict(prefill_tokens_computed=0, prefill_tokens_reused=0, decode_steps=0, prefill_steps=0)
@@ -150,9 +152,9 @@ class ModelRunner:
         return self.model(
             input_ids=input_ids,
             position_ids=position_ids,
-            past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=logits_to_keep,
+            **{self.cache_argument: self.cache},
         ).logits
 
     @staticmethod

@@ -16,7 +16,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from chunk_llama.hf import attention
+from chunk_llama.hf import attention, compat
 from chunk_llama.hf.cache import ChunkCache
 from chunk_llama.models import check_dtype, check_supported
 from chunk_llama.ops import linear
@@ -30,7 +30,7 @@ def _linear_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk_forward(original_forward, *args, **kwargs):
-    cache = kwargs.get("past_key_values")
+    cache = compat.cache_from(kwargs)
     if not isinstance(cache, ChunkCache):
         return original_forward(*args, **kwargs)
     if args:
