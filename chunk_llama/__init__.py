@@ -6,9 +6,10 @@ from chunk_llama.hf import ChunkCache, patch_model
 from chunk_llama.kv import KVCacheFull
 from chunk_llama.models import load_default_model, load_model
 
-__version__ = "0.1.0"
+from chunk_llama.version import __version__
 
 __all__ = [
+    "__version__",
     "ChunkCache",
     "ChunkLlamaEngine",
     "KVCacheFull",

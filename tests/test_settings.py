@@ -1,35 +1,76 @@
-"""Kernel settings read from the environment: once per model forward (`frozen_settings`),
-at every call outside one."""
+"""One set of engine options (`settings.EngineArgs`) for every command: flags, help, environment."""
 
-import threading
+import subprocess
+import sys
 
-from chunk_llama.ops import isa
-from chunk_llama.ops.jit import force_reference, frozen_settings, setting
+import pytest
+import torch
 
-
-def test_a_forward_reads_each_setting_once_and_the_next_one_sees_a_change(monkeypatch):
-    monkeypatch.setenv("CHUNK_LLAMA_FORCE_REFERENCE", "0")
-    with frozen_settings():
-        assert not force_reference()
-        monkeypatch.setenv("CHUNK_LLAMA_FORCE_REFERENCE", "1")
-        assert not force_reference()  # the block's value
-        with frozen_settings():  # nested (a forward inside a forward): the outer block's values
-            assert not force_reference()
-        seen_elsewhere = []
-        thread = threading.Thread(target=lambda: seen_elsewhere.append(force_reference()))
-        thread.start()
-        thread.join()
-        assert seen_elsewhere == [True]  # another thread is not inside this block
-    assert force_reference()  # outside any block: read at once
-    with frozen_settings():
-        assert force_reference()
+from chunk_llama import __version__
+from chunk_llama.cli import build_parser
+from chunk_llama.models import resolve_device, resolve_dtype
+from chunk_llama.settings import EngineArgs, UsageError, from_namespace
 
 
-def test_settings_keep_their_defaults_and_the_variant_follows(monkeypatch):
-    monkeypatch.delenv(isa.ENV, raising=False)
-    with frozen_settings():
-        assert setting("CHUNK_LLAMA_NOT_SET", "fallback") == "fallback"
-        assert setting("CHUNK_LLAMA_NOT_SET") == ""
-        assert isa.selected_variant() == isa.host_variants()[0]
-    monkeypatch.setenv(isa.ENV, "generic")
-    assert isa.selected_variant() == "generic"
+@pytest.mark.parametrize("command", ["generate", "serve", "eval"])
+def test_every_command_takes_the_engine_options(command):
+    extra = ["--output", "out"] if command == "eval" else []
+    args = build_parser().parse_args([command, "--max-batch-size", "4", "--chunk-size", "32", "--kv-cache-bytes",
+                                      "1000000", "--max-prefill-tokens", "256", "--no-prefix-caching", "--dtype",
+                                      "bfloat16", "--device", "cpu", *extra])
+    engine = from_namespace(EngineArgs, args)
+    assert engine == EngineArgs(device="cpu", dtype="bfloat16", max_batch_size=4, chunk_size=32,
+                                kv_cache_bytes=1000000, max_prefill_tokens=256, prefix_caching=False)
+    assert engine.engine_kwargs() == dict(max_batch_size=4, chunk_size=32, kv_cache_bytes=1000000,
+                                          max_prefill_tokens=256, retain_prefixes=False)
+
+
+def test_defaults_equal_the_dataclass_and_the_environment_overrides_them(monkeypatch):
+    args = build_parser().parse_args(["serve"])
+    assert from_namespace(EngineArgs, args) == EngineArgs()
+    assert (args.host, args.port) == ("127.0.0.1", 8000)
+    monkeypatch.setenv("CHUNK_LLAMA_MAX_BATCH_SIZE", "7")
+    monkeypatch.setenv("CHUNK_LLAMA_PREFIX_CACHING", "false")
+    monkeypatch.setenv("CHUNK_LLAMA_PORT", "9001")
+    args = build_parser().parse_args(["serve"])
+    assert (args.max_batch_size, args.prefix_caching, args.port) == (7, False, 9001)
+    assert build_parser().parse_args(["serve", "--max-batch-size", "3"]).max_batch_size == 3  # the flag wins
+    monkeypatch.setenv("CHUNK_LLAMA_PORT", "eighty")
+    with pytest.raises(SystemExit, match="CHUNK_LLAMA_PORT='eighty' is not a valid int"):
+        build_parser()
+
+
+def test_help_shows_defaults_and_environment_names_and_version():
+    run = lambda *a: subprocess.run([sys.executable, "-m", "chunk_llama.cli", *a], capture_output=True, text=True,
+                                    timeout=120)
+    help_text = run("serve", "--help").stdout
+    for text in ("--max-batch-size", "(default: 32)", "CHUNK_LLAMA_MAX_BATCH_SIZE", "--no-prefix-caching",
+                 "--device", "(default: auto)", "--port"):
+        assert text in help_text, text
+    assert run("--version").stdout.strip() == f"chunk-llama {__version__}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a GPU where torch sees none")
+def test_a_gpu_that_is_not_there_is_one_line_and_exit_code_2():
+    with pytest.raises(UsageError, match="sees no CUDA GPU"):
+        resolve_device("cuda:0")
+    done = subprocess.run([sys.executable, "-m", "chunk_llama.cli", "generate", "--device", "cuda"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"chunk-llama generate: error: device 'cuda' was asked for, but this torch ({torch.__version__}) sees no "
+        "CUDA GPU; use --device cpu (or auto)"]
+
+
+def test_device_and_dtype_resolution():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="device must be"):
+        resolve_device("tpu")
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+    assert resolve_dtype(torch.float16, torch.device("cpu")) == torch.float16
+    with pytest.raises(ValueError, match="dtype"):
+        resolve_dtype("float64", torch.device("cpu"))
+    with pytest.raises(ValueError, match="dtype"):
+        resolve_dtype("int8", torch.device("cpu"))

@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from transformers import GenerationConfig
 
 from chunk_llama.engine.inputs import InputProcessor, positive_int
@@ -29,7 +30,7 @@ from chunk_llama.engine.request import RequestDelta, RequestOutput, Sequence
 from chunk_llama.engine.runner import ModelRunner
 from chunk_llama.engine.scheduler import Scheduler
 from chunk_llama.hf import ChunkCache, is_patched, patch_model
-from chunk_llama.ops import backend_info, linear, prepare_backend
+from chunk_llama.ops import backend_info, isa, linear, prepare_backend
 
 
 class ChunkLlamaEngine:
@@ -258,6 +259,18 @@ class ChunkLlamaEngine:
             attention_fallback_reason=backend["reason"],
             linear_backend=linear.backend(pool.dtype, pool.device),
         )
+
+    def describe(self) -> str:
+        """One line for a start-up log: device, dtype, kernels and the KV pool."""
+        stats, pool = self.stats, self.cache.pool
+        device = pool.device
+        where = torch.cuda.get_device_name(device) if device.type == "cuda" else isa.describe_host()
+        attention = stats["attention_backend"]
+        if stats["attention_fallback_reason"]:
+            attention += f" ({stats['attention_fallback_reason']})"
+        return (f"chunk-llama: {device} ({where}), {str(pool.dtype).removeprefix('torch.')}; attention: {attention}; "
+                f"linear layers: {stats['linear_backend']}; KV pool {pool.capacity * pool.bytes_per_chunk / 2**30:.2f} "
+                f"GiB ({pool.capacity} chunks of {pool.chunk_size} tokens)")
 
     def reset_peaks(self) -> None:
         """Start the peak figures of `stats` over from the current state."""

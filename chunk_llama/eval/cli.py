@@ -12,26 +12,27 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass
 
-# every --model of the command line (chunk_llama.cli imports it from here)
-MODEL_HELP = ("a .gguf file, a local folder, a hub id or 'gemma3-270m' (Gemma 3 270M from PyPI); "
-              "default: SmolLM2-135M-Instruct")
+from chunk_llama.settings import EngineArgs, HelpFormatter, add_arguments, from_namespace, option, run_command
+
+
+@dataclass
+class EvalArgs:
+    """The prompt set and where results go."""
+
+    output: str | None = option(None, "output folder (re-running resumes)", required=True)
+    data: str = option("toolqa", "'toolqa' (shipped), a JSONL/CSV/Parquet file or a dataset folder")
+    apps: list[str] | None = option(None, "only these applications")
+    limit: int | None = option(None, "at most N questions per application")
+    max_new_tokens: int = option(64, "most new tokens per answer")
+    check_parity: int = option(0, "also run N requests with stock transformers generate and compare tokens",
+                               metavar="N")
 
 
 def add_eval_parser(sub) -> None:
-    ev = sub.add_parser("eval", help="evaluate a prompt set (ToolQA-style by default)")
-    ev.add_argument("--data", default="toolqa", help="'toolqa' (shipped), a JSONL/CSV/Parquet file or a dataset folder")
-    ev.add_argument("--apps", nargs="+", help="only these applications")
-    ev.add_argument("--limit", type=int, help="at most N questions per application")
-    ev.add_argument("--model", help=MODEL_HELP)
-    ev.add_argument("--max-new-tokens", type=int, default=64)
-    ev.add_argument("--max-batch-size", type=int, default=32)
-    ev.add_argument("--chunk-size", type=int, default=64)
-    ev.add_argument("--kv-cache-bytes", type=int)
-    ev.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ev.add_argument("--check-parity", type=int, default=0, metavar="N",
-                    help="also run N requests with stock transformers generate and compare tokens")
-    ev.add_argument("--output", required=True, help="output folder (re-running resumes)")
+    ev = sub.add_parser("eval", help="evaluate a prompt set (ToolQA-style by default)", formatter_class=HelpFormatter)
+    add_arguments(ev, EngineArgs, EvalArgs)
     ev.set_defaults(func=cmd_eval)
 
 
@@ -41,19 +42,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from chunk_llama.eval import EvalConfig, load_prompt_set, run_eval
     from chunk_llama.eval.summary import render_markdown
-    from chunk_llama.models import load_model
 
-    on_cpu = not torch.cuda.is_available()
+    engine_args, args = from_namespace(EngineArgs, args), from_namespace(EvalArgs, args)
+    on_cpu = engine_args.device == "cpu" or (engine_args.device == "auto" and not torch.cuda.is_available())
     state = PartialState(cpu=on_cpu)  # several CPU processes: gloo
     if on_cpu and state.num_processes > 1:  # share the cores instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // state.num_processes))
+    if not on_cpu and engine_args.device in ("auto", "cuda"):
+        engine_args.device = str(state.device)  # each process its own GPU
     dataset = load_prompt_set(args.data, apps=args.apps, limit=args.limit)
-    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
-    if not on_cpu:
-        model.to(state.device)
+    model, tokenizer = engine_args.load()
     config = EvalConfig(output_dir=args.output, max_new_tokens=args.max_new_tokens, check_parity=args.check_parity,
-                        max_batch_size=args.max_batch_size, kv_cache_bytes=args.kv_cache_bytes,
-                        chunk_size=args.chunk_size)
+                        engine=engine_args)
     summary = run_eval(model, tokenizer, dataset, config, rank=state.process_index,
                        num_processes=state.num_processes, barrier=state.wait_for_everyone)
     if summary is not None:
@@ -63,8 +63,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="eval_toolqa", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="eval_toolqa", description=__doc__, formatter_class=HelpFormatter)
     add_eval_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["eval", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
+    return run_command(parser, parser.parse_args(["eval", *(sys.argv[1:] if argv is None else argv)]))

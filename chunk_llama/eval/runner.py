@@ -25,13 +25,12 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import datasets
 from accelerate.utils import gather_object
 from transformers import GenerationConfig
 
-from chunk_llama.engine import ChunkLlamaEngine
 from chunk_llama.eval.data import prompt_ids, shared_prefix_lengths
 from chunk_llama.eval.ordering import compare_orders, shard_by_app
 from chunk_llama.eval.parity import count_equal, parity_sample
@@ -39,6 +38,7 @@ from chunk_llama.eval.records import (REQUIRED_FIELDS, STEMS, append_record, exi
                                       merge_results, merge_runs, read_jsonl, repair, write_jsonl)
 from chunk_llama.eval.scoring import extract_tool_call, is_correct
 from chunk_llama.eval.summary import summarize, write_summary
+from chunk_llama.settings import EngineArgs
 
 __all__ = ["EvalConfig", "run_eval", "prompt_ids"]
 
@@ -46,14 +46,13 @@ __all__ = ["EvalConfig", "run_eval", "prompt_ids"]
 @dataclass
 class EvalConfig:
     """output_dir: where results go; check_parity: how many requests to also run
-    with stock transformers `generate` and compare token for token."""
+    with stock transformers `generate` and compare token for token; engine: the
+    engine's options (its model, device and dtype fields are the caller's business)."""
 
     output_dir: str
     max_new_tokens: int = 64
     check_parity: int = 0
-    max_batch_size: int = 32
-    kv_cache_bytes: int | None = None
-    chunk_size: int = 64
+    engine: EngineArgs = field(default_factory=EngineArgs)
     progress: bool = True
 
 
@@ -85,8 +84,7 @@ def run_eval(model, tokenizer, dataset: datasets.Dataset, config: EvalConfig, *,
     done = _done_ids(output_dir)
     mine = set(shards[rank])
     todo = [r for r in rows if r["id"] in mine and r["id"] not in done]
-    engine = ChunkLlamaEngine(model, tokenizer, max_batch_size=config.max_batch_size,
-                              chunk_size=config.chunk_size, kv_cache_bytes=config.kv_cache_bytes)
+    engine = config.engine.build_engine(model, tokenizer)
     gen_config = GenerationConfig(max_new_tokens=config.max_new_tokens, do_sample=False)
     parity_ids = set(parity_sample([r["id"] for r in rows], config.check_parity))
     bar = None
@@ -113,7 +111,7 @@ def run_eval(model, tokenizer, dataset: datasets.Dataset, config: EvalConfig, *,
     if rank == 0:
         merged = _merge(output_dir, parts, owned)
         ordering = compare_orders(shards, {r["id"]: r["app"] for r in rows}, prompts, capacity=capacity,
-                                  chunk_size=config.chunk_size, max_batch_size=config.max_batch_size,
+                                  chunk_size=config.engine.chunk_size, max_batch_size=config.engine.max_batch_size,
                                   max_new_tokens=config.max_new_tokens)
         summary = summarize(merged["results"], merged["runs"], ordering, num_processes)
         write_summary(output_dir, summary)

@@ -7,6 +7,8 @@ import signal
 import sys
 import threading
 
+from chunk_llama.settings import EngineArgs
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -21,43 +23,28 @@ def model_name_for(path: str | None) -> str:
     return path
 
 
-def serve(
-    model: str | None = None,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    max_batch_size: int = 32,
-    kv_cache_bytes: int | None = None,
-    dtype: str = "float32",
-    chunk_size: int | None = None,
-    log_level: str = "info",
-) -> None:
-    """Load `model` (a .gguf file, a folder or a hub id; None: the default model) and serve
-    it on http://host:port until interrupted."""
-    import torch
+def serve(engine_args: EngineArgs | None = None, *, host: str = "127.0.0.1", port: int = 8000,
+          log_level: str = "info") -> None:
+    """Load the model `engine_args` name (None: the default model, its defaults) and serve it
+    on http://host:port until interrupted."""
     import uvicorn
 
-    from chunk_llama import ChunkLlamaEngine, load_model
     from chunk_llama.server.app import create_app
 
+    engine_args = engine_args or EngineArgs()
+    model = engine_args.model
     name = model_name_for(model)
-    print(f"loading {model or 'the default model (' + DEFAULT_MODEL_NAME + ')'} ...", file=sys.stderr)
-    loaded, tokenizer = load_model(model, dtype=getattr(torch, dtype))
+    loaded, tokenizer = engine_args.load()
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
         print(
             "warning: the tokenizer has no chat template: /v1/chat/completions will refuse requests",
             file=sys.stderr,
         )
-    engine = ChunkLlamaEngine(
-        loaded, tokenizer, max_batch_size=max_batch_size, chunk_size=chunk_size, kv_cache_bytes=kv_cache_bytes
-    )
+    engine = engine_args.build_engine(loaded, tokenizer)
     aliases = (model,) if model is not None and model != name else ()
     app = create_app(engine, name, aliases=aliases, loop_thread=False)
-    print(
-        f"serving {name!r} on http://{host}:{port}/v1 (attention: {engine.stats['attention_backend']}, "
-        f"linear layers: {engine.stats['linear_backend']})",
-        file=sys.stderr,
-    )
+    print(engine.describe(), file=sys.stderr)
+    print(f"serving {name!r} on http://{host}:{port}/v1", file=sys.stderr)
     # The engine steps in this thread, which made the model's OpenMP teams (see
     # server/loop.py); uvicorn serves from another and ends the loop when it stops.
     loop = app.state.loop

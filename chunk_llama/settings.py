@@ -1,0 +1,149 @@
+"""The engine's options, declared once (`EngineArgs`) for Python and every command.
+
+`chunk-llama generate`, `serve` and `eval` build their parsers from dataclasses with
+`add_arguments`: one flag per field (`max_batch_size` -> `--max-batch-size`), its help
+and default from the field, booleans as `--x/--no-x`, and each flag's default also
+read from an environment variable (`CHUNK_LLAMA_MAX_BATCH_SIZE=8`), so a deployment
+configures the server without a command line. A small builder rather than
+transformers' `HfArgumentParser`: that one lists every flag twice (`--max_batch_size,
+--max-batch-size`) and reads no environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+
+ENV_PREFIX = "CHUNK_LLAMA_"
+DEVICES_HELP = "auto (the first CUDA GPU if there is one, else the CPU), cpu, cuda or cuda:N"
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+MODEL_HELP = ("a .gguf file, a local folder, a hub id or 'gemma3-270m' (Gemma 3 270M from PyPI); "
+              "default: SmolLM2-135M-Instruct")
+
+
+class UsageError(ValueError):
+    """A setting this machine cannot honour (a GPU where torch sees none): the commands print
+    it as one line and exit with code 2."""
+
+
+def option(default, help: str, **argparse_kwargs):
+    """A dataclass field that is also a command-line flag (`choices`, `metavar`, `nargs`...)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **argparse_kwargs})
+    return field(default=default, metadata={"help": help, **argparse_kwargs})
+
+
+@dataclass
+class EngineArgs:
+    """What `ChunkLlamaEngine` and the model loader take, for every front end."""
+
+    model: str | None = option(None, MODEL_HELP)
+    device: str = option("auto", DEVICES_HELP)
+    dtype: str = option("auto", "the model's and the KV cache's dtype; auto: bfloat16 on a GPU (float16 where "
+                                "bfloat16 is not supported), float32 on the CPU", choices=DTYPE_CHOICES)
+    max_batch_size: int = option(32, "most sequences decoded at once")
+    chunk_size: int = option(64, "tokens per KV chunk")
+    kv_cache_bytes: int | None = option(None, "K/V budget of all layers in bytes (default: from free memory)")
+    max_prefill_tokens: int = option(1024, "most uncached prompt tokens computed in one step; longer prompts "
+                                           "are prefilled in pieces between decode steps")
+    prefix_caching: bool = option(True, "keep finished requests' chunks as a prefix cache "
+                                        "(--no-prefix-caching frees them at once)")
+
+    def engine_kwargs(self) -> dict:
+        """The keyword arguments of `ChunkLlamaEngine` these settings give."""
+        return dict(max_batch_size=self.max_batch_size, chunk_size=self.chunk_size,
+                    kv_cache_bytes=self.kv_cache_bytes, max_prefill_tokens=self.max_prefill_tokens,
+                    retain_prefixes=self.prefix_caching)
+
+    def load(self, announce: bool = True):
+        """(model, tokenizer) on the chosen device and dtype (`models.load_model`); `announce`:
+        say what is loaded where on stderr (after the device and dtype were checked)."""
+        from chunk_llama.models import load_model, resolve_device, resolve_dtype
+
+        device = resolve_device(self.device)
+        dtype = resolve_dtype(self.dtype, device)
+        if announce:
+            name = self.model or "the default model (SmolLM2-135M-Instruct)"
+            print(f"loading {name} on {device} in {str(dtype).removeprefix('torch.')} ...", file=sys.stderr)
+        return load_model(self.model, device=device, dtype=dtype)
+
+    def build_engine(self, model, tokenizer):
+        from chunk_llama.engine import ChunkLlamaEngine
+
+        return ChunkLlamaEngine(model, tokenizer, **self.engine_kwargs())
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _field_type(tp):
+    """The scalar type of a field (`int | None` -> int), and whether it is a list."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _field_type(args[0])
+    if origin is list:
+        return typing.get_args(tp)[0], True
+    return tp, False
+
+
+def _from_env(name: str, kind, is_list: bool, default):
+    raw = os.environ.get(ENV_PREFIX + name.upper())
+    if raw is None:
+        return default
+    try:
+        if kind is bool:
+            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(raw)
+            return raw.lower() in ("1", "true", "yes")
+        return [kind(x) for x in raw.split(",")] if is_list else kind(raw)
+    except ValueError:
+        raise SystemExit(f"error: {ENV_PREFIX}{name.upper()}={raw!r} is not a valid {kind.__name__}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser, *classes: type) -> None:
+    """One flag per field of each dataclass in `classes`, grouped by class."""
+    hints = {}
+    for cls in classes:
+        hints.update(typing.get_type_hints(cls))
+        group = parser.add_argument_group(cls.__name__, (cls.__doc__ or "").strip().splitlines()[0])
+        for f in dataclasses.fields(cls):
+            kind, is_list = _field_type(hints[f.name])
+            meta = dict(f.metadata)
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            default = _from_env(f.name, kind, is_list, default)
+            env = f"env {ENV_PREFIX}{f.name.upper()}"
+            if kind is bool:
+                group.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=default,
+                                   help=f"{meta.pop('help')} ({env})")
+                continue
+            help_text = f"{meta.pop('help')} ({env})"
+            if is_list:
+                meta.setdefault("nargs", "+")
+            required = meta.pop("required", False) and default is None
+            group.add_argument(_flag(f.name), type=kind, default=default, help=help_text, required=required,
+                               **meta)
+
+
+def from_namespace(cls, namespace: argparse.Namespace):
+    """The dataclass `cls` from parsed arguments (its fields only)."""
+    return cls(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)})
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown after each flag's help; descriptions kept as written."""
+
+
+def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """`args.func(args)`; a `UsageError` (a device this machine lacks) ends it with one line
+    on stderr and exit code 2, as argparse ends a bad flag."""
+    try:
+        return args.func(args)
+    except UsageError as error:
+        parser.exit(2, f"{parser.prog} {args.command}: error: {error}\n")
