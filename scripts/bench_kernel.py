@@ -40,7 +40,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from chunk_llama.kv import ChunkPool, PrefixTree, build_decode_plan  # noqa: E402
+from chunk_llama.kv import ChunkPool, PrefixTree  # noqa: E402
+from chunk_llama.step import build_decode_plan  # noqa: E402
 from chunk_llama.ops import reference  # noqa: E402
 
 

@@ -39,7 +39,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from chunk_llama.ops import build_prefill_plan, isa, linear, prepare_backend, reference  # noqa: E402
+from chunk_llama.ops import isa, linear, prepare_backend, reference  # noqa: E402
+from chunk_llama.step import build_prefill_plan  # noqa: E402
 from chunk_llama.ops.cpu import prefill_attention_cpu  # noqa: E402
 
 # query heads, KV heads, head dim

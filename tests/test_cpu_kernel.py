@@ -7,11 +7,9 @@ import pytest
 import torch
 from helpers import assert_decode_matches, check_native_kernel, make_tree, random_token_lists
 
-from chunk_llama.kv import build_decode_plan
+from chunk_llama.step import build_decode_plan
 from chunk_llama.ops import isa
 
-# bf16: storage rounding of K/V/Q is shared with the reference; the output is rounded once more
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 
 
 def _variant_params():
@@ -33,7 +31,7 @@ def variant(request, monkeypatch):
 
 
 def check(tokens, **case):
-    return check_native_kernel(tokens, backend="cpu", tolerance=TOLERANCE, **case)
+    return check_native_kernel(tokens, backend="cpu", **case)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -85,7 +83,7 @@ def test_segments_of_shared_runs(variant, dtype, head_dim, group, max_chunks_per
     q = torch.randn(plan.num_seqs, 2 * group, head_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
     out = tpp_decode_attention_cpu(q, pool.k[0], pool.v[0], plan, head_dim**-0.5, max_chunks_per_item, variant)
     ref = reference.tpp_decode_attention(q, pool.k[0], pool.v[0], plan, head_dim**-0.5)
-    assert_decode_matches(out, q, pool, tree, plan, head_dim**-0.5, TOLERANCE[dtype], reference_out=ref)
+    assert_decode_matches(out, q, pool, tree, plan, head_dim**-0.5, reference_out=ref)
 
 
 def test_variants_agree_on_one_plan():
@@ -103,52 +101,62 @@ def test_variants_agree_on_one_plan():
 
 
 def test_glue_rejects_bad_tensors():
-    from chunk_llama.ops.cpu import build, decode_plan_tensors
+    from chunk_llama.ops.cpu import build
+    from chunk_llama.step.decode_plan import DECODE_ARRAYS
 
     module = build()
+    assert list(module.decode_layout()) == list(DECODE_ARRAYS)  # the glue reads the order Python writes
     pool, tree = make_tree([[1] * 50, [1] * 50 + [2]], chunk_size=16, num_kv_heads=1, head_dim=64)
     plan = build_decode_plan(tree, tree.seq_ids)
-    args = [*decode_plan_tensors(plan), torch.empty(10**5)]
-    run = lambda q, *rest, k=pool.k[0]: module.tpp_decode(q, k, pool.v[0], *rest)  # noqa: E731
+    scratch = torch.empty(10**5)
+
+    def run(q, index=plan.index, layout=plan.layout, k=pool.k[0], scratch=scratch, chunks=1, window=0, isa="generic"):
+        return module.tpp_decode(q, k, pool.v[0], index, layout, scratch, 0.125, window, chunks, isa)
+
+    run(torch.randn(2, 1, 64))
     with pytest.raises(TypeError, match="share a dtype"):
-        run(torch.randn(2, 1, 64, dtype=torch.bfloat16), *args, 0.125, 1, 0, "generic")
+        run(torch.randn(2, 1, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="head_dim"):
-        run(torch.randn(2, 1, 32), *args, 0.125, 1, 0, "generic")
+        run(torch.randn(2, 1, 32))
     with pytest.raises(ValueError, match="max_chunks_per_item"):
-        run(torch.randn(2, 1, 64), *args, 0.125, 0, 0, "generic")
+        run(torch.randn(2, 1, 64), chunks=0)
     with pytest.raises(ValueError, match="'sse9' is not in this build"):
-        run(torch.randn(2, 1, 64), *args, 0.125, 1, 0, "sse9")
-    bad_plan = list(args)
-    bad_plan[11] = plan.seq_lens.int()
-    with pytest.raises(TypeError, match="seq_lens must be an int64"):
-        run(torch.randn(2, 1, 64), *bad_plan, 0.125, 1, 0, "generic")
+        run(torch.randn(2, 1, 64), isa="sse9")
+    with pytest.raises(TypeError, match="decode plan must be an int64"):
+        run(torch.randn(2, 1, 64), index=plan.index.int())
+    with pytest.raises(ValueError, match="layout has 16 entries"):
+        run(torch.randn(2, 1, 64), layout=plan.layout[:-1])
+    with pytest.raises(ValueError, match="the decode plan is for 2 sequences"):
+        run(torch.randn(3, 1, 64))
+    with pytest.raises(ValueError, match="plan array seq_pair_ptr .* is not inside the plan"):
+        run(torch.randn(2, 1, 64), layout=plan.layout[:-1] + [plan.index.numel() - 1])
     with pytest.raises(ValueError, match="window must be 0 .none. or a positive int32"):
-        run(torch.randn(2, 1, 64), *args, 0.125, 1, -1, "generic")
+        run(torch.randn(2, 1, 64), window=-1)
     # segments outside the pool or their chunk: refused before any pointer is made from them
     row = plan.num_private.index(1)  # the sequence with a private segment
-    for index, at, value, message in [(0, 0, pool.capacity, "shared segment 0: chunk"), (2, 0, 17, "shared segment 0"),
-                                      (7, (row, 0), -1, "private segment 0")]:
-        bad_plan = list(args)
-        bad_plan[index] = bad_plan[index].clone()
-        bad_plan[index][at] = value
+    offset = dict(zip(DECODE_ARRAYS, plan.layout[3:]))
+    for name, at, value, message in [("shared_chunk_ids", 0, pool.capacity, "shared segment 0: chunk"),
+                                     ("shared_len", 0, 17, "shared segment 0"),
+                                     ("private_chunk_ids", row * plan.width, -1, "private segment 0")]:
+        bad = plan.index.clone()
+        bad[offset[name] + at] = value
         with pytest.raises(ValueError, match=message):
-            run(torch.randn(2, 1, 64), *bad_plan, 0.125, 1, 0, "generic")
+            run(torch.randn(2, 1, 64), index=bad)
     with pytest.raises(ValueError, match="rows of memory behind their last chunk"):
-        run(torch.randn(2, 1, 64), *args, 0.125, 1, 0, "generic", k=pool.k[0].clone())
-    args[-1] = torch.empty(3)
+        run(torch.randn(2, 1, 64), k=pool.k[0].clone())
     with pytest.raises(ValueError, match="scratch"):
-        run(torch.randn(2, 1, 64), *args, 0.125, 1, 0, "generic")
+        run(torch.randn(2, 1, 64), scratch=torch.empty(3))
 
 
 @pytest.mark.skipif("avx512" in isa.host_variants() or isa.host_arch() != "x86_64",
                     reason="needs an x86 CPU without AVX-512")
 def test_glue_refuses_a_variant_the_cpu_cannot_run():
     """The kernel's own CPU check, behind the Python one: no illegal instruction."""
-    from chunk_llama.ops.cpu import build, decode_plan_tensors
+    from chunk_llama.ops.cpu import build
 
     pool, tree = make_tree([[1] * 50], chunk_size=16, num_kv_heads=1, head_dim=64)
     plan = build_decode_plan(tree, tree.seq_ids)
     assert build().host_runs("avx512") is False
     with pytest.raises(ValueError, match="'avx512' needs instructions this CPU does not have"):
-        build().tpp_decode(torch.randn(1, 1, 64), pool.k[0], pool.v[0], *decode_plan_tensors(plan),
-                           torch.empty(10**5), 0.125, 1, 0, "avx512")
+        build().tpp_decode(torch.randn(1, 1, 64), pool.k[0], pool.v[0], plan.index, plan.layout, torch.empty(10**5),
+                           0.125, 0, 1, "avx512")

@@ -11,6 +11,7 @@ from helpers import make_tree
 
 from chunk_llama import ops
 from chunk_llama.ops import isa, jit
+from chunk_llama.ops.build import KernelBuild, cpu_build
 
 
 def test_auto_is_the_best_variant_the_cpu_runs(monkeypatch):
@@ -63,7 +64,7 @@ def test_backend_info(monkeypatch):
 
 
 def test_fallbacks_are_logged_once_per_reason(monkeypatch, caplog):
-    ops._logged.clear()
+    ops.dispatch._logged.clear()
     q = torch.randn(2, 2, 72)
     pool, _ = make_tree([[1] * 50], chunk_size=48, num_kv_heads=1, head_dim=72)
     with caplog.at_level(logging.WARNING, logger="chunk_llama.ops"):
@@ -88,14 +89,15 @@ def test_first_use_build_says_what_it_builds_once(tmp_path, monkeypatch, capfd):
     source.write_text("#include <torch/library.h>\nstatic int64_t twice(int64_t x) { return 2 * x; }\n"
                       "TORCH_LIBRARY(chunk_llama_jit_test, m) { m.def(\"twice(int x) -> int\", &twice); }\n")
     monkeypatch.setattr(jit, "_modules", {})
-    args = {"cflags": ["-O0"], "is_python_module": False, "description": "the tiny test op", "estimate_seconds": 7}
-    assert jit.load_extension("chunk_llama_jit_test", [source], **args) is not None
+    spec = KernelBuild(name="chunk_llama_jit_test", sources=(str(source),), namespace="chunk_llama_jit_test",
+                       cflags=("-O0",), description="the tiny test op", estimate_seconds=7)
+    assert jit.load_extension(spec) is not None
     assert torch.ops.chunk_llama_jit_test.twice(21) == 42
     first = capfd.readouterr().err
     assert "chunk-llama: building the tiny test op (first use only, about 7 s)" in first
     # built: a later process (here: a cleared in-process cache) loads it without the line
     monkeypatch.setattr(jit, "_modules", {})
-    assert jit.load_extension("chunk_llama_jit_test", [source], **args) is not None
+    assert jit.load_extension(spec) is not None
     assert "building" not in capfd.readouterr().err
     assert "chunk_llama_jit_test" in (tmp_path / "build_seconds.json").read_text()
 
@@ -107,7 +109,7 @@ def test_variant_objects_define_nothing_outside_their_namespace():
     from chunk_llama.ops import cpu
 
     assert cpu.build() is not None
-    builds = sorted(jit.cache_dir().glob(f"{cpu.module_name()}-torch*/"), key=lambda p: p.stat().st_mtime)
+    builds = sorted(jit.cache_dir().glob(f"{cpu_build().name}-torch*/"), key=lambda p: p.stat().st_mtime)
     objects = {v: builds[-1] / f"kernel_{v}.o" for v in isa.compiled_variants()}
     for variant, obj in objects.items():
         assert obj.exists(), obj

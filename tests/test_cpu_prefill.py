@@ -7,16 +7,15 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from tolerances import assert_kernel_close
 from helpers import make_tree, random_token_lists
 from test_cpu_kernel import _variant_params
 
 from chunk_llama import ops
-from chunk_llama.ops import build_prefill_plan, reference
+from chunk_llama.ops import reference
+from chunk_llama.step import build_prefill_plan
 from chunk_llama.ops.reference import gather_dense
 
-# bf16: storage rounding of K/V/Q is shared with the oracles (run in fp32 on the same
-# values); the kernel's output is rounded to bf16 once more
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 
 
 @pytest.fixture(params=_variant_params())
@@ -59,6 +58,11 @@ def packed_step(tokens, q_starts, *, chunk_size, num_kv_heads, group, head_dim, 
     return pool, tree, plan, q, q_full
 
 
+def cpu_arrays(plan):
+    """The CPU kernel's arrays of a prefill plan, as its `plan` step builds them."""
+    return plan.cpu(torch.get_num_threads())
+
+
 def dense_causal(q_full, k, v, scale, window=0):
     """Stock attention: causal SDPA over the whole sequence (with a sliding window's mask if
     `window`). q_full: [len, H, D]; k, v: [KV, len, D]."""
@@ -81,17 +85,14 @@ def check_step(tokens, q_starts, variant, window=0, **case):
     out = prefill_attention_cpu(q, pool.k[0], pool.v[0], plan, scale, variant=variant, window=window)
     assert out.dtype == dtype and out.shape == q.shape
     ref = reference.packed_prefill_attention(q.float(), pool.k[0].float(), pool.v[0].float(), plan, scale, window)
-    tol = TOLERANCE[dtype]
     for s, (start, q_start, n) in enumerate(plan.segments):
         rows = slice(start, start + n)
-        got = out[rows].float()
-        assert torch.isfinite(got).all(), f"sequence {s}"
-        torch.testing.assert_close(got, ref[rows], atol=tol, rtol=tol, msg=f"sequence {s} vs reference")
+        assert_kernel_close(out[rows], ref[rows], f"sequence {s} vs reference")
         length = len(tokens[s])
         k = gather_dense(pool.k[0], tree.segments(s), length)
         v = gather_dense(pool.v[0], tree.segments(s), length)
         dense = dense_causal(q_full[s], k, v, scale, window)[q_start:]
-        torch.testing.assert_close(got, dense, atol=tol, rtol=tol, msg=f"sequence {s} vs dense causal SDPA")
+        assert_kernel_close(out[rows], dense, f"sequence {s} vs dense causal SDPA")
     return plan
 
 
@@ -128,8 +129,9 @@ def test_context_phase_reads_a_common_prefix_once_for_its_sequences(variant, dty
     q_starts[0] = 0  # sequence 0 writes the whole prefix in this step
     plan = check_step(tokens, q_starts, variant, window, chunk_size=32, num_kv_heads=2, group=group,
                       head_dim=head_dim, dtype=dtype, packed=True)
-    assert plan.ctx_items.shape[0] > 0 and plan.num_partial_rows > 0
-    ctx_end = plan.ctx_end.tolist()
+    arrays = cpu_arrays(plan)
+    assert arrays.ctx_items.shape[0] > 0 and arrays.num_partial_rows > 0
+    ctx_end = arrays.ctx_end.tolist()
     assert ctx_end[0] == 0 and 0 < ctx_end[6] <= 80 and all(ctx_end[i] > 0 for i in (1, 2, 3, 4, 7, 8))
 
 
@@ -149,8 +151,9 @@ def test_tiles_split_long_prompts_mid_token(variant):
     """300 tokens x group 3 = 900 rows: tiles of 128 rows, most ending inside a token's group."""
     plan = check_step([[3] * 300, [3] * 200 + [4] * 50], [0, 130], variant, chunk_size=64, num_kv_heads=2, group=3,
                       head_dim=128, dtype=torch.float32)
-    assert plan.tiles.shape[0] == 8 + 3
-    work = [(e - b) * (plan.segments[s][1] + (e - 1) // 3 + 1) for s, b, e in plan.tiles.tolist()]
+    tiles = cpu_arrays(plan).tiles
+    assert tiles.shape[0] == 8 + 3
+    work = [(e - b) * (plan.segments[s][1] + (e - 1) // 3 + 1) for s, b, e in tiles.tolist()]
     assert work == sorted(work, reverse=True)
 
 
@@ -166,7 +169,7 @@ def test_variants_agree(variant):
 
 
 def test_dispatch_runs_the_kernel_and_logs_fallbacks_once(monkeypatch, caplog):
-    ops._logged.clear()
+    ops.dispatch._logged.clear()
     pool, _, plan, q, _ = packed_step([[1] * 40], [5], chunk_size=16, num_kv_heads=1, group=2, head_dim=64,
                                       dtype=torch.float32)
     assert ops.prefill_backend(q, pool.k[0]) == "cpu"
@@ -186,21 +189,24 @@ def test_dispatch_runs_the_kernel_and_logs_fallbacks_once(monkeypatch, caplog):
 
 
 def test_glue_rejects_bad_plans():
-    from chunk_llama.ops.cpu import build, prefill_plan_tensors
+    from chunk_llama.ops.cpu import build
+    from chunk_llama.step.prefill_plan import PREFILL_ARRAYS, PackedArrays
 
     module = build()
+    assert list(module.prefill_layout()) == list(PREFILL_ARRAYS)  # the glue reads the order Python writes
     # both read the 40 common tokens in the context phase, then 1 and 17 tokens of their own
     pool, _, plan, q, _ = packed_step([[1] * 40 + [3], [1] * 40 + [2] * 20], [40, 43], chunk_size=16,
                                       num_kv_heads=1, group=2, head_dim=64, dtype=torch.float32, packed=True)
+    arrays = cpu_arrays(plan)
     scratch = torch.empty(10**6)
-    names = ["seg_chunk", "seg_start", "seg_pos", "q_start", "num_tokens", "token_start", "tiles", "token_pos",
-             "ctx_end", "ctx_chunk", "ctx_start", "ctx_len", "ctx_pos", "ctx_items", "seq_ctx_ptr", "seq_ctx_offset"]
 
-    def run(window=0, num_partial_rows=plan.num_partial_rows, **change):
-        args = dict(zip(names, prefill_plan_tensors(plan)))
-        args.update(change)
-        return module.tpp_prefill(q, pool.k[0], pool.v[0], list(args.values()), num_partial_rows, scratch, 0.125,
-                                  window, "generic")
+    def run(window=0, num_partial_rows=arrays.num_partial_rows, **change):
+        values = {name: getattr(arrays, name).flatten().tolist() for name in PREFILL_ARRAYS}
+        values.update({name: value.flatten().tolist() for name, value in change.items()})
+        counts = [len(values["token_start"]), arrays.layout[1], q.shape[0], len(values["tiles"]) // 3,
+                  len(values["ctx_chunk"]), len(values["ctx_items"]) // 5, num_partial_rows]
+        bad = PackedArrays(values, counts, {}, torch.device("cpu"), None, "")
+        return module.tpp_prefill(q, pool.k[0], pool.v[0], bad.index, bad.layout, scratch, 0.125, window, "generic")
 
     run()
     with pytest.raises(ValueError, match="at most 128 rows"):
@@ -208,49 +214,56 @@ def test_glue_rejects_bad_plans():
     with pytest.raises(ValueError, match="at most 128 rows"):
         run(tiles=torch.tensor([[0, 0, 4]]))  # past the sequence's 1 token x 2 heads
     with pytest.raises(ValueError, match="not inside the pool"):
-        run(seg_chunk=plan.seg_chunk + 1000)
+        run(seg_chunk=arrays.seg_chunk + 1000)
     with pytest.raises(ValueError, match="not inside the pool"):
-        run(seg_start=plan.seg_start + 8)  # a whole chunk's run from slot 8 ends past the chunk
+        run(seg_start=arrays.seg_start + 8)  # a whole chunk's run from slot 8 ends past the chunk
     with pytest.raises(ValueError, match="not inside the pool"):  # a run of 24 keys in a chunk of 16
-        run(seg_pos=torch.where(plan.seg_pos == 32, 1 << 62, plan.seg_pos))
+        run(seg_pos=torch.where(arrays.seg_pos == 32, 1 << 62, arrays.seg_pos))
     with pytest.raises(ValueError, match="must start at position 0"):
-        run(seg_pos=plan.seg_pos + 1)
+        run(seg_pos=arrays.seg_pos + 1)
     with pytest.raises(ValueError, match="outside q"):
-        run(token_start=plan.token_start + 30)
-    with pytest.raises(TypeError, match="tiles must be an int64"):
-        run(tiles=plan.tiles.int())
+        run(token_start=arrays.token_start + 30)
     with pytest.raises(ValueError, match="window must be 0 .none. or a positive int32"):
         run(window=-5)
     # the context phase: its segments, items and partial rows are checked like the rest
     # (the run of 3 segments in pieces, one item each: 18 partial rows per piece)
-    assert plan.num_partial_rows == 18 * plan.ctx_items.shape[0] > 0 and plan.ctx_end.tolist() == [40, 40]
+    assert arrays.num_partial_rows == 18 * arrays.ctx_items.shape[0] > 0 and arrays.ctx_end.tolist() == [40, 40]
     with pytest.raises(ValueError, match="context segment 0"):
-        run(ctx_chunk=plan.ctx_chunk + 1000)
+        run(ctx_chunk=arrays.ctx_chunk + 1000)
     with pytest.raises(ValueError, match="context item 0 is not a run"):
-        run(ctx_items=plan.ctx_items + torch.tensor([0, 5, 0, 0, 0]))
+        run(ctx_items=arrays.ctx_items + torch.tensor([0, 5, 0, 0, 0]))
     with pytest.raises(ValueError, match="partial rows"):
         run(num_partial_rows=17)
     with pytest.raises(ValueError, match="context end 50 past its first new token at 40"):
-        run(ctx_end=plan.ctx_end.clone().fill_(50))
+        run(ctx_end=arrays.ctx_end.clone().fill_(50))
+    # the plan tensor itself: its type, its layout, and arrays past its end
+    with pytest.raises(TypeError, match="prefill plan must be an int64 CPU tensor"):
+        module.tpp_prefill(q, pool.k[0], pool.v[0], arrays.index.int(), arrays.layout, scratch, 0.125, 0, "generic")
+    with pytest.raises(ValueError, match="layout has 23 entries"):
+        module.tpp_prefill(q, pool.k[0], pool.v[0], arrays.index, arrays.layout[:-1], scratch, 0.125, 0, "generic")
+    with pytest.raises(ValueError, match="plan array seq_ctx_offset .* is not inside the plan"):
+        module.tpp_prefill(q, pool.k[0], pool.v[0], arrays.index[:-1], arrays.layout, scratch, 0.125, 0, "generic")
     with pytest.raises(ValueError, match="scratch"):
-        module.tpp_prefill(q, pool.k[0], pool.v[0], prefill_plan_tensors(plan), plan.num_partial_rows, torch.empty(3),
-                           0.125, 0, "generic")
+        module.tpp_prefill(q, pool.k[0], pool.v[0], arrays.index, arrays.layout, torch.empty(3), 0.125, 0,
+                           "generic")
 
 
 def test_step_builder_makes_one_plan_per_forward():
-    from chunk_llama.hf.step import StepBuilder
+    from chunk_llama.step import StepBuilder
 
     pool, tree = make_tree([[1] * 50, [1] * 40 + [2] * 10], chunk_size=16, num_kv_heads=1, head_dim=64)
-    step = StepBuilder(tree, torch.device("cpu"), group=3).prefill([(0, 0, 10, 40, 50), (1, 40, 32, 18, 50)], 58)
+    step = StepBuilder(tree, group=3).prefill([(0, 0, 10, 40, 50), (1, 40, 32, 18, 50)], 58)
     plan = step.prefill
     assert plan.segments == [(0, 10, 40), (40, 32, 18)]
+    arrays = cpu_arrays(plan)
+    assert cpu_arrays(plan) is arrays  # built once per step, whatever number of layers reads it
     for s in (0, 1):
         runs = tree.segments(s)
-        assert [(c, st) for c, st, _ in runs] == list(zip(plan.seg_chunk[s].tolist(), plan.seg_start[s].tolist()))[
-            : len(runs)]
-        assert plan.seg_pos[s, : len(runs)].tolist() == [sum(n for *_, n in runs[:i]) for i in range(len(runs))]
-    assert plan.seg_chunk[0, :3].tolist() == plan.seg_chunk[1, :3].tolist()  # the 40 common tokens, shared
-    assert plan.tiles.tolist() == [[0, 0, 120], [1, 0, 54]]
-    assert plan.token_pos.tolist() == list(range(10, 50)) + list(range(32, 50))
-    assert plan.ctx_items.numel() == 0  # sequence 0 computes tokens 10 .. of the common prefix
+        assert [(c, st) for c, st, _ in runs] == list(zip(arrays.seg_chunk[s].tolist(),
+                                                          arrays.seg_start[s].tolist()))[: len(runs)]
+        assert arrays.seg_pos[s, : len(runs)].tolist() == [sum(n for *_, n in runs[:i]) for i in range(len(runs))]
+    assert arrays.seg_chunk[0, :3].tolist() == arrays.seg_chunk[1, :3].tolist()  # the 40 common tokens, shared
+    assert arrays.tiles.tolist() == [[0, 0, 120], [1, 0, 54]]
+    assert arrays.token_pos.tolist() == list(range(10, 50)) + list(range(32, 50))
+    assert arrays.ctx_items.numel() == 0  # sequence 0 computes tokens 10 .. of the common prefix
     assert not step.is_decode

@@ -7,19 +7,19 @@ import pytest
 import torch
 
 from chunk_llama import ChunkCache, patch_model
-from chunk_llama.kv import build_decode_plan
+from chunk_llama.step import build_decode_plan
 from chunk_llama.ops import tpp_decode_attention
+from tolerances import assert_kernel_close
 from helpers import check_native_kernel, make_tree, random_token_lists, tiny_llama
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU and a CUDA build of torch"),
 ]
-TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 def run_case(tokens, **case):
-    return check_native_kernel(tokens, backend="cuda", tolerance=TOLERANCE, device="cuda", **case)
+    return check_native_kernel(tokens, backend="cuda", device="cuda", **case)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -62,7 +62,7 @@ def test_incremental_plan_updates_on_the_gpu():
         if events:
             plan.add_private_nodes(events)
         plan.advance()
-    assert plan.aligned and plan.device_index is not None
+    assert plan.aligned and plan.cuda_index is not None
     pool.k.normal_()  # the appended tokens' K/V (the pool starts uninitialised)
     pool.v.normal_()
     fresh = build_decode_plan(tree, [0, 1, 2], device="cuda", group=3)
@@ -118,14 +118,14 @@ def test_sliding_windows_against_the_reference(dtype, head_dim, group, window):
     q = torch.randn(plan.num_seqs, 2 * group, head_dim, generator=torch.Generator().manual_seed(window)).to("cuda", dtype)
     out = tpp_decode_attention(q, pool.k[0], pool.v[0], plan, head_dim**-0.5, window)
     ref = reference.tpp_decode_attention(q, pool.k[0], pool.v[0], plan, head_dim**-0.5, window)
-    assert torch.isfinite(out).all()
-    torch.testing.assert_close(out.float(), ref.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    operand_scale = pool.v.abs().max().item()  # tensor cores take P rounded to the half dtype
+    assert_kernel_close(out, ref.float(), "against the reference", operand_scale)
     for row, seq_id in enumerate(plan.seq_ids):
         length = tree.seq_len(seq_id)
         ids = tree.segments(seq_id)
         k, v = gather_dense(pool.k[0], ids, length), gather_dense(pool.v[0], ids, length)
         dense = dense_windowed(q[row][None].cpu(), k.cpu(), v.cpu(), length - 1, window, head_dim**-0.5)[0]
-        torch.testing.assert_close(out[row].float().cpu(), dense, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+        assert_kernel_close(out[row].cpu(), dense, f"sequence {seq_id}", operand_scale)
 
 
 def test_a_plan_split_inside_a_chunk_runs_the_reference_and_says_so(caplog):
@@ -137,9 +137,9 @@ def test_a_plan_split_inside_a_chunk_runs_the_reference_and_says_so(caplog):
     pool, tree = make_tree([[1] * 40 + [2], [1] * 37 + [3]], chunk_size=32, num_kv_heads=2, head_dim=64,
                            dtype=torch.float16, device="cuda")
     plan = build_decode_plan(tree, tree.seq_ids, device="cuda", group=2)
-    assert not plan.aligned and plan.device_index is None
+    assert not plan.aligned and plan.cuda_index is None
     q = torch.randn(2, 4, 64, device="cuda", dtype=torch.float16)
-    ops._logged.clear()
+    ops.dispatch._logged.clear()
     with caplog.at_level("WARNING", logger="chunk_llama.ops"):
         out = tpp_decode_attention(q, pool.k[0], pool.v[0], plan, 0.125)
     assert "whole-chunk segments only" in caplog.text

@@ -53,9 +53,9 @@ def observe_step_starts(engine) -> list[dict]:
         snapshots.append(tree_snapshot(engine.cache.tree))
         return admit()
 
-    def observed_begin_decode(tokens_by_seq):
+    def observed_begin_decode(tokens_by_seq, positions=None):
         snapshots.append(tree_snapshot(engine.cache.tree))
-        return begin_decode(tokens_by_seq)
+        return begin_decode(tokens_by_seq, positions)
 
     engine.scheduler.admit, engine.cache.begin_decode = observed_admit, observed_begin_decode
     return snapshots

@@ -9,9 +9,9 @@ from transformers import GenerationConfig, LlamaConfig
 
 from chunk_llama import ChunkCache, patch_model
 from helpers import tiny_llama
+from tolerances import assert_close, assert_no_worse_than_stock
 
 GQA_SHAPES = [(4, 4, 16), (6, 2, 64), (2, 1, 128)]  # (heads, kv heads, head dim): MHA, GQA, MQA
-LOGIT_TOL = {torch.float32: 1e-4, torch.bfloat16: 0.1, torch.float16: 2e-2}
 
 
 def stock_and_patched(**kwargs):
@@ -73,19 +73,50 @@ def test_partial_match_shares_the_chunk_in_every_layer():
     torch.testing.assert_close(logits[1], expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_forward_logits_on_shared_prefix_batch(dtype):
-    stock, patched = stock_and_patched(num_heads=6, num_kv_heads=2, head_dim=64, dtype=dtype, init=0.1)
-    ids = torch.randint(6, 96, (1, 45)).repeat(3, 1)
-    ids[1, 20:] = torch.randint(6, 96, (25,))
+def shared_prefix_logits(dtype, seed=0):
+    """Teacher-forced logits of a shared-prefix batch (rows 0 and 2 equal, row 1 parts at 20):
+    (ours, stock, truth), ours and stock in `dtype`, truth the same (rounded) weights in float32."""
+    stock = tiny_llama(num_heads=6, num_kv_heads=2, head_dim=64, dtype=dtype, init=0.1, seed=seed)
+    patched = patch_model(copy.deepcopy(stock))
+    truth_model = copy.deepcopy(stock).float()
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(6, 96, (1, 45), generator=generator).repeat(3, 1)
+    ids[1, 20:] = torch.randint(6, 96, (25,), generator=generator)
     with torch.no_grad():
         expected = stock(input_ids=ids).logits.float()
         cache = ChunkCache(patched, chunk_size=16, kv_cache_bytes=1 << 22)
         got = patched(input_ids=ids, past_key_values=cache).logits.float()
         plain = patched(input_ids=ids).logits.float()  # no ChunkCache: stock SDPA path
-    assert (got - expected).abs().max() <= LOGIT_TOL[dtype]
+        truth = truth_model(input_ids=ids).logits.double()
     assert torch.equal(plain, expected)
     assert cache.pool.num_used < 3 * 3  # rows 0 and 2 share all full chunks
+    return got, expected, truth
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_forward_logits_on_shared_prefix_batch(dtype):
+    """fp32: equal to stock to float32 rounding; half precision: no further from the float32
+    truth than stock's own half-precision result (tests/tolerances.py)."""
+    got, expected, truth = shared_prefix_logits(dtype)
+    if dtype == torch.float32:
+        assert_close(got, expected, atol=1e-4, what="fp32 logits against stock")
+    else:
+        assert_no_worse_than_stock(got, expected, truth, dtype, what=f"{dtype} logits")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_half_precision_check_fails_on_a_broken_kernel(dtype, monkeypatch):
+    """The check above has teeth: attention whose softmax scale is 5% off (a plausible kernel
+    bug that leaves every output finite and plausible) fails it."""
+    from chunk_llama.step.context import StepContext
+
+    attend = StepContext.attend
+    monkeypatch.setattr(StepContext, "attend",
+                        lambda self, layer, query, key, value, scale, window=0:
+                        attend(self, layer, query, key, value, scale * 1.05, window))
+    got, expected, truth = shared_prefix_logits(dtype)
+    with pytest.raises(AssertionError, match="error to the float32 truth"):
+        assert_no_worse_than_stock(got, expected, truth, dtype, what=f"{dtype} logits, broken kernel")
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", GQA_SHAPES)

@@ -22,10 +22,9 @@ x86_only = pytest.mark.skipif(not X86, reason="chunk-llama's linear paths are us
 @pytest.fixture(autouse=True)
 def fresh_choice(monkeypatch):
     monkeypatch.delenv(linear.ENV, raising=False)
-    for cached in (linear._chosen, linear.onednn_unavailable_reason, linear._log_once):
+    for cached in (linear.onednn_unavailable_reason, linear._log_once):
         cached.cache_clear()
     yield
-    linear._chosen.cache_clear()
     linear.onednn_unavailable_reason.cache_clear()
 
 
@@ -90,8 +89,8 @@ def test_only_forwards_on_a_chunk_cache_take_them(monkeypatch):
     patched = patch_model(copy.deepcopy(stock))
     assert "onednn" in linear.backend(torch.float32)  # (oneDNN's one-time check runs here)
     calls = []
-    small = linear._small_linear
-    monkeypatch.setattr(linear, "_small_linear", lambda: calls.append(1) or small())
+    run = linear._run  # what the step's linear function calls (resolved once per step)
+    monkeypatch.setattr(linear, "_run", lambda *args: calls.append(1) or run(*args))
     ids = torch.randint(6, 96, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         # no ChunkCache: F.linear, bit for bit what stock computes
@@ -110,7 +109,6 @@ def test_the_user_keeps_f_linear(monkeypatch, caplog):
         assert torch.equal(linear.linear(x, weight), F.linear(x, weight)) and linear.backend(torch.float32) == "torch"
     assert not caplog.records  # a choice, not a fallback
     monkeypatch.setenv(linear.ENV, "fast")
-    linear._chosen.cache_clear()
     with pytest.raises(ValueError, match="CHUNK_LLAMA_LINEAR must be auto or torch"):
         linear.backend(torch.float32)
 

@@ -5,11 +5,11 @@ import random
 import pytest
 import torch
 
-from chunk_llama.kv import build_decode_plan
+from chunk_llama.step import build_decode_plan
 from chunk_llama.ops.reference import gather_dense, prefill_attention, tpp_decode_attention
+from tolerances import assert_kernel_close
 from helpers import assert_decode_matches, dense_decode_reference, make_tree, random_token_lists
 
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
 def check_against_dense(pool, tree, num_heads, head_dim, dtype, seed=0):
@@ -18,7 +18,7 @@ def check_against_dense(pool, tree, num_heads, head_dim, dtype, seed=0):
     scale = head_dim**-0.5
     out = tpp_decode_attention(q, pool.k[0], pool.v[0], plan, scale)
     assert out.dtype == dtype and out.shape == q.shape
-    assert_decode_matches(out, q, pool, tree, plan, scale, TOLERANCE[dtype])
+    assert_decode_matches(out, q, pool, tree, plan, scale)
     return plan
 
 
@@ -68,7 +68,8 @@ def test_prefill_attention_is_causal_with_offset(dtype, q_start, num_new):
     out = prefill_attention(q, k, v, q_start, 0.125)
     for i in range(num_new):
         expected = dense_decode_reference(q[i], k[:, : q_start + i + 1], v[:, : q_start + i + 1], 0.125)
-        assert (out[i].float() - expected).abs().max().item() <= TOLERANCE[dtype]
+        # SDPA in the storage dtype rounds P for the P V product: the largest |V| bounds it
+        assert_kernel_close(out[i], expected, f"query {i}", v.float().abs().max().item())
 
 
 def test_uninitialised_slots_never_leak_into_the_output():

@@ -8,15 +8,15 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from tolerances import assert_kernel_close
 from helpers import make_tree, random_token_lists
 from test_cpu_kernel import _variant_params
 from test_cpu_prefill import packed_step
 
-from chunk_llama.kv import build_decode_plan
+from chunk_llama.step import build_decode_plan
 from chunk_llama.ops import reference
 from chunk_llama.ops.reference import gather_dense
 
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 
 
 @pytest.fixture(params=["reference"] + _variant_params())
@@ -69,8 +69,7 @@ def test_decode_against_dense_windowed_sdpa(backend, dtype, head_dim, group, chu
         length = tree.seq_len(seq_id)
         k, v = gather_dense(pool.k[0], ids, length), gather_dense(pool.v[0], ids, length)
         dense = dense_windowed(q[row][None], k, v, length - 1, window, scale)[0]
-        torch.testing.assert_close(out[row].float(), dense, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype],
-                                   msg=f"sequence {seq_id} (length {length})")
+        assert_kernel_close(out[row], dense, f"sequence {seq_id} (length {length})")
 
 
 @pytest.mark.parametrize("max_chunks_per_item", [1, 3, 1000])
@@ -117,12 +116,12 @@ def test_prefill_against_dense_windowed_sdpa(backend, dtype, head_dim, group, wi
 
         out = prefill_attention_cpu(q, pool.k[0], pool.v[0], plan, scale, variant=backend, window=window)
     for s, (start, q_start, n) in enumerate(plan.segments):
-        got = out[start : start + n].float()
-        assert torch.isfinite(got).all()
         ids = tree.segments(s)
         k, v = gather_dense(pool.k[0], ids, len(tokens[s])), gather_dense(pool.v[0], ids, len(tokens[s]))
         dense = dense_windowed(q_full[s][q_start:], k, v, q_start, window, scale)
-        torch.testing.assert_close(got, dense, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype], msg=f"sequence {s}")
+        # the reference's prefill is SDPA in the storage dtype, which rounds P for the P V product
+        operand_scale = v.float().abs().max().item() if backend == "reference" else None
+        assert_kernel_close(out[start : start + n], dense, f"sequence {s}", operand_scale)
 
 
 def test_windows_are_checked():

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
 from chunk_llama.kv import ChunkPool, KVCacheFull, PrefixTree
-from chunk_llama.kv.plan import depth_first_order
+from chunk_llama.step.decode_plan import depth_first_order
 from helpers import assert_tree_consistent
 
 NUM_EXAMPLES = int(os.environ.get("CHUNK_LLAMA_FUZZ_EXAMPLES", "160"))

@@ -27,6 +27,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 import chunk_llama
 from chunk_llama.ops import cpu, jit
+from chunk_llama.ops.build import cpu_build
 
 
 def main() -> None:
@@ -60,7 +61,7 @@ def main() -> None:
         assert jit.CSRC == jit.PACKAGE_CSRC == package / "csrc", (jit.CSRC, jit.PACKAGE_CSRC)
         assert cpu.build() is not None, f"the CPU kernel did not build: {cpu.build_failed()}"
         assert stats["attention_backend"].startswith("cpu:"), stats
-        builds = sorted(cache.glob(f"{cpu.module_name()}-torch*/build.ninja"))
+        builds = sorted(cache.glob(f"{cpu_build().name}-torch*/build.ninja"))
         assert len(builds) == 1, f"expected one build of the CPU kernel in {cache}, found {builds}"
         ninja = builds[0].read_text()
         glue = package / "csrc" / "cpu" / "tpp_cpu_torch.cpp"

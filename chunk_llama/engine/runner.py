@@ -117,7 +117,8 @@ class ModelRunner:
     def _decode(self, decoding: list[Sequence]) -> None:
         while True:
             try:
-                order = self.cache.begin_decode({s.seq_id: s.output_ids[-1] for s in decoding})
+                order = self.cache.begin_decode({s.seq_id: s.output_ids[-1] for s in decoding},
+                                                {s.seq_id: len(s.all_ids) - 1 for s in decoding})
                 break
             except KVCacheFull:
                 if not self.scheduler.can_preempt():
@@ -129,9 +130,8 @@ class ModelRunner:
         by_id = {s.seq_id: s for s in decoding}
         seqs = [by_id[i] for i in order]
         try:
-            input_ids = torch.tensor([[s.output_ids[-1]] for s in seqs], device=self.device)
-            position_ids = torch.tensor([[len(s.all_ids) - 1] for s in seqs], device=self.device)
-            logits = self._forward(input_ids, position_ids, logits_to_keep=1)[:, -1]
+            step = self.cache.step  # its inputs in plan order, at the step buffers' fixed addresses
+            logits = self._forward(step.input_ids, step.position_ids, logits_to_keep=1)[:, -1]
             tokens, scores = self._select(seqs, logits)
             stopped = self._stopped_by_criteria(seqs, tokens, scores)
         except BaseException:

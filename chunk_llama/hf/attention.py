@@ -1,52 +1,38 @@
 """Attention and mask functions registered with transformers' interfaces.
 
-When the forward pass carries a `ChunkCache` (the pre-hook installed by
-`patch_model` adds it to the layer kwargs as `chunk_cache`), attention runs
-through the tree; otherwise a patched model behaves exactly like stock SDPA.
+Inside a forward on a `ChunkCache` (the patched forward makes its step this thread's
+current step, `step/context.py`), attention runs through the tree on that step;
+otherwise a patched model behaves exactly like stock SDPA.
 """
 
 from __future__ import annotations
-
-import threading
 
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from chunk_llama.step import current_step
+
 ATTN_IMPLEMENTATION = "chunk_llama"
-
-# Depth of forward passes that run on a ChunkCache in this thread: their masks are
-# implied by the tree (causal within each sequence), so none is materialised.
-_active = threading.local()
-
-
-def enter_chunk_forward() -> None:
-    _active.depth = getattr(_active, "depth", 0) + 1
-
-
-def exit_chunk_forward() -> None:
-    _active.depth = max(0, getattr(_active, "depth", 0) - 1)
-
-
-def in_chunk_forward() -> bool:
-    """Whether this thread is inside a forward pass on a ChunkCache."""
-    return getattr(_active, "depth", 0) > 0
 
 
 def chunk_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """query: [batch, num_heads, q_len, head_dim] -> ([batch, q_len, num_heads, head_dim], None)."""
-    cache = kwargs.get("chunk_cache")
-    if cache is None or not cache.in_step:
+    """query: [batch, num_heads, q_len, head_dim]; key, value: the layer's new K/V (what
+    `ChunkCache.update` stored) -> ([batch, q_len, num_heads, head_dim], None)."""
+    step = current_step()
+    if step is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     # Sliding-window layers pass their window as stock SDPA gets it (Mistral, Qwen2, Gemma 3 ...)
-    return cache.attend(module.layer_idx, query, scale, kwargs.get("sliding_window")), None
+    window = kwargs.get("sliding_window") or 0
+    return step.attend(module.layer_idx, query, key, value, scale, window), None
 
 
 def chunk_mask(*args, **kwargs):
-    if in_chunk_forward():
+    """No mask in a forward on a ChunkCache (the tree implies it); stock's SDPA mask otherwise."""
+    if current_step() is not None:
         return None
     return sdpa_mask(*args, **kwargs)
 

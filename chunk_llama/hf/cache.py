@@ -11,8 +11,10 @@ Every forward is one atomic step of the tree: the first change after the last
 step ended opens it, and `end_step` ends it, committed when the forward completed
 (and, in the engine, its tokens were chosen) or rolled back when anything raised,
 so no later request can ever read K/V that a failed forward left half written.
-Under stock `generate` the patched forward ends its steps; the engine ends its own. The building of each step is in
-`step.py`, the per-layer writes and attention in `dispatch.py`.
+Under stock `generate` the patched forward ends its steps; the engine ends its own. Each
+step is a `StepContext` (`step/context.py`), built here once per forward with the
+attention backend chosen and planned for it (`ops/dispatch.py`); the layers store
+their K/V through `update` and attend through `hf/attention.py`, both on that context.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ import logging
 import torch
 from transformers.cache_utils import Cache
 
-from chunk_llama.hf import dispatch
-from chunk_llama.hf.step import ForwardStep, StepBuilder
 from chunk_llama.kv import ChunkPool, KVCacheFull, PrefixTree
 from chunk_llama.models import check_supported, default_kv_cache_bytes, kv_geometry
+from chunk_llama.ops import linear
+from chunk_llama.ops.dispatch import Geometry, decode_attention, prefill_attention
+from chunk_llama.step import StepBuilder, StepContext, current_step
 
 logger = logging.getLogger(__name__)
 
@@ -89,10 +92,12 @@ class ChunkCache(Cache):
                 logger.info("chunk-llama: prefixes are shared by whole chunks on %s (its kernels take whole chunks)",
                             device)
         self.tree = PrefixTree(self.pool, retain_prefixes=retain_prefixes, token_granular=token_granular)
-        self._builder = StepBuilder(self.tree, self.pool.device, config.num_attention_heads // num_kv_heads)
+        self._builder = StepBuilder(self.tree, config.num_attention_heads // num_kv_heads)
+        self.geometry = Geometry(self.pool.device, dtype, config.num_attention_heads, num_kv_heads, head_dim,
+                                 chunk_size)
+        self._attention: dict = {}  # the backends' objects, made once each and planned per step
         self._plan_counters_at_open = (0, 0)
-        self._step: ForwardStep | None = None
-        self._new_kv: tuple | None = None  # (step, layer, (K, V)) of the last update, for the CUDA prefill
+        self._step: StepContext | None = None
         self._row_seq_ids: list[int] = []  # generate mode: sequence of each batch row
 
     # ------------------------------------------------------------ engine API
@@ -104,6 +109,25 @@ class ChunkCache(Cache):
     def in_step(self) -> bool:
         """Whether a forward step is prepared (the layers attend through the tree)."""
         return self._step is not None
+
+    @property
+    def step(self) -> StepContext | None:
+        """The prepared step (what the next forward's layers read), or None."""
+        return self._step
+
+    def _prepare(self, step: StepContext) -> StepContext:
+        """Choose the step's attention backend and linear path (the kernel settings are read
+        here, once per forward) and plan it; the step becomes the prepared one."""
+        buffers, made = self._builder.buffers, self._attention
+        if step.is_decode:
+            step.attention = decode_attention(self.geometry, buffers, step.decode.aligned, made)
+            step.attention.plan(step.decode)
+        else:
+            step.attention = prefill_attention(self.geometry, buffers, made)
+            step.attention.plan(step.prefill)
+        step.linear = linear.resolve(self.pool.dtype, self.pool.device)
+        self._step = step
+        return step
 
     @property
     def num_plan_rebuilds(self) -> int:
@@ -155,31 +179,26 @@ class ChunkCache(Cache):
             ids.extend(tokens[start:])
             positions.extend(range(start, len(tokens)))
             last_of[seq_id] = len(ids) - 1
-        self._step = self._builder.prefill(segments, len(ids))
-        last_index = [last_of[s] for s in seq_ids]
-        device = self.pool.device
-        return (
-            torch.tensor([ids], device=device),
-            torch.tensor([positions], device=device),
-            torch.tensor(last_index, device=device),
-        )
+        step = self._prepare(self._builder.prefill(segments, len(ids), inputs=(ids, positions)))
+        last_index = torch.tensor([last_of[s] for s in seq_ids], device=self.pool.device)
+        return step.input_ids, step.position_ids, last_index
 
-    def begin_decode(self, tokens_by_seq: dict[int, int]) -> list[int]:
-        """Append one token to each sequence and prepare a decode step.
+    def begin_decode(self, tokens_by_seq: dict[int, int], positions: dict[int, int] | None = None) -> list[int]:
+        """Append one token to each sequence and prepare a decode step (`step.input_ids` and,
+        given each sequence's position, `step.position_ids` hold the batch's inputs).
 
         Returns the sequence ids in the row order the batch must use (depth-first,
         which lets the kernel slice queries per shared chunk). Raises `KVCacheFull`
         (nothing changed) when a new chunk is needed and none is free.
         """
         self._open_step()
-        self._step = self._builder.decode(tokens_by_seq)
-        return self._step.plan.seq_ids
+        return self._prepare(self._builder.decode(tokens_by_seq, positions)).decode.seq_ids
 
     def end_step(self, completed: bool) -> None:
         """End the step: commit it if its forward completed, else roll it back, so the
         tree, the pool and the counters are as they were before it (a no-op when no step
         is open, e.g. when it was already ended)."""
-        self._step = self._new_kv = None
+        self._step = None
         if not self.tree.in_step:
             return
         if completed:
@@ -223,7 +242,7 @@ class ChunkCache(Cache):
             self._row_seq_ids = [-1 - r for r in range(batch)]
             matched = self._insert_rows(rows)
             segments = [(s, r * q_len, 0, q_len, m) for r, (s, m) in enumerate(zip(self._row_seq_ids, matched))]
-            self._step = self._builder.prefill(segments, batch * q_len)
+            self._prepare(self._builder.prefill(segments, batch * q_len))
             return
         if batch != len(self._row_seq_ids):
             raise ValueError(
@@ -245,7 +264,7 @@ class ChunkCache(Cache):
         for seq_id, row in zip(self._row_seq_ids, rows):
             self.tree.extend(seq_id, row)
         segments = [(s, r * q_len, past_len, q_len, past_len) for r, s in enumerate(self._row_seq_ids)]
-        self._step = self._builder.prefill(segments, batch * q_len, past_len=past_len)
+        self._prepare(self._builder.prefill(segments, batch * q_len, past_len=past_len))
 
     def _insert_rows(self, rows: list[list[int]]) -> list[int]:
         try:
@@ -256,38 +275,25 @@ class ChunkCache(Cache):
 
     # ------------------------------------------------- transformers Cache API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Store this step's new K/V of one layer.
+        """Store this step's new K/V of one layer; returns them (the attention function
+        receives them as `key`, `value`).
 
         key_states, value_states: [batch, num_kv_heads, q_len, head_dim]
         """
         step = self._step
-        if step is None:
+        if step is None or current_step() is not step:
             raise RuntimeError(
-                "ChunkCache.update outside a prepared step: call chunk_llama.patch_model(model) "
-                "before using ChunkCache with the model"
+                "ChunkCache.update outside a prepared step of a patched model's forward: call "
+                "chunk_llama.patch_model(model) before using ChunkCache with the model"
             )
-        k_layer, v_layer = self.pool.k[layer_idx], self.pool.v[layer_idx]
+        k_layer = self.pool.k[layer_idx]
         if key_states.device != k_layer.device or key_states.dtype != k_layer.dtype:
             raise ValueError(
                 f"the model computes {key_states.dtype} on {key_states.device} but this ChunkCache holds "
                 f"{k_layer.dtype} on {k_layer.device}; create the cache (or engine) after moving the model"
             )
-        new_kv = dispatch.store_kv(step, k_layer, v_layer, key_states, value_states)
-        varlen = step.prefill.varlen if step.prefill is not None else None
-        # the CUDA prefill of fresh prompts reads them from here rather than gathering them back
-        self._new_kv = (step, layer_idx, new_kv) if varlen is not None and varlen.fresh else None
+        step.store(layer_idx, key_states, value_states)
         return key_states, value_states
-
-    def attend(self, layer_idx: int, query: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
-        """Attention of this step's queries over the cache (`window`: the layer's sliding
-        window, None for full attention).
-
-        query: [batch, num_heads, q_len, head_dim]; returns [batch, q_len, num_heads, head_dim]
-        """
-        stash = self._new_kv
-        new_kv = stash[2] if stash is not None and stash[0] is self._step and stash[1] == layer_idx else None
-        return dispatch.attend(self._step, self.pool.k[layer_idx], self.pool.v[layer_idx], query, scale, window,
-                               new_kv)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if self._step is not None:

@@ -19,13 +19,13 @@ import torch.nn.functional as F
 from chunk_llama.hf import attention, compat
 from chunk_llama.hf.cache import ChunkCache
 from chunk_llama.models import check_dtype, check_supported
-from chunk_llama.ops import linear
-from chunk_llama.ops.jit import frozen_settings
+from chunk_llama.step import current_step, running
 
 
 def _linear_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if attention.in_chunk_forward():
-        return linear.linear(x, module.weight, module.bias)
+    step = current_step()
+    if step is not None and step.linear is not None:
+        return step.linear(x, module.weight, module.bias)
     return F.linear(x, module.weight, module.bias)
 
 
@@ -38,20 +38,16 @@ def _chunk_forward(original_forward, *args, **kwargs):
     # Stock generate: this forward's rows are the sequences and the step is ours to end.
     # The engine prepares its steps itself and ends them after choosing the tokens.
     owns_step = not cache.in_step
-    attention.enter_chunk_forward()
     try:
-        with frozen_settings():  # the kernels' settings, read once for all layers
-            if owns_step:
-                cache.begin_rows(kwargs.get("input_ids"), kwargs.get("attention_mask"))
-            kwargs["attention_mask"] = None  # the tree implies the mask
-            kwargs["chunk_cache"] = cache
+        if owns_step:
+            cache.begin_rows(kwargs.get("input_ids"), kwargs.get("attention_mask"))
+        kwargs["attention_mask"] = None  # the tree implies the mask
+        with running(cache.step):  # what this forward's layers read
             output = original_forward(**kwargs)
     except BaseException:
         if owns_step:
             cache.end_step(completed=False)
         raise
-    finally:
-        attention.exit_chunk_forward()
     if owns_step:
         cache.end_step(completed=True)
     return output
@@ -64,8 +60,8 @@ def patch_model(model: torch.nn.Module, *, chunk_size: int = 64) -> torch.nn.Mod
     After patching, `model(..., past_key_values=ChunkCache(model))` and
     `model.generate(..., past_key_values=ChunkCache(model))` use the prefix tree;
     without a `ChunkCache` the model computes exactly what stock SDPA does. In forwards
-    on a `ChunkCache`, float32 linear layers on x86 CPUs run through oneDNN (see
-    `ops/linear.py`; `CHUNK_LLAMA_LINEAR=torch` keeps `F.linear`).
+    on a `ChunkCache`, float32 linear layers on x86 CPUs run through chunk-llama's
+    kernel or oneDNN (see `ops/linear.py`; `CHUNK_LLAMA_LINEAR=torch` keeps `F.linear`).
     `chunk_size` is the default for caches and engines made for this model.
     """
     check_supported(model.config)

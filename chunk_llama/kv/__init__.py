@@ -1,7 +1,6 @@
-"""Prefix-aware KV cache: chunk pool, prefix tree and the decode plan."""
+"""Prefix-aware KV storage: the chunk pool and the prefix tree (it knows no kernel)."""
 
-from chunk_llama.kv.plan import DecodePlan, build_decode_plan
 from chunk_llama.kv.pool import ChunkPool, KVCacheFull
 from chunk_llama.kv.tree import PrefixTree
 
-__all__ = ["ChunkPool", "DecodePlan", "KVCacheFull", "PrefixTree", "build_decode_plan"]
+__all__ = ["ChunkPool", "KVCacheFull", "PrefixTree"]

@@ -1,66 +1,44 @@
-"""CPU attention kernels (csrc/cpu, C++ with OpenMP), built on first use: two-phase-partition
-decode and packed prefill.
+"""CPU attention (csrc/cpu, C++ with OpenMP), built on first use: two-phase-partition decode
+and packed prefill, each as a plan-once, run-per-layer object.
 
-One build holds every kernel variant of this architecture (see `isa.py`): the torch
-glue is compiled once with baseline flags and each variant in its own small
+One build holds every kernel variant of this architecture (see `isa.py`, `build.py`):
+the torch glue is compiled once with baseline flags and each variant in its own small
 translation unit for its own instruction set, and the glue dispatches at run time.
 So the build does not depend on the CPU's features and is cached once per
 architecture; `CHUNK_LLAMA_CPU_ISA` picks the variant without rebuilding.
+
+Both ops take the same arguments: q, the layer's K/V pool, the step's plan (one int64
+tensor and its layout), the caller's scratch (kept across calls: fresh pages every step
+cost a page fault per 4 KiB, which was half the kernel's time), then scalars.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from chunk_llama.kv.plan import DecodePlan
 from chunk_llama.ops import isa
-from chunk_llama.ops.jit import CSRC, build_failure, load_extension
-from chunk_llama.ops.prefill_plan import PrefillPlan
+from chunk_llama.ops.build import cpu_build
+from chunk_llama.ops.jit import build_failure, load_extension
+from chunk_llama.step.buffers import StaticBuffers
+from chunk_llama.step.decode_plan import DecodePlan
+from chunk_llama.step.prefill_plan import PrefillPlan
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # csrc/cpu/params.h; chunk sizes: any multiple of 16
-# Measured on the project's 2-core machine (glue and variants compiled in parallel);
-# replaced by the last build's own duration once there is one.
-BUILD_SECONDS_ESTIMATE = 15.0
 
 
-def module_name() -> str:
-    """The cache key names the architecture and the variants the build holds."""
-    return f"chunk_llama_cpu_{isa.host_arch()}_{'_'.join(isa.compiled_variants())}"
+def build():
+    """The ops of the built library (`torch.ops.chunk_llama_cpu`), building it on first use, or None."""
+    return load_extension(cpu_build())
 
 
 def build_failed() -> str | None:
     """Why the build failed in this process, or None."""
-    return build_failure(module_name())
-
-
-@functools.cache
-def build():
-    """The torch ops namespace of the built extension (torch.ops.chunk_llama_cpu), or None."""
-    sources = [CSRC / "cpu" / "tpp_cpu_torch.cpp"] + [CSRC / "cpu" / f"kernel_{v}.cpp" for v in isa.compiled_variants()]
-    library = load_extension(
-        module_name(),
-        sources,
-        # Baseline flags for every file: each variant raises its own target with a
-        # pragma, so the glue (and the shared library) runs on any CPU of the architecture.
-        cflags=["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"],
-        ldflags=["-fopenmp"],
-        is_python_module=False,
-        description=f"the CPU attention kernel for {isa.selected_variant()} "
-                    f"({', '.join(isa.compiled_variants())} in one build)",
-        estimate_seconds=BUILD_SECONDS_ESTIMATE,
-    )
-    return None if library is None else torch.ops.chunk_llama_cpu
-
-
-def _module():
-    return build()
+    return build_failure(cpu_build().name)
 
 
 def unsupported_reason(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, chunk_size: int) -> str | None:
-    """Why the C++ kernel cannot take these tensors (the reference runs), or None."""
+    """Why the C++ kernels cannot take these tensors (the reference runs), or None."""
     if dtype not in SUPPORTED_DTYPES:
         return f"the CPU kernel supports float32 and bfloat16, not {str(dtype).replace('torch.', '')}"
     if cache_dtype != dtype:
@@ -72,27 +50,14 @@ def unsupported_reason(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: i
     return None
 
 
-def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the C++ kernel handles these tensors (else use the reference); builds on first use."""
-    return (
-        q.device.type == "cpu"
-        and unsupported_reason(q.dtype, k_cache.dtype, q.shape[-1], k_cache.shape[2]) is None
-        and _module() is not None
-    )
+def _ops():
+    module = build()
+    if module is None:
+        raise RuntimeError(f"the CPU kernel is not available: {build_failed() or 'native kernels are disabled'}")
+    return module
 
 
-_scratch = torch.empty(0)
-
-
-def _scratch_for(num_floats: int) -> torch.Tensor:
-    """A float32 buffer kept across calls (grown geometrically): its pages stay mapped."""
-    global _scratch
-    if _scratch.numel() < num_floats:
-        _scratch = torch.empty(max(num_floats, 2 * _scratch.numel()))
-    return _scratch
-
-
-def default_chunks_per_item(plan: DecodePlan, num_kv_heads: int, window: int = 0) -> int:
+def default_chunks_per_item(num_shared: int, chunk_size: int, num_kv_heads: int, window: int = 0) -> int:
     """Shared segments one phase-1 work item merges: as many as keeps ~8 items per thread.
 
     Longer segments write fewer partials (each as large as the chunk's K for its rows);
@@ -100,69 +65,96 @@ def default_chunks_per_item(plan: DecodePlan, num_kv_heads: int, window: int = 0
     window count (the others' items return at once): about window / chunk_size + 1 per
     run of shared chunks.
     """
-    num_shared = plan.num_shared
     if window:
-        num_shared = min(num_shared, -(-window // plan.chunk_size) + 1)
+        num_shared = min(num_shared, -(-window // chunk_size) + 1)
     return max(1, num_shared * num_kv_heads // (8 * torch.get_num_threads()))
 
 
-def tpp_decode_attention_cpu(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float,
-    max_chunks_per_item: int | None = None, variant: str | None = None, window: int = 0,
-) -> torch.Tensor:
-    """Same contract as `reference.tpp_decode_attention` (window: 0 for none).
+class CpuDecode:
+    """Decode attention through the tree on the CPU: `plan` once per step, `run` per layer
+    (same contract as `reference.tpp_decode_attention`).
+
+    workspace: where the scratch lives (the cache's buffers); variant: the kernel variant
+    (default: `isa.selected_variant()`); max_chunks_per_item: see `default_chunks_per_item`
+    (the default, per window).
+    """
+
+    def __init__(self, workspace: StaticBuffers, num_heads: int, num_kv_heads: int, head_dim: int,
+                 chunk_size: int, variant: str | None = None, max_chunks_per_item: int | None = None):
+        self.workspace = workspace
+        self.geometry = (num_heads, num_kv_heads, head_dim, chunk_size)
+        self.variant = variant or isa.selected_variant()
+        self.backend = f"cpu:{self.variant}"
+        self.max_chunks_per_item = max_chunks_per_item
+        self._ops = _ops()
+
+    def plan(self, plan: DecodePlan) -> None:
+        num_heads, num_kv_heads, head_dim, chunk_size = self.geometry
+        self._plan = plan
+        self._scratch = self.workspace.scratch(self._ops.scratch_floats(
+            plan.num_pairs, plan.num_seqs, num_heads, num_kv_heads, head_dim, chunk_size, torch.get_num_threads()))
+        self._items_for: dict[int, int] = {}
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int = 0,
+            new_kv=None) -> torch.Tensor:
+        """q: [num_seqs, num_heads, head_dim] in plan order; k_cache, v_cache: [capacity,
+        num_kv_heads, chunk_size, head_dim] -> [num_seqs, num_heads, head_dim]"""
+        plan = self._plan
+        items = self._items_for.get(window)
+        if items is None:
+            items = self._items_for[window] = self.max_chunks_per_item or default_chunks_per_item(
+                plan.num_shared, plan.chunk_size, self.geometry[1], window)
+        return self._ops.tpp_decode(q.contiguous(), k_cache, v_cache, plan.index, plan.layout, self._scratch,
+                                    float(scale), window, items, self.variant)
+
+
+class CpuPrefill:
+    """Packed prefill attention on the CPU, K/V read in place from the pool: `plan` once per
+    step, `run` per layer (same contract as `reference.packed_prefill_attention`)."""
+
+    def __init__(self, workspace: StaticBuffers, num_heads: int, num_kv_heads: int, head_dim: int,
+                 chunk_size: int, variant: str | None = None):
+        self.workspace = workspace
+        self.geometry = (num_heads, num_kv_heads, head_dim, chunk_size)
+        self.variant = variant or isa.selected_variant()
+        self.backend = f"cpu:{self.variant}"
+        self._ops = _ops()
+
+    def plan(self, plan: PrefillPlan) -> None:
+        num_heads, num_kv_heads, head_dim, chunk_size = self.geometry
+        if num_heads // num_kv_heads != plan.group:
+            raise ValueError(f"the plan's tiles are for GQA group {plan.group}, the model has "
+                             f"{num_heads} / {num_kv_heads} heads")
+        threads = torch.get_num_threads()
+        self._arrays = plan.cpu(threads)
+        self._scratch = self.workspace.scratch(self._ops.prefill_scratch_floats(
+            self._arrays.num_partial_rows, num_heads, chunk_size, head_dim, threads))
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int = 0,
+            new_kv=None) -> torch.Tensor:
+        """q: [num_q_tokens, num_heads, head_dim] -> the same shape (rows of no sequence unset)"""
+        arrays = self._arrays
+        return self._ops.tpp_prefill(q.contiguous(), k_cache, v_cache, arrays.index, arrays.layout, self._scratch,
+                                     float(scale), window, self.variant)
+
+
+def tpp_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan,
+                             scale: float, max_chunks_per_item: int | None = None, variant: str | None = None,
+                             window: int = 0) -> torch.Tensor:
+    """`CpuDecode` planned and run once (for tests and benchmarks that pick the variant).
 
     q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [capacity, num_kv_heads, chunk_size, head_dim]
-    max_chunks_per_item: see `default_chunks_per_item` (the default)
-    variant: the kernel variant (default: `isa.selected_variant()`)
     """
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads, chunk_size = k_cache.shape[1], k_cache.shape[2]
-    module = _module()
-    if module is None:
-        raise RuntimeError(f"the CPU kernel is not available: {build_failed() or 'native kernels are disabled'}")
-    scratch = _scratch_for(module.scratch_floats(int(plan.pair_seq.numel()), num_seqs, num_heads, num_kv_heads,
-                                                 head_dim, chunk_size, torch.get_num_threads()))
-    if max_chunks_per_item is None:
-        max_chunks_per_item = default_chunks_per_item(plan, num_kv_heads, window)
-    return module.tpp_decode(
-        q.contiguous(), k_cache, v_cache, *decode_plan_tensors(plan), scratch, float(scale), max_chunks_per_item,
-        window, variant or isa.selected_variant(),
-    )
+    attention = CpuDecode(StaticBuffers(q.device), q.shape[1], k_cache.shape[1], q.shape[-1], k_cache.shape[2],
+                          variant, max_chunks_per_item)
+    attention.plan(plan)
+    return attention.run(q, k_cache, v_cache, scale, window)
 
 
-def decode_plan_tensors(plan: DecodePlan) -> list[torch.Tensor]:
-    """The plan's tensors in the order the `tpp_decode` op takes them."""
-    return [plan.shared_chunk_ids, plan.shared_start, plan.shared_len, plan.shared_pos, plan.shared_begin,
-            plan.shared_end, plan.shared_depth, plan.private_chunk_ids.contiguous(), plan.private_start.contiguous(),
-            plan.private_pos.contiguous(), plan.num_shared_tokens, plan.seq_lens, plan.seq_pair_ptr]
-
-
-def prefill_attention_cpu(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan, scale: float,
-    variant: str | None = None, window: int = 0,
-) -> torch.Tensor:
-    """Same contract as `reference.packed_prefill_attention`: K/V read in place from the pool.
-
-    q: [num_q_tokens, num_heads, head_dim]; k_cache, v_cache: [capacity, num_kv_heads, chunk_size, head_dim]
-    variant: the kernel variant (default: `isa.selected_variant()`)
-    """
-    module = _module()
-    if module is None:
-        raise RuntimeError(f"the CPU kernel is not available: {build_failed() or 'native kernels are disabled'}")
-    if q.shape[1] // k_cache.shape[1] != plan.group:
-        raise ValueError(f"the plan's tiles are for GQA group {plan.group}, q and the cache have "
-                         f"{q.shape[1]} / {k_cache.shape[1]} heads")
-    scratch = _scratch_for(module.prefill_scratch_floats(plan.num_partial_rows, q.shape[1], k_cache.shape[2],
-                                                         q.shape[-1], torch.get_num_threads()))
-    return module.tpp_prefill(
-        q.contiguous(), k_cache, v_cache, prefill_plan_tensors(plan), plan.num_partial_rows, scratch, float(scale),
-        window, variant or isa.selected_variant(),
-    )
-
-
-def prefill_plan_tensors(plan: PrefillPlan) -> list[torch.Tensor]:
-    """The plan's tensors in the order the `tpp_prefill` op takes them."""
-    return [plan.seg_chunk, plan.seg_start, plan.seg_pos, plan.q_start, plan.num_tokens, plan.token_start,
-            plan.tiles, plan.token_pos, plan.ctx_end, plan.ctx_chunk, plan.ctx_start, plan.ctx_len, plan.ctx_pos,
-            plan.ctx_items, plan.seq_ctx_ptr, plan.seq_ctx_offset]
+def prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan,
+                          scale: float, variant: str | None = None, window: int = 0) -> torch.Tensor:
+    """`CpuPrefill` planned and run once. q: [num_q_tokens, num_heads, head_dim]"""
+    attention = CpuPrefill(StaticBuffers(q.device), q.shape[1], k_cache.shape[1], q.shape[-1], k_cache.shape[2],
+                           variant)
+    attention.plan(plan)
+    return attention.run(q, k_cache, v_cache, scale, window)

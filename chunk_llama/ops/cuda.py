@@ -1,13 +1,18 @@
-"""CUDA two-phase-partition decode attention (csrc/cuda), built for the GPU at hand."""
+"""CUDA two-phase-partition decode attention (csrc/cuda), built for the GPU at hand.
+
+Same call convention as the CPU ops: q, the layer's K/V pool, the step's plan (the
+decode plan's int32 arrays in one device tensor, `DecodePlan.cuda_index`, and its
+layout), the caller's workspace, then scalars; launched on the current stream.
+"""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from chunk_llama.kv.plan import DecodePlan
-from chunk_llama.ops.jit import CSRC, build_failure, load_extension
+from chunk_llama.ops.build import cuda_build
+from chunk_llama.ops.jit import build_failure, load_extension
+from chunk_llama.step.buffers import StaticBuffers
+from chunk_llama.step.decode_plan import CUDA_COUNTS, DecodePlan
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_CHUNK_SIZES = (32, 64, 128)
@@ -19,27 +24,14 @@ def _arch(device_index: int | None = None) -> str:
     return f"{major}{minor}"
 
 
-def _module(device_index: int | None = None):
-    arch = _arch(device_index)
-    sources = [CSRC / "cuda" / f for f in ("tpp_kernels.cu", "tpp_torch.cpp", "bindings.cpp")]
-    return load_extension(
-        f"chunk_llama_cuda_sm{arch}",
-        sources,
-        cflags=["-O3", "-std=c++17"],
-        cuda_cflags=["-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "--use_fast_math"],
-        description=f"the CUDA attention kernels for sm_{arch}",
-        estimate_seconds=120.0,
-    )
-
-
 def build(device_index: int | None = None):
-    """The extension built for the GPU (building it on first use), or None."""
-    return _module(device_index)
+    """The ops of the library built for the GPU (`torch.ops.chunk_llama_cuda`), building it on first use, or None."""
+    return load_extension(cuda_build(_arch(device_index)))
 
 
 def build_failed(device_index: int | None = None) -> str | None:
     """Why the build for this GPU failed in this process, or None."""
-    return build_failure(f"chunk_llama_cuda_sm{_arch(device_index)}")
+    return build_failure(cuda_build(_arch(device_index)).name)
 
 
 def unsupported_reason(device_index, dtype, cache_dtype, head_dim: int, chunk_size: int) -> str | None:
@@ -58,39 +50,31 @@ def unsupported_reason(device_index, dtype, cache_dtype, head_dim: int, chunk_si
     return None
 
 
-def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the CUDA kernel handles these tensors (else use the reference)."""
-    return q.is_cuda and _supports(q.device.index, q.dtype, k_cache.dtype, q.shape[-1], k_cache.shape[2])
+class CudaDecode:
+    """Decode attention through the tree on a GPU: `plan` once per step (the plan must be
+    chunk-aligned and built on the GPU, `group = num_heads // num_kv_heads`), `run` per layer
+    (same contract as `reference.tpp_decode_attention`)."""
 
+    backend = "cuda"
 
-@functools.cache
-def _supports(device_index, dtype, cache_dtype, head_dim: int, chunk_size: int) -> bool:
-    return (
-        dtype in SUPPORTED_DTYPES
-        and cache_dtype == dtype
-        and head_dim in SUPPORTED_HEAD_DIMS
-        and chunk_size in SUPPORTED_CHUNK_SIZES
-        and torch.cuda.get_device_capability(device_index)[0] >= 8
-        and _module() is not None
-    )
+    def __init__(self, workspace: StaticBuffers, num_heads: int, num_kv_heads: int, head_dim: int,
+                 chunk_size: int):
+        self.workspace = workspace
+        self.geometry = (num_heads, num_kv_heads, head_dim, chunk_size)
+        self._ops = build(workspace.device.index)
 
+    def plan(self, plan: DecodePlan) -> None:
+        if plan.cuda_index is None:
+            raise ValueError("the plan holds no CUDA arrays: build it on the GPU from a chunk-aligned tree")
+        num_heads, num_kv_heads, head_dim, _ = self.geometry
+        self._plan = plan
+        num_partial_rows = plan.cuda_layout[CUDA_COUNTS.index("num_partial_rows")]
+        self._scratch = self.workspace.scratch(self._ops.workspace_floats(plan.num_seqs, num_heads, num_kv_heads,
+                                                                          head_dim, num_partial_rows))
 
-def tpp_decode_attention_cuda(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float, window: int = 0
-) -> torch.Tensor:
-    """Same contract as `reference.tpp_decode_attention` (window: 0 for none); `plan` built on the GPU with
-    `group = num_heads // num_kv_heads`.
-
-    q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [capacity, num_kv_heads, chunk_size, head_dim]
-    """
-    if plan.device_index is None:
-        raise ValueError("the plan was built for the CPU; build it on the CUDA device of the cache")
-    index = plan.device_index
-    return _module().tpp_decode(
-        q.contiguous(), k_cache, v_cache,
-        index["shared_chunk_ids"], index["shared_begin"], index["shared_end"], index["shared_row_offset"],
-        index["shared_depth"], index["private_chunk_ids"], index["num_shared_tokens"], index["seq_lens"], index["seq_partial_ptr"],
-        index["seq_partial_rows"], plan.max_rows_per_shared, plan.max_pairs_per_seq, plan.max_private_tokens,
-        plan.num_partial_rows,
-        float(scale), window,
-    )
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int = 0,
+            new_kv=None) -> torch.Tensor:
+        """q: [num_seqs, num_heads, head_dim] in plan order -> [num_seqs, num_heads, head_dim]"""
+        plan = self._plan
+        return self._ops.tpp_decode(q.contiguous(), k_cache, v_cache, plan.cuda_index, plan.cuda_layout,
+                                    self._scratch, float(scale), window)

@@ -12,11 +12,10 @@ again with the compiler's own CPU detection before it runs a variant.
 from __future__ import annotations
 
 import functools
+import os
 import platform
 
 import torch
-
-from chunk_llama.ops.jit import setting
 
 ENV = "CHUNK_LLAMA_CPU_ISA"
 VARIANTS = ("avx512", "avx2", "neon", "generic")
@@ -87,7 +86,7 @@ def describe_host() -> str:
 
 def selected_variant() -> str:
     """The variant `CHUNK_LLAMA_CPU_ISA` names (default auto: the best this CPU runs)."""
-    return _select(setting(ENV, "auto").strip().lower() or "auto")
+    return _select(os.environ.get(ENV, "auto").strip().lower() or "auto")
 
 
 @functools.cache

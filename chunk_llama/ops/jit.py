@@ -1,5 +1,8 @@
 """Build native kernels on first use with `torch.utils.cpp_extension.load` and ninja.
 
+What a build compiles is declared once per kernel library (`build.py`: a `KernelBuild`);
+this module turns such a declaration into a loaded library.
+
 Builds are cached under `$CHUNK_LLAMA_CACHE_DIR` (default `~/.cache/chunk_llama`)
 in a directory keyed by the module name (which names the target and, for the CPU,
 the variants it holds), the torch version and a hash of the sources and flags, so a
@@ -21,18 +24,20 @@ reason, and the caller falls back to the reference.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import sys
-import threading
 import time
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from filelock import FileLock
+
+if TYPE_CHECKING:
+    from chunk_llama.ops.build import KernelBuild
 
 PACKAGE_CSRC = Path(__file__).resolve().parents[1] / "csrc"  # installed: package data
 REPO_CSRC = Path(__file__).resolve().parents[2] / "csrc"  # checkout, editable install
@@ -41,33 +46,10 @@ _modules: dict[str, object] = {}
 _failures: dict[str, str] = {}
 
 
-_frozen = threading.local()
-
-
 def setting(name: str, default: str = "") -> str:
-    """Environment variable `name`: read once per `frozen_settings` block in this thread
-    (a forward consults the kernel settings hundreds of times), else read now."""
-    values = getattr(_frozen, "values", None)
-    if values is None:
-        return os.environ.get(name, default)
-    key = (name, default)
-    if key not in values:
-        values[key] = os.environ.get(name, default)
-    return values[key]
-
-
-@contextlib.contextmanager
-def frozen_settings():
-    """Within the block (a model forward), `setting` reads each variable once: a change
-    takes effect at the next block."""
-    outer = getattr(_frozen, "values", None)
-    if outer is None:
-        _frozen.values = {}
-    try:
-        yield
-    finally:
-        if outer is None:
-            _frozen.values = None
+    """Environment variable `name` (the kernels' settings are read when a step chooses its
+    backend, once per forward, not at every layer)."""
+    return os.environ.get(name, default)
 
 
 def force_reference() -> bool:
@@ -117,27 +99,17 @@ def _record_seconds(name: str, seconds: float) -> None:
         pass  # an estimate for next time, nothing more
 
 
-def load_extension(
-    name: str,
-    sources: list[Path],
-    *,
-    cflags: list[str],
-    cuda_cflags: list[str] | None = None,
-    ldflags: list[str] | None = None,
-    is_python_module: bool = True,
-    description: str | None = None,
-    estimate_seconds: float = 60.0,
-):
-    """The built module (a torch-ops library's path when not `is_python_module`), or
-    None (forced reference, or the build failed: warned once, see `build_failure`).
-
-    description: what the first-use line calls it ('the CPU attention kernel for avx2').
-    """
+def load_extension(spec: KernelBuild):
+    """The library `spec` declares, built on first use: its torch ops namespace
+    (`torch.ops.<spec.namespace>`), or None (forced reference, or the build failed: warned
+    once, see `build_failure`)."""
+    name = spec.name
     if force_reference() or name in _failures:
         return None
     if name in _modules:
         return _modules[name]
-    missing = [str(s) for s in sources if not Path(s).is_file()]
+    sources = [CSRC / source for source in spec.sources]
+    missing = [str(s) for s in sources if not s.is_file()]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         _failures[name] = (f"the native kernel sources are missing ({missing[0]}{more} not found; looked for "
@@ -148,7 +120,8 @@ def load_extension(
         return None
     from torch.utils import cpp_extension
 
-    digest = _digest(sources, cflags + (cuda_cflags or []) + (ldflags or []))
+    flags = [*spec.cflags, *spec.cuda_cflags, *spec.ldflags]
+    digest = _digest(sources, flags)
     build_dir = cache_dir() / f"{name}-torch{torch.__version__}-{digest}"
     build_dir.mkdir(parents=True, exist_ok=True)
     module_name = f"{name}_{digest}"
@@ -157,19 +130,19 @@ def load_extension(
         with FileLock(str(build_dir.parent / f"{build_dir.name}.lock")):
             built = (build_dir / f"{module_name}.so").exists()
             if not built:
-                print(f"chunk-llama: building {description or name} (first use only, about "
-                      f"{_estimate_seconds(name, estimate_seconds):.0f} s)", file=sys.stderr, flush=True)
+                print(f"chunk-llama: building {spec.description or name} (first use only, about "
+                      f"{_estimate_seconds(name, spec.estimate_seconds):.0f} s)", file=sys.stderr, flush=True)
             start = time.perf_counter()
-            module = cpp_extension.load(
+            cpp_extension.load(
                 name=module_name,
                 sources=[str(s) for s in sources],
                 extra_include_paths=[str(CSRC / "include")],
-                extra_cflags=cflags,
-                extra_cuda_cflags=cuda_cflags,
-                extra_ldflags=ldflags,
+                extra_cflags=list(spec.cflags),
+                extra_cuda_cflags=list(spec.cuda_cflags) or None,
+                extra_ldflags=list(spec.ldflags) or None,
                 build_directory=str(build_dir),
                 verbose=os.environ.get("CHUNK_LLAMA_VERBOSE_BUILD", "") not in ("", "0"),
-                is_python_module=is_python_module,
+                is_python_module=False,  # the library registers torch ops (TORCH_LIBRARY)
             )
             if not built:
                 _record_seconds(name, time.perf_counter() - start)
@@ -179,5 +152,5 @@ def load_extension(
         warnings.warn(f"chunk-llama: building {name} failed, using the PyTorch reference ({error})",
                       stacklevel=2)
         return None
-    _modules[name] = module
+    module = _modules[name] = getattr(torch.ops, spec.namespace)
     return module

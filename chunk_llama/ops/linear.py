@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import platform
 
 import torch
 import torch.nn.functional as F
@@ -40,13 +39,12 @@ ENV = "CHUNK_LLAMA_LINEAR"
 SMALL_ROWS = 128
 
 
-@functools.cache
 def _chosen() -> bool:
     """Whether chunk-llama's paths may run (not CHUNK_LLAMA_LINEAR=torch, an x86-64 CPU)."""
     choice = setting(ENV, "auto")
     if choice not in ("auto", "torch"):
         raise ValueError(f"{ENV} must be auto or torch, got {choice!r}")
-    return choice == "auto" and platform.machine().lower() in ("x86_64", "amd64")
+    return choice == "auto" and isa.host_arch() == "x86_64"
 
 
 @functools.cache
@@ -69,32 +67,49 @@ def _onednn(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     return torch.ops.mkldnn._linear_pointwise(x2d, weight, bias, "none", [], "")
 
 
-def _small_linear():
-    """The CPU kernel's op and variant, or None when the kernel does not run here."""
-    return None if force_reference() else _small_linear_of(isa.selected_variant())
-
-
 @functools.cache
 def _small_linear_of(variant: str):
     module = build()  # None for good: a build that failed is not retried in this process
     return None if module is None else functools.partial(module.small_linear, isa=variant)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` (x: [..., in_features]; weight: [out_features, in_features]), through
-    `small_linear` or oneDNN where this module says so."""
-    if not (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and weight.is_contiguous() and (bias is None or bias.is_contiguous()) and _chosen()):
+def _paths(dtype: torch.dtype, device: torch.device | str):
+    """(small_linear op or None, whether oneDNN runs) for a model of this dtype and device,
+    or None where `F.linear` runs everything."""
+    if torch.device(device).type != "cpu" or dtype != torch.float32 or not _chosen():
+        return None
+    small = None if force_reference() else _small_linear_of(isa.selected_variant())
+    onednn = onednn_unavailable_reason() is None
+    return (small, onednn) if small is not None or onednn else None
+
+
+def _run(small, onednn: bool, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if not (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
+            and weight.is_contiguous() and (bias is None or bias.is_contiguous())):
         return F.linear(x, weight, bias)
     flat = x.reshape(-1, x.shape[-1]).contiguous()
-    small = _small_linear() if flat.shape[0] <= SMALL_ROWS else None
-    if small is not None:
+    if small is not None and flat.shape[0] <= SMALL_ROWS:
         out = small(flat, weight, bias)
-    elif onednn_unavailable_reason() is None:
+    elif onednn:
         out = _onednn(flat, weight, bias)
     else:
         return F.linear(x, weight, bias)
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def resolve(dtype: torch.dtype, device: torch.device | str):
+    """What a model of this dtype and device runs its linear layers with in chunk-llama's
+    forwards: `fn(x, weight, bias)` (`F.linear`'s contract: x [..., in_features], weight
+    [out_features, in_features]) through `small_linear` or oneDNN, or None for `F.linear`.
+    Chosen once per step (the settings are read here)."""
+    paths = _paths(dtype, device)
+    return None if paths is None else functools.partial(_run, *paths)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` through `small_linear` or oneDNN where this module says so (one call)."""
+    fn = resolve(x.dtype, x.device)
+    return F.linear(x, weight, bias) if fn is None else fn(x, weight, bias)
 
 
 def backend(dtype: torch.dtype, device: torch.device | str = "cpu") -> str:
@@ -103,10 +118,8 @@ def backend(dtype: torch.dtype, device: torch.device | str = "cpu") -> str:
     or "torch" (F.linear). Logs once why a path is missing where it could run."""
     if torch.device(device).type != "cpu" or dtype != torch.float32 or not _chosen():
         return "torch"
-    from chunk_llama.ops import isa
-
     paths = []
-    if _small_linear() is not None:
+    if not force_reference() and _small_linear_of(isa.selected_variant()) is not None:
         paths.append(f"small_linear:{isa.selected_variant()}")
     else:
         _log_once("few rows run F.linear (MKL): the CPU kernel does not run here")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from chunk_llama.kv.plan import NO_POSITION, DecodePlan
-from chunk_llama.ops.prefill_plan import PrefillPlan
+from chunk_llama.step.decode_plan import NO_POSITION, DecodePlan
+from chunk_llama.step.prefill_plan import PrefillPlan
 
 
 def _partial_softmax(scores: torch.Tensor, values: torch.Tensor):
@@ -217,10 +217,36 @@ def packed_prefill_attention(
     returns [num_q_tokens, num_heads, head_dim]; rows of no sequence are left uninitialised
     """
     out = torch.empty_like(q)
+    tables = plan.tables()
     for seq, (token_start, q_start, num_tokens) in enumerate(plan.segments):
         rows = slice(token_start, token_start + num_tokens)
-        chunk, slot = kv_slots(plan.seg_chunk[seq], plan.seg_start[seq], plan.seg_pos[seq], q_start + num_tokens)
+        chunk, slot = kv_slots(tables.seg_chunk[seq], tables.seg_start[seq], tables.seg_pos[seq], q_start + num_tokens)
         k = k_cache[chunk, :, slot].transpose(0, 1)
         v = v_cache[chunk, :, slot].transpose(0, 1)
         out[rows] = prefill_attention(q[rows], k, v, q_start, scale, window)
     return out
+
+
+class ReferenceDecode:
+    """`tpp_decode_attention` as a plan-once, run-per-layer object (the backends' convention)."""
+
+    backend = "reference"
+
+    def plan(self, plan: DecodePlan) -> None:
+        self._plan = plan
+
+    def run(self, q, k_cache, v_cache, scale: float, window: int = 0, new_kv=None) -> torch.Tensor:
+        return tpp_decode_attention(q, k_cache, v_cache, self._plan, scale, window)
+
+
+class ReferencePrefill:
+    """`packed_prefill_attention` as a plan-once, run-per-layer object."""
+
+    backend = "reference"
+
+    def plan(self, plan: PrefillPlan) -> None:
+        self._plan = plan
+        plan.tables()
+
+    def run(self, q, k_cache, v_cache, scale: float, window: int = 0, new_kv=None) -> torch.Tensor:
+        return packed_prefill_attention(q, k_cache, v_cache, self._plan, scale, window)

@@ -34,7 +34,7 @@ struct Params {
   float* q_t;           // [num_kv_heads, head_dim, q_t_stride]: Q^T per KV head, pre-scaled
   float* workspace;     // [num_threads, workspace_stride]: each thread's buffers
   // K/V are read by segment: slots [start, start + len) of one chunk, at consecutive
-  // positions (chunk_llama/kv/plan.py). Most are whole chunks; one ends inside a chunk
+  // positions (chunk_llama/step/decode_plan.py). Most are whole chunks; one ends inside a chunk
   // where requests part (token-granular sharing).
   const int64_t* shared_chunk_ids;   // [num_shared] the segments on >= 2 paths
   const int64_t* shared_start;       // [num_shared] first slot in the chunk
@@ -59,7 +59,7 @@ struct Params {
   float scale;
 };
 
-constexpr int64_t kNoPosition = int64_t{1} << 62;  // chunk_llama.kv.plan.NO_POSITION
+constexpr int64_t kNoPosition = int64_t{1} << 62;  // chunk_llama.step.decode_plan.NO_POSITION
 
 // First position a query at `pos` sees under a sliding window of `window` (0: none).
 static inline int64_t window_start(int64_t pos, int window) { return window > 0 ? pos - window + 1 : 0; }

@@ -10,7 +10,7 @@
 // query row is r = token * group + g over the flattened tokens (the GQA group's heads
 // of one token are consecutive rows of one KV head).
 //
-// Context items (the chunk-first phase of prefill, chunk_llama/ops/prefill_plan.py):
+// Context items (the chunk-first phase of prefill, chunk_llama/step/prefill_schedule.py):
 // where several sequences' new tokens all see the same context segments whole (a
 // common cached prefix), one item = (piece of that run of segments, up to kRowsPerItem
 // rows of those sequences' tokens, which are contiguous, KV head) writes each row's

@@ -14,6 +14,7 @@
 
 #include "linear_params.h"
 #include "params.h"
+#include "plan_layout.h"
 #include "prefill_params.h"
 #include "schedule.h"
 #include "variants.h"
@@ -33,10 +34,21 @@ const Variant& variant_for(const std::string& isa) {
   return *v;
 }
 
-void check_plan_tensor(const at::Tensor& t, const char* name) {
-  TORCH_CHECK_TYPE(t.device().is_cpu() && t.scalar_type() == at::kLong, name, " must be an int64 CPU tensor, got ",
-                   t.scalar_type(), " on ", t.device());
-  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
+// A plan reaches an op as one int64 tensor and its layout (plan_layout.h).
+void check_plan(const at::Tensor& plan, at::IntArrayRef layout, int layout_size, const char* what) {
+  TORCH_CHECK_TYPE(plan.device().is_cpu() && plan.scalar_type() == at::kLong, "the ", what,
+                   " plan must be an int64 CPU tensor, got ", plan.scalar_type(), " on ", plan.device());
+  TORCH_CHECK_VALUE(plan.is_contiguous(), "the ", what, " plan must be contiguous");
+  TORCH_CHECK_VALUE(static_cast<int>(layout.size()) == layout_size, "the ", what, " layout has ", layout_size,
+                    " entries, got ", layout.size());
+}
+
+// The plan's array at layout[slot], of `count` entries, checked to lie inside the tensor.
+const int64_t* plan_array(const at::Tensor& plan, at::IntArrayRef layout, int slot, int64_t count, const char* name) {
+  const int64_t offset = layout[slot];
+  TORCH_CHECK_VALUE(count >= 0 && offset >= 0 && offset + count <= plan.numel(), "plan array ", name, " (", count,
+                    " entries from ", offset, ") is not inside the plan's ", plan.numel());
+  return plan.data_ptr<int64_t>() + offset;
 }
 
 // The checks both kernels make on q and the pool (q_shape: what q must be).
@@ -108,42 +120,37 @@ void check_attention_tensors(const at::Tensor& q, const at::Tensor& k_cache, con
 }
 
 at::Tensor tpp_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                      const at::Tensor& shared_chunk_ids, const at::Tensor& shared_start, const at::Tensor& shared_len,
-                      const at::Tensor& shared_pos, const at::Tensor& shared_begin, const at::Tensor& shared_end,
-                      const at::Tensor& shared_depth, const at::Tensor& private_chunk_ids,
-                      const at::Tensor& private_start, const at::Tensor& private_pos,
-                      const at::Tensor& num_shared_tokens, const at::Tensor& seq_lens, const at::Tensor& seq_pair_ptr,
-                      const at::Tensor& scratch, double scale, int64_t max_chunks_per_item, int64_t window,
-                      const std::string& isa) {
+                      const at::Tensor& plan, at::IntArrayRef layout, const at::Tensor& scratch, double scale,
+                      int64_t window, int64_t max_chunks_per_item, const std::string& isa) {
+  using namespace chunk_attn_cpu;
   const Variant& variant = variant_for(isa);
   check_window(window);
   check_attention_tensors(q, k_cache, v_cache, "q must be [num_seqs, num_heads, head_dim], got ");
   const int num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int num_kv_heads = k_cache.size(1), chunk_size = k_cache.size(2);
   const int64_t capacity = k_cache.size(0);
-  for (const auto& [t, name] : {std::pair{&shared_chunk_ids, "shared_chunk_ids"}, {&shared_start, "shared_start"},
-                                {&shared_len, "shared_len"}, {&shared_pos, "shared_pos"},
-                                {&shared_begin, "shared_begin"}, {&shared_end, "shared_end"},
-                                {&shared_depth, "shared_depth"}, {&private_chunk_ids, "private_chunk_ids"},
-                                {&private_start, "private_start"}, {&private_pos, "private_pos"},
-                                {&num_shared_tokens, "num_shared_tokens"}, {&seq_lens, "seq_lens"},
-                                {&seq_pair_ptr, "seq_pair_ptr"}})
-    check_plan_tensor(*t, name);
-  const int64_t num_shared = shared_chunk_ids.numel(), width = private_chunk_ids.dim() == 2 ? private_chunk_ids.size(1) : 0;
-  TORCH_CHECK_VALUE(seq_lens.numel() == num_seqs && seq_pair_ptr.numel() == num_seqs + 1 &&
-                        num_shared_tokens.numel() == num_seqs && private_chunk_ids.dim() == 2 &&
-                        private_chunk_ids.size(0) == num_seqs && private_start.sizes() == private_chunk_ids.sizes() &&
-                        private_pos.sizes() == private_chunk_ids.sizes(),
-                    "plan tensors do not match num_seqs=", num_seqs);
-  for (const at::Tensor* t : {&shared_start, &shared_len, &shared_pos, &shared_begin, &shared_end, &shared_depth})
-    TORCH_CHECK_VALUE(t->numel() == num_shared, "shared segment tensors must all have ", num_shared, " entries");
+  check_plan(plan, layout, kDecodeLayoutSize, "decode");
+  const int64_t num_shared = layout[kDecodeNumShared], width = layout[kDecodeWidth];
+  TORCH_CHECK_VALUE(layout[kDecodeNumSeqs] == num_seqs && num_shared >= 0 && width >= 1,
+                    "the decode plan is for ", layout[kDecodeNumSeqs], " sequences (", num_shared,
+                    " shared segments, width ", width, "), q has ", num_seqs);
+  // each array's extent inside the plan tensor, before any pointer is made from it
+  const auto array = [&](int slot, int64_t count) {
+    return plan_array(plan, layout, slot, count, kDecodeArrayNames[slot - kDecodeCounts]);
+  };
+  const int64_t *shared_chunk_ids = array(kSharedChunkIds, num_shared), *shared_start = array(kSharedStart, num_shared),
+                *shared_len = array(kSharedLen, num_shared), *shared_pos = array(kSharedPos, num_shared),
+                *shared_begin = array(kSharedBegin, num_shared), *shared_end = array(kSharedEnd, num_shared),
+                *shared_depth = array(kSharedDepth, num_shared),
+                *private_chunk_ids = array(kPrivateChunkIds, num_seqs * width),
+                *private_start = array(kPrivateStart, num_seqs * width),
+                *private_pos = array(kPrivatePos, num_seqs * width),
+                *num_shared_tokens = array(kNumSharedTokens, num_seqs), *lens = array(kSeqLens, num_seqs),
+                *pair_ptr = array(kSeqPairPtr, num_seqs + 1);
   TORCH_CHECK_VALUE(max_chunks_per_item >= 1, "max_chunks_per_item must be >= 1, got ", max_chunks_per_item);
-  const int64_t *pair_ptr = seq_pair_ptr.data_ptr<int64_t>(), *lens = seq_lens.data_ptr<int64_t>();
   for (int64_t s = 0; s < num_shared; ++s) {
-    const int64_t begin = shared_begin.data_ptr<int64_t>()[s], end = shared_end.data_ptr<int64_t>()[s];
-    const int64_t depth = shared_depth.data_ptr<int64_t>()[s];
-    check_segment(shared_chunk_ids.data_ptr<int64_t>()[s], shared_start.data_ptr<int64_t>()[s],
-                  shared_len.data_ptr<int64_t>()[s], capacity, chunk_size, "shared segment", s);
+    const int64_t begin = shared_begin[s], end = shared_end[s], depth = shared_depth[s];
+    check_segment(shared_chunk_ids[s], shared_start[s], shared_len[s], capacity, chunk_size, "shared segment", s);
     TORCH_CHECK_VALUE(0 <= begin && begin < end && end <= num_seqs && depth >= 0, "shared segment ", s, ": rows ",
                       begin, " .. ", end, " at depth ", depth, " do not fit ", num_seqs, " sequences");
     for (int64_t row = begin; row < end; ++row)
@@ -153,9 +160,8 @@ at::Tensor tpp_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::
   for (int64_t i = 0; i < num_seqs; ++i) {
     TORCH_CHECK_VALUE(pair_ptr[i] >= 0 && pair_ptr[i] <= pair_ptr[i + 1] && lens[i] >= 1, "sequence ", i,
                       ": bad pair range or length");
-    check_segments(private_chunk_ids.data_ptr<int64_t>() + i * width, private_start.data_ptr<int64_t>() + i * width,
-                   private_pos.data_ptr<int64_t>() + i * width, width, num_shared_tokens.data_ptr<int64_t>()[i],
-                   lens[i], capacity, chunk_size, "private segment", i);
+    check_segments(private_chunk_ids + i * width, private_start + i * width, private_pos + i * width, width,
+                   num_shared_tokens[i], lens[i], capacity, chunk_size, "private segment", i);
   }
   const int num_threads = at::get_num_threads();
   const int64_t num_pairs = pair_ptr[num_seqs];
@@ -177,19 +183,19 @@ at::Tensor tpp_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::
                             chunk_attn_cpu::q_t_stride(num_seqs, num_heads, num_kv_heads);
   p.workspace_stride = chunk_attn_cpu::workspace_floats(chunk_size, head_dim, num_heads / num_kv_heads);
   p.num_threads = num_threads;
-  p.shared_chunk_ids = shared_chunk_ids.data_ptr<int64_t>();
-  p.shared_start = shared_start.data_ptr<int64_t>();
-  p.shared_len = shared_len.data_ptr<int64_t>();
-  p.shared_pos = shared_pos.data_ptr<int64_t>();
-  p.shared_begin = shared_begin.data_ptr<int64_t>();
-  p.shared_end = shared_end.data_ptr<int64_t>();
-  p.shared_depth = shared_depth.data_ptr<int64_t>();
-  p.private_chunk_ids = private_chunk_ids.data_ptr<int64_t>();
-  p.private_start = private_start.data_ptr<int64_t>();
-  p.private_pos = private_pos.data_ptr<int64_t>();
-  p.num_shared_tokens = num_shared_tokens.data_ptr<int64_t>();
-  p.seq_lens = seq_lens.data_ptr<int64_t>();
-  p.seq_pair_ptr = seq_pair_ptr.data_ptr<int64_t>();
+  p.shared_chunk_ids = shared_chunk_ids;
+  p.shared_start = shared_start;
+  p.shared_len = shared_len;
+  p.shared_pos = shared_pos;
+  p.shared_begin = shared_begin;
+  p.shared_end = shared_end;
+  p.shared_depth = shared_depth;
+  p.private_chunk_ids = private_chunk_ids;
+  p.private_start = private_start;
+  p.private_pos = private_pos;
+  p.num_shared_tokens = num_shared_tokens;
+  p.seq_lens = lens;
+  p.seq_pair_ptr = pair_ptr;
   p.num_seqs = num_seqs;
   p.num_heads = num_heads;
   p.num_kv_heads = num_kv_heads;
@@ -210,41 +216,40 @@ at::Tensor tpp_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::
 
 // Prefill attention of every sequence of a step (prefill_params.h has the layout). The
 // per-step metadata (segment tables, context items, tiles) comes from
-// chunk_llama/ops/prefill_plan.py, built once per forward; it is checked here before any
+// chunk_llama/step/prefill_schedule.py, built once per forward; it is checked here before any
 // pointer into the pool or the scratch is made from it, since a wrong chunk id, slot,
 // row or partial offset would reach out of bounds.
 at::Tensor tpp_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       const std::vector<at::Tensor>& plan, int64_t num_partial_rows, const at::Tensor& scratch,
-                       double scale, int64_t window, const std::string& isa) {
+                       const at::Tensor& plan, at::IntArrayRef layout, const at::Tensor& scratch, double scale,
+                       int64_t window, const std::string& isa) {
+  using namespace chunk_attn_cpu;
   const Variant& variant = variant_for(isa);
   check_window(window);
   check_attention_tensors(q, k_cache, v_cache, "q must be [num_q_tokens, num_heads, head_dim], got ");
   const int num_q_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int capacity = k_cache.size(0), num_kv_heads = k_cache.size(1), chunk_size = k_cache.size(2);
   const int group = num_heads / num_kv_heads;
-  static const char* const kNames[] = {"seg_chunk", "seg_start", "seg_pos", "q_start", "num_tokens", "token_start",
-                                       "tiles", "token_pos", "ctx_end", "ctx_chunk", "ctx_start", "ctx_len",
-                                       "ctx_pos", "ctx_items", "seq_ctx_ptr", "seq_ctx_offset"};
-  constexpr size_t kNum = sizeof(kNames) / sizeof(kNames[0]);
-  TORCH_CHECK_VALUE(plan.size() == kNum, "the prefill plan has ", kNum, " tensors, got ", plan.size());
-  for (size_t i = 0; i < kNum; ++i) check_plan_tensor(plan[i], kNames[i]);
-  const at::Tensor &seg_chunk = plan[0], &seg_start = plan[1], &seg_pos = plan[2], &tiles = plan[6],
-                   &ctx_items = plan[13];
-  const int64_t* get[kNum];
-  for (size_t i = 0; i < kNum; ++i) get[i] = plan[i].data_ptr<int64_t>();
-  const int64_t num_seqs = plan[3].numel(), width = seg_chunk.dim() == 2 ? seg_chunk.size(1) : 0;
-  const int64_t num_ctx = plan[9].numel();
-  TORCH_CHECK_VALUE(seg_chunk.dim() == 2 && seg_chunk.size(0) == num_seqs && seg_start.sizes() == seg_chunk.sizes() &&
-                        seg_pos.sizes() == seg_chunk.sizes() && plan[4].numel() == num_seqs &&
-                        plan[5].numel() == num_seqs && tiles.dim() == 2 && tiles.size(1) == 3 &&
-                        plan[7].numel() == num_q_tokens && plan[8].numel() == num_seqs &&
-                        plan[10].numel() == num_ctx && plan[11].numel() == num_ctx && plan[12].numel() == num_ctx &&
-                        ctx_items.dim() == 2 && ctx_items.size(1) == 5 && plan[14].numel() == num_seqs + 1 &&
-                        num_partial_rows >= 0,
-                    "prefill plan tensors do not match num_seqs=", num_seqs, ", num_q_tokens=", num_q_tokens);
-  const int64_t *starts = get[3], *counts = get[4], *rows_at = get[5], *ctx_end = get[8];
-  const int64_t *ctx_ptr = get[14], *ctx_offset = get[15];
-  TORCH_CHECK_VALUE(ctx_ptr[0] == 0 && ctx_ptr[num_seqs] == plan[15].numel(), "seq_ctx_ptr must index seq_ctx_offset");
+  check_plan(plan, layout, kPrefillLayoutSize, "prefill");
+  const int64_t num_seqs = layout[kPrefillNumSeqs], width = layout[kPrefillWidth], num_tiles = layout[kNumTiles];
+  const int64_t num_ctx = layout[kNumCtxSegments], num_items = layout[kNumCtxItems];
+  const int64_t num_partial_rows = layout[kNumPartialRows];
+  TORCH_CHECK_VALUE(num_seqs >= 0 && width >= 1 && num_tiles >= 0 && num_ctx >= 0 && num_items >= 0 &&
+                        num_partial_rows >= 0 && layout[kNumQTokens] == num_q_tokens,
+                    "the prefill plan (", num_seqs, " sequences, ", layout[kNumQTokens], " query tokens) does not ",
+                    "match q's ", num_q_tokens, " rows");
+  const auto array = [&](int slot, int64_t count) {
+    return plan_array(plan, layout, slot, count, kPrefillArrayNames[slot - kPrefillCounts]);
+  };
+  const int64_t *seg_chunk = array(kSegChunk, num_seqs * width), *seg_start = array(kSegStart, num_seqs * width),
+                *seg_pos = array(kSegPos, num_seqs * width), *starts = array(kQStart, num_seqs),
+                *counts = array(kNumTokens, num_seqs), *rows_at = array(kTokenStart, num_seqs),
+                *tiles = array(kTiles, num_tiles * 3), *token_pos = array(kTokenPos, num_q_tokens),
+                *ctx_end = array(kCtxEnd, num_seqs), *ctx_chunk = array(kCtxChunk, num_ctx),
+                *ctx_start = array(kCtxStart, num_ctx), *ctx_len = array(kCtxLen, num_ctx),
+                *ctx_pos = array(kCtxPos, num_ctx), *ctx_items = array(kCtxItems, num_items * 5),
+                *ctx_ptr = array(kSeqCtxPtr, num_seqs + 1);
+  const int64_t* ctx_offset = array(kSeqCtxOffset, ctx_ptr[num_seqs]);
+  TORCH_CHECK_VALUE(ctx_ptr[0] == 0, "seq_ctx_ptr must index seq_ctx_offset from 0");
   // a partial row's whole range of tokens [first, last] inside the partials
   const auto check_partials = [&](int64_t offset, int64_t first, int64_t last, const char* what, int64_t i) {
     TORCH_CHECK_VALUE(offset + first >= 0 && offset + last < num_partial_rows, what, " ", i, ": partial rows ",
@@ -261,12 +266,12 @@ at::Tensor tpp_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at:
       check_partials(ctx_offset[c], rows_at[s], rows_at[s] + counts[s] - 1, "prefill sequence", s);
     // from position 0, each segment to the next one's position: every position up to the
     // last query's, each inside its chunk
-    check_segments(get[0] + s * width, get[1] + s * width, get[2] + s * width, width, 0, starts[s] + counts[s],
+    check_segments(seg_chunk + s * width, seg_start + s * width, seg_pos + s * width, width, 0, starts[s] + counts[s],
                    capacity, chunk_size, "prefill segment", s);
   }
   for (int64_t i = 0; i < num_ctx; ++i)
-    check_segment(get[9][i], get[10][i], get[11][i], capacity, chunk_size, "context segment", i);
-  const int64_t num_items = ctx_items.size(0), *item = get[13];
+    check_segment(ctx_chunk[i], ctx_start[i], ctx_len[i], capacity, chunk_size, "context segment", i);
+  const int64_t* item = ctx_items;
   for (int64_t i = 0; i < num_items; ++i, item += 5) {
     TORCH_CHECK_VALUE(item[0] >= 0 && item[1] >= 1 && item[0] + item[1] <= num_ctx && item[2] >= 0 &&
                           item[2] < item[3] && item[3] <= int64_t{num_q_tokens} * group &&
@@ -275,7 +280,7 @@ at::Tensor tpp_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at:
                       chunk_attn_cpu::kRowsPerItem, " query rows");
     check_partials(item[4], item[2] / group, (item[3] - 1) / group, "context item", i);
   }
-  const int64_t num_tiles = tiles.size(0), *tile = get[6];
+  const int64_t* tile = tiles;
   for (int64_t i = 0; i < num_tiles; ++i, tile += 3)
     TORCH_CHECK_VALUE(tile[0] >= 0 && tile[0] < num_seqs && tile[1] >= 0 && tile[1] < tile[2] &&
                           tile[2] <= counts[tile[0]] * group && tile[2] - tile[1] <= chunk_attn_cpu::kRowsPerItem,
@@ -298,11 +303,11 @@ at::Tensor tpp_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at:
   p.num_partial_rows = num_partial_rows;
   p.workspace = scratch.data_ptr<float>() + partial_floats;
   p.workspace_stride = stride;
-  p.seg_chunk = get[0], p.seg_start = get[1], p.seg_pos = get[2];
+  p.seg_chunk = seg_chunk, p.seg_start = seg_start, p.seg_pos = seg_pos;
   p.q_start = starts, p.num_tokens = counts, p.token_start = rows_at;
-  p.tiles = get[6], p.token_pos = get[7], p.ctx_end = ctx_end;
-  p.ctx_chunk = get[9], p.ctx_start = get[10], p.ctx_len = get[11], p.ctx_pos = get[12];
-  p.ctx_items = get[13], p.seq_ctx_ptr = ctx_ptr, p.seq_ctx_offset = ctx_offset;
+  p.tiles = tiles, p.token_pos = token_pos, p.ctx_end = ctx_end;
+  p.ctx_chunk = ctx_chunk, p.ctx_start = ctx_start, p.ctx_len = ctx_len, p.ctx_pos = ctx_pos;
+  p.ctx_items = ctx_items, p.seq_ctx_ptr = ctx_ptr, p.seq_ctx_offset = ctx_offset;
   p.num_tiles = static_cast<int>(num_tiles);
   p.num_ctx_items = static_cast<int>(num_items);
   p.num_threads = num_threads;
@@ -359,6 +364,14 @@ int64_t scratch_floats(int64_t num_pairs, int64_t num_seqs, int64_t num_heads, i
                                         num_threads);
 }
 
+// The names of the plan arrays in layout order (the Python side checks its own against them).
+std::vector<std::string> decode_layout() {
+  return {std::begin(chunk_attn_cpu::kDecodeArrayNames), std::end(chunk_attn_cpu::kDecodeArrayNames)};
+}
+std::vector<std::string> prefill_layout() {
+  return {std::begin(chunk_attn_cpu::kPrefillArrayNames), std::end(chunk_attn_cpu::kPrefillArrayNames)};
+}
+
 // Names of the variants in this build, best first.
 std::vector<std::string> variants() {
   std::vector<std::string> names;
@@ -375,23 +388,22 @@ bool host_runs(const std::string& isa) {
 }  // namespace
 
 TORCH_LIBRARY(chunk_llama_cpu, m) {
-  m.def(
-      "tpp_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor shared_chunk_ids, Tensor shared_start, "
-      "Tensor shared_len, Tensor shared_pos, Tensor shared_begin, Tensor shared_end, Tensor shared_depth, "
-      "Tensor private_chunk_ids, Tensor private_start, Tensor private_pos, Tensor num_shared_tokens, "
-      "Tensor seq_lens, Tensor seq_pair_ptr, Tensor(a!) scratch, float scale, int max_chunks_per_item, "
-      "int window, str isa) -> Tensor",
-      &tpp_decode);
+  // One call convention for both attention ops: q, the layer's K/V pool, the step's plan
+  // (one int64 tensor and its layout, plan_layout.h), the caller's scratch, then scalars.
+  m.def("tpp_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor plan, int[] layout, Tensor(a!) scratch, "
+        "float scale, int window, int max_chunks_per_item, str isa) -> Tensor",
+        &tpp_decode);
+  m.def("tpp_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor plan, int[] layout, Tensor(a!) scratch, "
+        "float scale, int window, str isa) -> Tensor",
+        &tpp_prefill);
   m.def("scratch_floats(int num_pairs, int num_seqs, int num_heads, int num_kv_heads, int head_dim, "
         "int chunk_size, int num_threads) -> int",
         &scratch_floats);
-  m.def(
-      "tpp_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor[] plan, int num_partial_rows, "
-      "Tensor(a!) scratch, float scale, int window, str isa) -> Tensor",
-      &tpp_prefill);
   m.def("prefill_scratch_floats(int num_partial_rows, int num_heads, int chunk_size, int head_dim, int num_threads) "
         "-> int",
         &prefill_scratch_floats);
+  m.def("decode_layout() -> str[]", &decode_layout);
+  m.def("prefill_layout() -> str[]", &prefill_layout);
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias, str isa) -> Tensor", &small_linear);
   m.def("variants() -> str[]", &variants);
   m.def("host_runs(str isa) -> bool", &host_runs);

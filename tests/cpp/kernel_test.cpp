@@ -42,7 +42,7 @@ struct Case {
   int window = 0;  // sliding window; 0: none
 };
 
-// The plan of a tree: what chunk_llama/kv/plan.py builds, for sequences in depth-first
+// The plan of a tree: what chunk_llama/step/decode_plan.py builds, for sequences in depth-first
 // order (the rows under any shared segment are contiguous).
 struct Plan {
   std::vector<int64_t> shared_ids, shared_start, shared_len, shared_pos, shared_begin, shared_end, shared_depth;

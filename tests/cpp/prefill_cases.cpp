@@ -8,10 +8,10 @@
 //   from 0, a segment's first position, inside a segment or only the last token, one
 //   spare row between sequences and no context phase; the tiles walk the decode plan's
 //   segments (cut where a path's users change);
-// - with context (the context phase, chunk_llama/ops/prefill_plan.py): 4 to 6 sequences
+// - with context (the context phase, chunk_llama/step/prefill_schedule.py): 4 to 6 sequences
 //   sharing prefixes of different lengths, packed next to each other in token order,
 //   most of them reading a shared prefix whole and some computing part of it in the
-//   step (no readers of it then), under a context plan built as prefill_plan.py builds
+//   step (no readers of it then), under a context plan built as prefill_schedule.py builds
 //   it: runs of adjacent readers, cut into 1 or more pieces, in items of 128 or 37 rows
 //   (so items end inside a token's GQA group too); the tiles walk the prefill plan's
 //   segments (a chunk's run of slots as one), so a sequence's context can end inside
@@ -95,7 +95,7 @@ std::vector<std::vector<int>> shared_prefix_sequences(Rng& rng, int C) {
   return seqs;
 }
 
-// A path's segments as the prefill plan cuts them (prefill_plan.py's _merged): consecutive
+// A path's segments as the prefill plan cuts them (prefill_schedule.py's merged): consecutive
 // slots of one chunk are one segment, whoever else holds a part of them.
 std::vector<Segment> merged(const std::vector<Segment>& segments) {
   std::vector<Segment> out;
@@ -185,8 +185,8 @@ ContextPlan no_context(int num_seqs) {
   return plan;
 }
 
-// The context plan of a step as prefill_plan.py builds it (_context_runs and
-// build_prefill_plan), the tree's segments standing for its nodes, less the choice of
+// The context plan of a step as prefill_schedule.py builds it (context_runs and
+// context_work), the tree's segments standing for its nodes, less the choice of
 // runs by the work they save (any plan must be right) and with a random number of
 // pieces (the threads' business there). A segment is read as context by the sequences
 // whose new tokens all come after it, those of them packed next to each other (2 or

@@ -1,6 +1,6 @@
 // The torch-free drivers' prefix trees: token sequences laid out in pool chunks the
 // way chunk_llama/kv/tree.py lays them out, token-granular, and cut into the segments
-// the kernels read (chunk_llama/kv/plan.py). Where sequences part inside a chunk, the
+// the kernels read (chunk_llama/step/decode_plan.py). Where sequences part inside a chunk, the
 // node is split: the shared part keeps slots [0, k) (or [start, k)), the rest of the
 // sequence that was there stays in place behind it as its own continuation, and the
 // sequence that parts goes on in a fresh chunk. A sequence that goes on past the

@@ -13,7 +13,6 @@
 namespace chunk_attn {
 
 constexpr int kSeqFirstWarps = 4;
-constexpr int kMaxSplits = 8;
 constexpr int kMaxStates = kMaxSplits > kSeqFirstWarps ? kMaxSplits : kSeqFirstWarps;
 
 // Per warp and head: o [D], m, n; per shared partial of the sequence: its row and
