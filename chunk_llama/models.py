@@ -130,6 +130,31 @@ def kv_geometry(config) -> tuple[int, int, int]:
     return config.num_hidden_layers, kv_heads, head_dim
 
 
+def layer_devices(model, num_layers: int) -> list[torch.device]:
+    """The device each attention layer computes on: accelerate's execution device where a
+    hook moves the layer's weights in (`device_map` with offload), else its weights'
+    device; layers not found on the model's device. A model split over
+    GPUs by `device_map` keeps each layer's K/V where that layer runs."""
+    devices: list[torch.device | None] = [None] * num_layers
+    for module in model.modules():
+        index = getattr(module, "layer_idx", None)
+        if isinstance(index, int) and 0 <= index < num_layers and devices[index] is None:
+            devices[index] = _execution_device(module)
+    fallback = torch.device(getattr(model, "device", "cpu"))
+    return [d if d is not None else fallback for d in devices]
+
+
+def _execution_device(module) -> torch.device | None:
+    for sub in module.modules():
+        hook = getattr(sub, "_hf_hook", None)
+        device = getattr(hook, "execution_device", None)
+        if device is not None:
+            return torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+    for parameter in module.parameters():
+        return parameter.device
+    return None
+
+
 def _available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)

@@ -17,6 +17,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig, LogitsProce
 
 from chunk_llama import ChunkLlamaEngine
 from chunk_llama.eval.parity import stock_generate_tokens, trim_at_eos
+from chunk_llama.hf.generate import stock_generate
 
 
 # Real models' attention and MLP shapes (their published configs), for random-weight runs.
@@ -114,7 +115,7 @@ def run_stock(model, prompts, arrivals, config, max_batch_size=32, pad_id=0):
                             device=model.device)
         timer = _FirstCallTimer()
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+            out = stock_generate(model, input_ids=ids, attention_mask=mask, generation_config=config,
                                  logits_processor=LogitsProcessorList([timer]), return_dict_in_generate=True)
         finish = time.perf_counter()
         cache = out.past_key_values

@@ -7,6 +7,7 @@ import random
 import torch
 import torch.nn.functional as F
 
+from chunk_llama.hf.generate import stock_generate
 from chunk_llama.kv import ChunkPool, PrefixTree
 from tolerances import assert_kernel_close
 
@@ -170,7 +171,7 @@ def fail_next_forward(model, exception=RuntimeError, layer: int = 1):
 def stock_greedy(model, prompt: list[int], config) -> list[int]:
     """Stock transformers `generate` for one prompt; the new tokens."""
     with torch.no_grad():
-        out = model.generate(
+        out = stock_generate(model, 
             torch.tensor([prompt]), generation_config=config, attention_mask=torch.ones(1, len(prompt), dtype=torch.long)
         )
     return out[0, len(prompt) :].tolist()

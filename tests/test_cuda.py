@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from chunk_llama import ChunkCache, patch_model
+from chunk_llama.hf.generate import stock_generate
 from chunk_llama.step import build_decode_plan
 from chunk_llama.ops import tpp_decode_attention
 from tolerances import assert_kernel_close
@@ -148,7 +149,7 @@ def test_a_plan_split_inside_a_chunk_runs_the_reference_and_says_so(caplog):
 
 def stock_greedy_on(model, prompt: list[int], config) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt], device="cuda"), generation_config=config,
+        out = stock_generate(model, torch.tensor([prompt], device="cuda"), generation_config=config,
                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"),
                              return_dict_in_generate=True)
     return out.sequences[0, len(prompt):].tolist()

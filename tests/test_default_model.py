@@ -10,6 +10,7 @@ from transformers import GenerationConfig
 import chunk_llama
 from chunk_llama import ChunkLlamaEngine
 from chunk_llama.cli import DEFAULT_SYSTEM, main
+from chunk_llama.hf.generate import stock_generate
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def test_shared_system_prompt_greedy_equals_stock_and_kv_is_deduplicated(default
         prompt = out.prompt_token_ids
         assert len(prompt) > 1000
         with torch.no_grad():
-            expected = model.generate(torch.tensor([prompt]), generation_config=config)[0, len(prompt):].tolist()
+            expected = stock_generate(model, torch.tensor([prompt]), generation_config=config)[0, len(prompt):].tolist()
         assert out.token_ids == expected
         assert out.text == tokenizer.decode(expected, skip_special_tokens=True)
     assert all(o.finish_reason == "length" for o in outputs)
@@ -80,3 +81,26 @@ def test_streamed_text_adds_up_to_the_output_with_multibyte_characters(default_m
     out = engine.generate([chat], config)[0]
     assert "".join(pieces) == out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
     assert len(pieces) > 3 and any(ord(ch) > 127 for ch in out.text)
+
+
+@pytest.mark.slow
+def test_from_pretrained_and_pipeline_on_the_default_model(default_model):
+    """The one-line form on the real model's GGUF file, and `pipeline` with batches of
+    left-padded chats over one system prompt: the same text as stock."""
+    import os.path
+
+    from transformers import AutoModelForCausalLM, pipeline
+
+    stock, tokenizer = default_model
+    folder, name = os.path.split(chunk_llama.models.default_model_path())
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, attn_implementation="chunk_llama")
+    system = {"role": "system", "content": system_prompt(tokenizer, 300)}
+    chats = [[system, {"role": "user", "content": q}] for q in ("Delay of DL 10?", "Flights from BOS?",
+                                                                "Elevation of DEN?", "Busiest carrier at JFK?")]
+    tokenizer.padding_side = "left"
+    settings = dict(batch_size=2, max_new_tokens=8, do_sample=False)
+    ours = pipeline("text-generation", model=model, tokenizer=tokenizer)(chats, **settings)
+    theirs = pipeline("text-generation", model=stock, tokenizer=tokenizer)(chats, **settings)
+    assert ours == theirs
+    tree = model.chunk_llama_cache.tree
+    assert tree.num_revived > 0  # the second batch found the first batch's system prompt

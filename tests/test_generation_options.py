@@ -13,6 +13,7 @@ from transformers.generation import WatermarkingConfig
 
 from chunk_llama import ChunkLlamaEngine
 from chunk_llama.eval.parity import trim_at_eos
+from chunk_llama.hf.generate import stock_generate
 from helpers import tiny_bpe_tokenizer, tiny_llama, tiny_tokenizer
 
 BASE = dict(max_new_tokens=10, pad_token_id=0)
@@ -29,7 +30,7 @@ def stock_samples(model, prompt, config, seed=None, **kwargs) -> list[list[int]]
     if seed is not None:
         torch.manual_seed(seed)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), generation_config=config,
+        out = stock_generate(model, torch.tensor([prompt]), generation_config=config,
                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long), **kwargs)
     eos = config.eos_token_id if config.eos_token_id is not None else model.generation_config.eos_token_id
     return [trim_at_eos(row[len(prompt):].tolist(), eos) for row in out]

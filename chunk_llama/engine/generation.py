@@ -63,6 +63,23 @@ def check_config(config: GenerationConfig | None) -> None:
         raise TypeError(f"generation_config must be a GenerationConfig, got {type(config).__name__}")
 
 
+def unsupported_on_chunk_cache(model, config: GenerationConfig | None, generate_kwargs: dict) -> str | None:
+    """What in a stock `generate` call a `ChunkCache` cannot run (beam search, assisted
+    decoding, attention outputs, ...), named, or None: `generate`'s own merge of the
+    model's generation config under the call's settings decides the mode."""
+    settings = {k: v for k, v in generate_kwargs.items() if k not in ("generation_config", "assistant_model")}
+    merged, _ = model._prepare_generation_config(copy.deepcopy(config) if config is not None else None, **settings)
+    mode = merged.get_generation_mode(generate_kwargs.get("assistant_model"))
+    if mode in _UNSUPPORTED_MODES:
+        return _UNSUPPORTED_MODES[mode]
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        return f"generation mode {mode!r}"
+    for flag, what in _UNSUPPORTED_FLAGS.items():
+        if getattr(merged, flag, None) and flag != "token_healing":
+            return f"{flag}=True ({what})"
+    return None
+
+
 def resolve(
     model,
     config: GenerationConfig | None,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from chunk_llama.hf.generate import stock_generate
+
 
 def trim_at_eos(tokens: list[int], eos_token_id) -> list[int]:
     """`tokens` up to and including the first EOS (an id, a list of ids or None)."""
@@ -15,9 +17,9 @@ def trim_at_eos(tokens: list[int], eos_token_id) -> list[int]:
 
 def stock_generate_tokens(model, prompt: list[int], config, eos_token_id) -> list[int]:
     """The new tokens of stock `generate` on one unpadded prompt, cut after the first EOS
-    (a model patched by chunk-llama runs transformers' own SDPA path without a ChunkCache)."""
+    (on a model patched by chunk-llama: its class's generate, transformers' own cache and SDPA)."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt], device=model.device), generation_config=config,
+        out = stock_generate(model, torch.tensor([prompt], device=model.device), generation_config=config,
                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device))
     return trim_at_eos(out[0, len(prompt):].tolist(), eos_token_id)
 

@@ -19,21 +19,24 @@ their K/V through `update` and attend through `hf/attention.py`, both on that co
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 from transformers.cache_utils import Cache
 
-from chunk_llama.kv import ChunkPool, KVCacheFull, PrefixTree
-from chunk_llama.models import check_supported, default_kv_cache_bytes, kv_geometry
+from chunk_llama.hf.adapters import WeightsKey
+from chunk_llama.hf.rows import GenerateRows
+from chunk_llama.kv import ChunkPool, PrefixTree
+from chunk_llama.models import check_supported, default_kv_cache_bytes, kv_geometry, layer_devices
 from chunk_llama.ops import linear
 from chunk_llama.ops.dispatch import Geometry, decode_attention, prefill_attention
-from chunk_llama.step import StepBuilder, StepContext, current_step
+from chunk_llama.step import StaticBuffers, StepBuilder, StepContext, current_step
 
 logger = logging.getLogger(__name__)
 
 
-class ChunkCache(Cache):
+class ChunkCache(GenerateRows, Cache):
     """Prefix-aware KV cache for a causal LM that `patch_model` accepts.
 
     Args:
@@ -62,8 +65,11 @@ class ChunkCache(Cache):
         if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
             raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
         dtype = dtype or getattr(model, "dtype", None) or torch.float32
-        device = torch.device(device or getattr(model, "device", "cpu"))
         num_layers, num_kv_heads, head_dim = kv_geometry(config)
+        placed = None  # each layer's K/V where that layer runs (a model split by device_map)
+        if device is None and isinstance(model, torch.nn.Module):
+            placed = layer_devices(model, num_layers)
+        device = torch.device(device or (placed[0] if placed else getattr(model, "device", "cpu")))
         per_chunk = ChunkPool.bytes_per_chunk_for(num_layers, num_kv_heads, head_dim, chunk_size, dtype)
         if kv_cache_bytes is None:
             kv_cache_bytes = default_kv_cache_bytes(config, device, per_chunk // chunk_size)
@@ -85,6 +91,7 @@ class ChunkCache(Cache):
             capacity=kv_cache_bytes // per_chunk,
             dtype=dtype,
             device=device,
+            layer_devices=placed,
         )
         if token_granular is None:
             token_granular = device.type != "cuda"
@@ -96,9 +103,14 @@ class ChunkCache(Cache):
         self.geometry = Geometry(self.pool.device, dtype, config.num_attention_heads, num_kv_heads, head_dim,
                                  chunk_size)
         self._attention: dict = {}  # the backends' objects, made once each and planned per step
+        self._device_buffers: dict[torch.device, StaticBuffers] = {}  # layers on other devices
+        self._device_attention: dict[torch.device, dict] = {}
+        self._weights_key = WeightsKey(model) if isinstance(model, torch.nn.Module) else None
+        self._weights_seen = self._weights_key() if self._weights_key is not None else None
         self._plan_counters_at_open = (0, 0)
         self._step: StepContext | None = None
         self._row_seq_ids: list[int] = []  # generate mode: sequence of each batch row
+        self._columns = 0  # generate mode: columns of the batch so far, left padding included
 
     # ------------------------------------------------------------ engine API
     @property
@@ -118,16 +130,38 @@ class ChunkCache(Cache):
     def _prepare(self, step: StepContext) -> StepContext:
         """Choose the step's attention backend and linear path (the kernel settings are read
         here, once per forward) and plan it; the step becomes the prepared one."""
-        buffers, made = self._builder.buffers, self._attention
-        if step.is_decode:
-            step.attention = decode_attention(self.geometry, buffers, step.decode.aligned, made)
-            step.attention.plan(step.decode)
-        else:
-            step.attention = prefill_attention(self.geometry, buffers, made)
-            step.attention.plan(step.prefill)
+        self._plan_attention(step, self.geometry, self._builder.buffers, self._attention)
         step.linear = linear.resolve(self.pool.dtype, self.pool.device)
+        if len(set(self.pool.layer_devices)) > 1:
+            step.for_device = self._step_on
         self._step = step
         return step
+
+    @staticmethod
+    def _plan_attention(step: StepContext, geometry: Geometry, buffers, made: dict) -> None:
+        if step.is_decode:
+            step.attention = decode_attention(geometry, buffers, step.decode.aligned, made)
+            step.attention.plan(step.decode)
+        else:
+            step.attention = prefill_attention(geometry, buffers, made)
+            step.attention.plan(step.prefill)
+
+    def _step_on(self, step: StepContext, device: torch.device) -> StepContext:
+        """`step` for the layers on another device (a model split over GPUs by `device_map`):
+        its write slots and plan copied there once per step, that device's backend planned."""
+        def move(tensor):
+            return None if tensor is None else tensor.to(device, non_blocking=True)
+
+        moved = dataclasses.replace(
+            step, input_ids=None, position_ids=None, write_token_index=move(step.write_token_index),
+            write_chunk=move(step.write_chunk), write_offset=move(step.write_offset),
+            row_order=move(step.row_order), inverse_row_order=move(step.inverse_row_order),
+            decode=step.decode.to(device) if step.decode is not None else None,
+            prefill=step.prefill.to(device) if step.prefill is not None else None, for_device=None, moved={})
+        buffers = self._device_buffers.setdefault(device, StaticBuffers(device))
+        self._plan_attention(moved, dataclasses.replace(self.geometry, device=device), buffers,
+                             self._device_attention.setdefault(device, {}))
+        return moved
 
     @property
     def num_plan_rebuilds(self) -> int:
@@ -198,17 +232,19 @@ class ChunkCache(Cache):
         """End the step: commit it if its forward completed, else roll it back, so the
         tree, the pool and the counters are as they were before it (a no-op when no step
         is open, e.g. when it was already ended)."""
-        self._step = None
+        step, self._step = self._step, None
         if not self.tree.in_step:
             return
         if completed:
             self.tree.commit()
+            if step is not None and step.columns is not None:
+                self._columns = step.columns  # stock generate's rows: columns seen, padding included
             return
         self.tree.rollback()
         self._builder.discard_plan()
         self._builder.num_plan_rebuilds, self._builder.num_plan_updates = self._plan_counters_at_open
         if any(seq_id not in self.tree for seq_id in self._row_seq_ids):
-            self._row_seq_ids = []  # the first forward of stock generate failed
+            self._row_seq_ids, self._columns = [], 0  # the first forward of stock generate failed
 
     def savepoint(self) -> int:
         """A mark in the current step (opened if needed) for `rollback_to`."""
@@ -221,57 +257,14 @@ class ChunkCache(Cache):
 
     def _open_step(self) -> None:
         if not self.tree.in_step:
+            key = self._weights_key() if self._weights_key is not None else None
+            if key != self._weights_seen:  # adapters changed: no K/V of the old weights is served again
+                freed = self.tree.forget_prefixes()
+                logger.info("chunk-llama: the model's adapters changed: the prefix cache forgot what it held "
+                            "(%d retained chunks freed)", freed)
+                self._weights_seen = key
             self.tree.begin_step()
             self._plan_counters_at_open = (self._builder.num_plan_rebuilds, self._builder.num_plan_updates)
-
-    # -------------------------------------------------- generate (row) mode
-    def begin_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
-        """Prepare a forward of stock `generate`: each batch row is one sequence."""
-        if input_ids is None:
-            raise ValueError("ChunkCache needs input_ids (inputs_embeds are not supported)")
-        if attention_mask is not None and attention_mask.ndim == 2 and not bool(attention_mask.all()):
-            raise ValueError(
-                "ChunkCache does not support padded batches (attention_mask has zeros); "
-                "use ChunkLlamaEngine for prompts of different lengths"
-            )
-        batch, q_len = input_ids.shape
-        rows = input_ids.tolist()
-        self._open_step()
-        if not self._row_seq_ids:
-            # negative ids: engine sequences are >= 0, so the two never collide
-            self._row_seq_ids = [-1 - r for r in range(batch)]
-            matched = self._insert_rows(rows)
-            segments = [(s, r * q_len, 0, q_len, m) for r, (s, m) in enumerate(zip(self._row_seq_ids, matched))]
-            self._prepare(self._builder.prefill(segments, batch * q_len))
-            return
-        if batch != len(self._row_seq_ids):
-            raise ValueError(
-                f"this ChunkCache holds {len(self._row_seq_ids)} sequences but the batch has {batch} rows; "
-                "use a new ChunkCache per generate call (beam search is not supported)"
-            )
-        past_len = self.tree.seq_len(self._row_seq_ids[0])
-        if q_len == 1:
-            order = self.begin_decode(dict(zip(self._row_seq_ids, (r[0] for r in rows))))
-            row_of = {s: r for r, s in enumerate(self._row_seq_ids)}
-            row_order = torch.tensor([row_of[s] for s in order], device=self.pool.device)
-            step = self._step
-            if not torch.equal(row_order, torch.arange(batch, device=row_order.device)):
-                step.row_order = row_order
-                step.inverse_row_order = torch.argsort(row_order)
-                step.write_token_index = row_order
-            step.past_len = past_len
-            return
-        for seq_id, row in zip(self._row_seq_ids, rows):
-            self.tree.extend(seq_id, row)
-        segments = [(s, r * q_len, past_len, q_len, past_len) for r, s in enumerate(self._row_seq_ids)]
-        self._prepare(self._builder.prefill(segments, batch * q_len, past_len=past_len))
-
-    def _insert_rows(self, rows: list[list[int]]) -> list[int]:
-        try:
-            return [self.tree.insert(seq_id, row) for seq_id, row in zip(self._row_seq_ids, rows)]
-        except KVCacheFull:
-            self.end_step(completed=False)  # drops the rows inserted so far
-            raise
 
     # ------------------------------------------------- transformers Cache API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -296,11 +289,11 @@ class ChunkCache(Cache):
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens before the current step: under stock generate, the batch's columns so far
+        (left padding included, as transformers counts them)."""
         if self._step is not None:
             return self._step.past_len
-        if self._row_seq_ids:
-            return self.tree.seq_len(self._row_seq_ids[0])
-        return 0
+        return self._columns
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -333,6 +326,10 @@ class ChunkCache(Cache):
 
     def __len__(self) -> int:
         return self.num_layers
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
 
     def _unsupported(self, *args, **kwargs):
         raise NotImplementedError(

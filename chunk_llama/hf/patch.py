@@ -1,12 +1,18 @@
 """`patch_model`: one call that makes a transformers causal LM use `ChunkCache`.
 
 The model's `forward` is wrapped (on the instance, like accelerate's hooks), and so
-is each `nn.Linear`'s (its layers run through `ops/linear.py` in forwards on a
-`ChunkCache`, `F.linear` otherwise). Wrapped rather than hooked: forward hooks do not run when a forward raises a `BaseException` such
-as `KeyboardInterrupt`, and a step left open would leave the cache half written and
-this thread's masks switched off. Under stock `generate` the wrapper opens each
+are its `generate` (`hf/generate.py`) and each plain `nn.Linear`'s `forward` (its layers
+run the step's linear path, `ops/linear.py`, in forwards on a `ChunkCache`, and their
+own forward otherwise). Wrapped rather than hooked: forward hooks do not run when a
+forward raises a `BaseException` such as `KeyboardInterrupt`, and a step left open
+would leave the cache half written. Under stock `generate` the wrapper opens each
 step (`begin_rows`) and ends it: committed when the forward completed, rolled back
 when it raised. The engine opens and ends its own steps (after choosing tokens).
+
+Linear layers that are not plain: subclasses of `nn.Linear` (bitsandbytes, ...) are
+not touched; a layer with accelerate's hook (offloaded weights, brought in by the
+hook's pre-forward) or whose weight is a tensor subclass (torchao) runs its own
+forward in every call.
 """
 
 from __future__ import annotations
@@ -14,19 +20,25 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from chunk_llama.hf import attention, compat
 from chunk_llama.hf.cache import ChunkCache
+from chunk_llama.hf.generate import wrap_generate
 from chunk_llama.models import check_dtype, check_supported
 from chunk_llama.step import current_step, running
 
 
-def _linear_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _plain_weight(module: torch.nn.Linear) -> bool:
+    """A weight the step's linear path can read as it is: a parameter or tensor of torch's
+    own class (not a quantized tensor subclass), not offloaded behind accelerate's hook."""
+    return type(module.weight) in (torch.nn.Parameter, torch.Tensor) and not hasattr(module, "_hf_hook")
+
+
+def _linear_forward(module: torch.nn.Linear, original, x: torch.Tensor) -> torch.Tensor:
     step = current_step()
-    if step is not None and step.linear is not None:
+    if step is not None and step.linear is not None and _plain_weight(module):
         return step.linear(x, module.weight, module.bias)
-    return F.linear(x, module.weight, module.bias)
+    return original(x)
 
 
 def _chunk_forward(original_forward, *args, **kwargs):
@@ -57,12 +69,14 @@ def patch_model(model: torch.nn.Module, *, chunk_size: int = 64) -> torch.nn.Mod
     """Route a causal LM's attention through chunk-llama (idempotent); raises ValueError
     naming the feature for a model it cannot run (see `models.check_supported`).
 
-    After patching, `model(..., past_key_values=ChunkCache(model))` and
-    `model.generate(..., past_key_values=ChunkCache(model))` use the prefix tree;
-    without a `ChunkCache` the model computes exactly what stock SDPA does. In forwards
-    on a `ChunkCache`, float32 linear layers on x86 CPUs run through chunk-llama's
-    kernel or oneDNN (see `ops/linear.py`; `CHUNK_LLAMA_LINEAR=torch` keeps `F.linear`).
-    `chunk_size` is the default for caches and engines made for this model.
+    After patching, `model.generate(...)` keeps the common prefixes of its batch, and of
+    its earlier calls, in the model's own `ChunkCache` (`model.chunk_llama_cache`, made on
+    first use) where it decodes greedily or samples; other generation modes run stock.
+    `model(..., cache=ChunkCache(model))` and `generate(..., cache=...)` take a cache of
+    your own. Without a `ChunkCache` the model computes exactly what stock SDPA does. In
+    forwards on a `ChunkCache`, float32 linear layers on x86 CPUs run through
+    chunk-llama's kernel or oneDNN (see `ops/linear.py`; `CHUNK_LLAMA_LINEAR=torch` keeps
+    `F.linear`). `chunk_size` is the default for caches and engines made for this model.
     """
     check_supported(model.config)
     check_dtype(model.dtype)
@@ -71,15 +85,17 @@ def patch_model(model: torch.nn.Module, *, chunk_size: int = 64) -> torch.nn.Mod
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     attention.register()
-    model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
+    if model.config._attn_implementation != attention.ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
     model.chunk_llama_chunk_size = chunk_size
     if not is_patched(model):
         original = model.forward
         # update_wrapper keeps the signature visible (generate inspects forward's parameters)
         model.forward = functools.update_wrapper(functools.partial(_chunk_forward, original), original)
+        wrap_generate(model)
         for module in model.modules():
             if type(module) is torch.nn.Linear:  # subclasses (quantized layers) keep their own forward
-                module.forward = functools.partial(_linear_forward, module)
+                module.forward = functools.partial(_linear_forward, module, module.forward)
         model._chunk_llama_patched = True
     return model
 

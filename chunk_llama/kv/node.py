@@ -17,7 +17,7 @@ class ChunkNode:
     (`chunk_id == -1`, no tokens).
     """
 
-    __slots__ = ("chunk_id", "start", "tokens", "parent", "children", "by_token", "num_seqs")
+    __slots__ = ("chunk_id", "start", "tokens", "parent", "children", "by_token", "num_seqs", "stale")
 
     def __init__(self, chunk_id: int, start: int, parent: "ChunkNode | None"):
         self.chunk_id = chunk_id
@@ -29,6 +29,7 @@ class ChunkNode:
         self.children: dict[tuple[int, int], ChunkNode] = {}
         self.by_token: dict[int, list[ChunkNode]] = {}
         self.num_seqs = 0  # live sequences whose path runs through this node
+        self.stale = False  # computed under weights that changed since: never matched again
 
     @property
     def key(self) -> tuple[int, int]:

@@ -25,7 +25,9 @@ class ChunkPool:
 
     Storage: `k`, `v`: [num_layers, capacity, num_kv_heads, chunk_size, head_dim].
     `k[layer]` is a contiguous [capacity, num_kv_heads, chunk_size, head_dim] view,
-    which is the layout the attention kernels read. One more chunk per layer lies
+    which is the layout the attention kernels read. With `layer_devices` naming more
+    than one device (a model split over GPUs by `device_map`), `k` and `v` are lists of
+    each layer's tensor on that layer's device instead. One more chunk per layer lies
     behind the last (never handed out): the CPU kernels read a run of keys in tiles
     that may end up to 15 rows past a run ending inside a chunk (the extra scores are
     never used), and that read must stay inside the allocation.
@@ -41,6 +43,7 @@ class ChunkPool:
         capacity: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        layer_devices: list[torch.device] | None = None,
     ):
         for name, value in (
             ("num_layers", num_layers),
@@ -58,10 +61,18 @@ class ChunkPool:
         self.capacity = capacity
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_layers, capacity + 1, num_kv_heads, chunk_size, head_dim)  # + the guard chunk
+        if layer_devices is not None and len(layer_devices) != num_layers:
+            raise ValueError(f"layer_devices names {len(layer_devices)} devices for {num_layers} layers")
+        self.layer_devices = [torch.device(d) for d in layer_devices or [self.device] * num_layers]
+        shape = (capacity + 1, num_kv_heads, chunk_size, head_dim)  # + the guard chunk
         # torch.empty: pages are committed on first write, so an unused budget costs no RSS.
-        self.k = torch.empty(shape, dtype=dtype, device=self.device)[:, :capacity]
-        self.v = torch.empty(shape, dtype=dtype, device=self.device)[:, :capacity]
+        if len(set(self.layer_devices)) == 1:
+            self.device = self.layer_devices[0]
+            self.k = torch.empty((num_layers, *shape), dtype=dtype, device=self.device)[:, :capacity]
+            self.v = torch.empty((num_layers, *shape), dtype=dtype, device=self.device)[:, :capacity]
+        else:
+            self.k = [torch.empty(shape, dtype=dtype, device=d)[:capacity] for d in self.layer_devices]
+            self.v = [torch.empty(shape, dtype=dtype, device=d)[:capacity] for d in self.layer_devices]
         # Pop from the end: low ids first, which keeps the touched memory compact.
         self._free: list[int] = list(range(capacity - 1, -1, -1))
         self._is_free = bytearray(b"\x01") * capacity

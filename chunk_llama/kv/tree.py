@@ -249,11 +249,24 @@ class PrefixTree(StepJournal, Eviction):
             if node.num_seqs == 0:
                 unowned.append(node)
         for node in reversed(unowned):  # deepest first: ancestors become the more recent
-            if not self.retain_prefixes:
+            if not self.retain_prefixes or node.stale:
                 self._release(node)
             elif node.start == 0:  # the chunk's head: no one uses any node of the chunk now
                 self._retained.add(node)
         self.structure_version += 1
+
+    def forget_prefixes(self) -> int:
+        """Make everything the tree holds unmatchable (the weights that computed its K/V
+        changed): retained chunks are freed, live sequences keep their nodes to themselves
+        and release them when they leave; later sequences start their own. Returns the
+        chunks freed. Not inside a step (nothing here is journaled)."""
+        if self._journal is not None:
+            raise RuntimeError("forget_prefixes inside a step")
+        freed = self.evict_all()
+        for node in self.nodes():
+            node.stale = True
+        self.structure_version += 1
+        return freed
 
     # ---------------------------------------------------------------- helpers
     @staticmethod
@@ -269,7 +282,7 @@ class PrefixTree(StepJournal, Eviction):
         while matched < max_match:
             best, best_len = None, 0
             for child in node.by_token.get(tokens[matched], ()):
-                if not self.token_granular and (len(child.tokens) < c or matched + c > max_match):
+                if child.stale or (not self.token_granular and (len(child.tokens) < c or matched + c > max_match)):
                     continue
                 n, limit = 1, min(len(child.tokens), max_match - matched)
                 while n < limit and child.tokens[n] == tokens[matched + n]:

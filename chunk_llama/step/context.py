@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,6 +52,17 @@ class StepContext:
     attention: object = None
     linear: Callable | None = None
     past_len: int = 0
+    columns: int | None = None  # stock generate's rows: the batch's columns after this step
+    # layers whose K/V sit on another device (a model split by device_map): this step there
+    for_device: Callable[["StepContext", torch.device], "StepContext"] | None = None
+    moved: dict = field(default_factory=dict)
+
+    def on(self, device: torch.device) -> "StepContext":
+        """This step with its tensors and plan on `device`, made once per step and device."""
+        step = self.moved.get(device)
+        if step is None:
+            step = self.moved[device] = self.for_device(self, device)
+        return step
 
     @property
     def is_decode(self) -> bool:
@@ -62,6 +73,8 @@ class StepContext:
 
         key_states, value_states: [batch, num_kv_heads, q_len, head_dim]
         """
+        if key_states.device != self.write_chunk.device:
+            return self.on(key_states.device).store(layer, key_states, value_states)
         if not self.write_token_index.numel():
             return
         batch, num_kv_heads, q_len, head_dim = key_states.shape
@@ -82,6 +95,8 @@ class StepContext:
         head_dim]; returns [batch, q_len, num_heads, head_dim]
         """
         k_layer, v_layer = self.pool.k[layer], self.pool.v[layer]
+        if k_layer.device != self.write_chunk.device:
+            return self.on(k_layer.device).attend(layer, query, key, value, scale, window)
         batch, num_heads, q_len, head_dim = query.shape
         if self.decode is not None:
             q = query[:, :, 0, :]  # [num_seqs, num_heads, head_dim]

@@ -112,6 +112,20 @@ class DecodePlan:
     def num_pairs(self) -> int:
         return len(self.arrays["pair_seq"])
 
+    def to(self, device: torch.device | str) -> "DecodePlan":
+        """A copy of this plan on `device` (its arrays repacked there; for the layers of a model
+        split over devices). The copy is read, never advanced."""
+        device = torch.device(device)
+        arrays = dict(self.arrays, seq_lens=[n + self.num_advances for n in self.arrays["seq_lens"]])
+        plan = DecodePlan(seq_ids=self.seq_ids, arrays=arrays, width=self.width,
+                          max_rows_per_shared=self.max_rows_per_shared, structure_version=self.structure_version,
+                          chunk_size=self.chunk_size, num_private=list(self.num_private), row_of=self.row_of,
+                          device=device, group=self.group, aligned=self.aligned,
+                          max_private_tokens=self.max_private_tokens)
+        if device.type == "cuda" and plan.aligned:
+            _add_cuda_index(plan)
+        return plan
+
     def advance(self) -> None:
         """Every sequence gained one token (a device op: no host synchronisation)."""
         self.seq_lens += 1

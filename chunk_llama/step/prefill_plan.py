@@ -14,6 +14,7 @@ for the step asks it once for the arrays it reads, which every layer then shares
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -68,6 +69,10 @@ class PrefillPlan:
     @property
     def num_seqs(self) -> int:
         return len(self.segments)
+
+    def to(self, device: torch.device | str) -> "PrefillPlan":
+        """This plan for `device` (the backends' arrays built there on demand)."""
+        return dataclasses.replace(self, device=torch.device(device), buffers=None, _built={})
 
     @functools.cached_property
     def kv_segments(self) -> list[list[tuple[int, int, int]]]:
