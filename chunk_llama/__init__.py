@@ -1,7 +1,7 @@
 """chunk-llama: prefix-aware chunked KV cache and two-phase-partition attention
 (ChunkAttention, Ye et al., ACL 2024) for Hugging Face transformers models."""
 
-from chunk_llama.engine import ChunkLlamaEngine, RequestOutput
+from chunk_llama.engine import ChunkLlamaEngine, Grammar, RequestOutput
 from chunk_llama.hf import ChunkCache, patch_model
 from chunk_llama.kv import KVCacheFull
 from chunk_llama.models import load_default_model, load_model
@@ -12,6 +12,7 @@ __all__ = [
     "__version__",
     "ChunkCache",
     "ChunkLlamaEngine",
+    "Grammar",
     "KVCacheFull",
     "RequestOutput",
     "load_default_model",

@@ -108,20 +108,22 @@ class ChunkLlamaEngine:
 
     # ------------------------------------------------------------ online API
     def add_request(self, prompt, generation_config: GenerationConfig | None = None, *, logits_processor=None,
-                    stopping_criteria=None) -> int:
+                    stopping_criteria=None, grammar=None) -> int:
         """Queue a request (thread-safe); returns its id. It is admitted at the next step.
 
         prompt: a string, a list of chat messages (chat template applied) or token ids.
         generation_config: merged over the model's own, as `generate` does.
         logits_processor, stopping_criteria: extra ones, as `generate` takes them.
-        Raises ValueError/TypeError for a bad prompt or config; nothing is queued then.
+        grammar: constrain the output: a `chunk_llama.Grammar` (JSON schema, any JSON object,
+            Lark) or OpenAI's `response_format` dict (`{"type": "json_schema", ...}`).
+        Raises ValueError/TypeError for a bad prompt, config or grammar; nothing is queued then.
         """
         self._check_open()
         with self._lock:
             self._num_submitting += 1
         try:
             seqs = self.inputs.make_sequences(prompt, generation_config, True, logits_processor=logits_processor,
-                                              stopping_criteria=stopping_criteria)
+                                              stopping_criteria=stopping_criteria, grammar=grammar)
             return self._enqueue([seqs])[0]
         finally:
             with self._lock:
@@ -154,8 +156,8 @@ class ChunkLlamaEngine:
         return deltas
 
     def stream(self, prompt, generation_config: GenerationConfig | None = None, *, logits_processor=None,
-               stopping_criteria=None) -> Iterator[str]:
-        """Generate for one prompt, yielding its text as it is produced.
+               stopping_criteria=None, grammar=None) -> Iterator[str]:
+        """Generate for one prompt, yielding its text as it is produced (`grammar` as in `add_request`).
 
         The request is validated now and queued when iteration starts; leaving the
         loop early aborts it. For `num_return_sequences > 1` use `add_request` and
@@ -163,7 +165,7 @@ class ChunkLlamaEngine:
         """
         self._check_open()
         seqs = self.inputs.make_sequences(prompt, generation_config, True, logits_processor=logits_processor,
-                                          stopping_criteria=stopping_criteria)
+                                          stopping_criteria=stopping_criteria, grammar=grammar)
         if len(seqs) > 1:
             raise ValueError(f"stream() yields one text; num_return_sequences={len(seqs)} needs add_request and "
                              "step(), whose deltas carry each sample's index")
@@ -186,19 +188,20 @@ class ChunkLlamaEngine:
 
     # ----------------------------------------------------------- offline API
     def generate(self, prompts: list, generation_config: GenerationConfig | None = None, *, progress: bool = False,
-                 logits_processor=None, stopping_criteria=None) -> list[RequestOutput]:
+                 logits_processor=None, stopping_criteria=None, grammar=None) -> list[RequestOutput]:
         """Generate for every prompt; results in input order, the samples of a
         prompt together (like `generate` with `num_return_sequences`).
 
         prompts: strings (tokenized as given), chat message lists (chat template with
         the generation prompt) or lists of token ids. All are validated before any runs.
+        grammar: as in `add_request`, for every prompt.
         """
         self._check_open()
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a list, got {type(prompts).__name__}")
         batches = [
             self.inputs.make_sequences(p, generation_config, False, logits_processor=logits_processor,
-                                       stopping_criteria=stopping_criteria)
+                                       stopping_criteria=stopping_criteria, grammar=grammar)
             for p in prompts
         ]
         channel: deque[RequestDelta] = deque()

@@ -15,6 +15,7 @@ from transformers import GenerationConfig
 
 from chunk_llama.engine import generation
 from chunk_llama.engine.conversation import ConversationHistory
+from chunk_llama.engine.grammar import GrammarCompiler, as_grammar
 from chunk_llama.engine.request import SampleGroup, Sequence
 from chunk_llama.engine.text import decode
 
@@ -41,6 +42,7 @@ class InputProcessor:
         # chat prompts continuing an earlier turn reuse its ids (conversation.py)
         self.conversations = None if tokenizer is None else ConversationHistory(tokenizer,
                                                                                 self.tokenizer_lock)
+        self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, _eos_ids(model, tokenizer))
 
     def tokenize(self, prompt) -> list[int]:
         """Token ids of a prompt: a string, a chat message list or a list of token ids."""
@@ -70,11 +72,13 @@ class InputProcessor:
 
     def make_sequences(
         self, prompt, config: GenerationConfig | None, track_text: bool, *, logits_processor=None,
-        stopping_criteria=None,
+        stopping_criteria=None, grammar=None,
     ) -> list[Sequence]:
         """One sequence per returned sample; all share the prompt (and its chunks). The
-        engine numbers them (`request_id`, `seq_id`) when it queues them."""
+        engine numbers them (`request_id`, `seq_id`) when it queues them. `grammar`: a
+        `Grammar` or OpenAI `response_format` dict constraining every sample's output."""
         generation.check_config(config)
+        grammar = as_grammar(grammar)
         if config is not None and config.max_new_tokens is not None:
             positive_int("max_new_tokens", config.max_new_tokens)
         ids = self.tokenize(prompt)
@@ -114,6 +118,7 @@ class InputProcessor:
         if settings.do_sample and settings.seed is not None:  # as `torch.manual_seed(seed)` before generate
             generator = torch.Generator(device=self.model.device).manual_seed(settings.seed)
         group = SampleGroup(num_samples, generator)
+        states = [self.grammars.start(grammar) if grammar is not None else None for _ in range(num_samples)]
         arrival = time.perf_counter()
         return [
             Sequence(
@@ -133,6 +138,16 @@ class InputProcessor:
                 stop_strings=settings.stop_strings,
                 track_text=(track_text and self.tokenizer is not None) or bool(settings.stop_strings),
                 arrival_time=arrival,
+                grammar=states[index],
             )
             for index in range(num_samples)
         ]
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    """The model's end-of-sequence ids (its generation_config's, else the tokenizer's): what a
+    grammar allows once its output is complete."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos or [])

@@ -1,7 +1,9 @@
 """Next-token selection, per request, as `generate`'s sampling loop does it.
 
-Each sample's scores go through its own logits processors (built by
-`generation.resolve`) on its own `input_ids`; greedy samples take the argmax.
+Each sample's scores go through its grammar's mask, if it has one (`grammar.py`: the
+disallowed tokens set to -inf, so every processor after it sees only what the grammar
+allows), then its own logits processors (built by `generation.resolve`) on its own
+`input_ids`; greedy samples take the argmax.
 Sampled samples of one request draw together: one `torch.multinomial` over a
 `[num_samples, vocab]` matrix from the request's generator, with a row of ones
 standing in for each sample that already finished (stock `generate` keeps
@@ -25,8 +27,8 @@ def select_tokens(seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int]
     """
     tokens: list[int | None] = [None] * len(seqs)
     scores: list[torch.Tensor | None] = [None] * len(seqs)
-    plain = [i for i, s in enumerate(seqs) if not s.do_sample and not s.processors]
-    if plain:  # no processors: one batched argmax, no copies
+    plain = [i for i, s in enumerate(seqs) if not s.do_sample and not s.processors and s.grammar is None]
+    if plain:  # no processors, no grammar: one batched argmax, no copies
         for i, token in zip(plain, logits[plain].argmax(dim=-1).tolist()):
             tokens[i] = token
     groups: dict[SampleGroup, dict[int, int]] = {}  # sampled: group -> sample index -> row
@@ -35,6 +37,8 @@ def select_tokens(seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int]
             continue
         # float32 copy, as generate takes it (processors may work in place)
         row = logits[i : i + 1].to(dtype=torch.float32, copy=True)
+        if seq.grammar is not None:
+            seq.grammar.constrain(row)
         if seq.processors:
             row = seq.processors(torch.tensor([seq.all_ids], device=logits.device), row)
         scores[i] = row[0]
