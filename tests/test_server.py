@@ -337,7 +337,7 @@ BAD_REQUESTS = [
     ({"temperature": -0.5}, "temperature", "greater than or equal to 0"),
     ({"top_p": 0}, "top_p", "greater than 0"),
     ({"stop": [""]}, "stop", "non-empty"),
-    ({"tools": []}, "tools", "Extra inputs are not permitted"),
+    ({"functions": []}, "functions", "Extra inputs are not permitted"),
     ({"stream": True, "logprobs": True}, "logprobs", "not supported with stream"),
     (
         {"messages": [{"role": "user", "content": " ".join(["w7"] * 2100)}], "max_tokens": None},

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from chunk_llama.engine.inputs import InputProcessor, positive_int
+from chunk_llama.engine.inputs import InputProcessor, is_chat, positive_int
 from chunk_llama.engine.outputs import make_delta
 from chunk_llama.engine.request import RequestDelta, RequestOutput, Sequence
 from chunk_llama.engine.runner import ModelRunner
@@ -383,7 +383,7 @@ class ChunkLlamaEngine:
     def _delta(self, seq: Sequence) -> RequestDelta:
         delta = make_delta(seq, self.inputs)
         if delta.finished and seq.finish_reason != "abort" and self.inputs.conversations is not None \
-                and isinstance(seq.prompt, (list, tuple)) and seq.prompt and isinstance(seq.prompt[0], dict):
+                and is_chat(seq.prompt):
             self.inputs.conversations.record(seq.prompt_ids, seq.output_ids)  # the next turn may continue it
         if delta.finished:
             with self._lock:

@@ -45,15 +45,16 @@ class InputProcessor:
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, _eos_ids(model, tokenizer))
 
     def tokenize(self, prompt) -> list[int]:
-        """Token ids of a prompt: a string, a chat message list or a list of token ids."""
-        if isinstance(prompt, str) or (
-            isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt)
-        ):
+        """Token ids of a prompt: a string, a chat message list, `{"messages": [...], "tools":
+        [...]}` (a chat whose template renders the tools) or a list of token ids."""
+        if isinstance(prompt, str) or is_chat(prompt):
             if self.tokenizer is None:
                 raise ValueError("text and chat prompts need a tokenizer; pass one to ChunkLlamaEngine")
             if isinstance(prompt, str):
                 with self.tokenizer_lock:
                     return list(self.tokenizer(prompt)["input_ids"])
+            if isinstance(prompt, dict):
+                return self.conversations.prompt_ids(list(prompt["messages"]), tools=prompt.get("tools"))
             return self.conversations.prompt_ids(list(prompt))
         if isinstance(prompt, (list, tuple)) or (isinstance(prompt, torch.Tensor) and prompt.ndim == 1):
             ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
@@ -142,6 +143,16 @@ class InputProcessor:
             )
             for index in range(num_samples)
         ]
+
+
+def is_chat(prompt) -> bool:
+    """Whether `prompt` is a chat: a list of message dicts, or `{"messages": [...], "tools": [...]}`."""
+    if isinstance(prompt, dict):
+        if set(prompt) - {"messages", "tools"} or not is_chat(prompt.get("messages")):
+            raise TypeError('a chat prompt given as a dict has "messages" (a list of message dicts) and '
+                            'optionally "tools"')
+        return True
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
 
 
 def _eos_ids(model, tokenizer) -> list[int]:

@@ -24,6 +24,7 @@ from chunk_llama.server.loop import EngineLoop
 from chunk_llama.server.metrics import CONTENT_TYPE, Metrics
 from chunk_llama.server.schemas import ChatCompletionRequest, CompletionRequest
 from chunk_llama.server.session import ClientGone, Session
+from chunk_llama.server.tools import ToolCallParser, template_writes_tool_calls
 
 
 def sse(obj) -> str:
@@ -59,6 +60,8 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
     loop = EngineLoop(engine, on_deltas=metrics.on_deltas, on_finish=metrics.on_finish)
     served = [model_name, *aliases]
     max_positions = getattr(engine.model.config, "max_position_embeddings", None)
+    vocab_size = engine.model.config.vocab_size
+    native_tools = template_writes_tool_calls(engine.tokenizer)
     created_at = int(time.time())
 
     @asynccontextmanager
@@ -109,17 +112,17 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
     async def prometheus():
         return PlainTextResponse(metrics.render(engine, loop), media_type=CONTENT_TYPE)
 
-    async def respond(body, request: Request, prompts: list, config, *, endpoint: str, id_prefix: str,
+    async def respond(body, request: Request, requests, *, endpoint: str, id_prefix: str,
                       object_name: str, stream_events, choice, logprobs_format, top_logprobs: int | None):
         """What both endpoints share: queue the prompts, then stream their events or collect
         the outputs into one response (`choice(index, text, finish_reason, logprobs)`)."""
         session = Session(loop, body.n)
-        await session.submit(prompts, config, metrics=metrics, endpoint=endpoint)
+        await session.submit(requests, metrics=metrics, endpoint=endpoint)
         head = (fmt.new_id(id_prefix), fmt.now(), body.model)
         stops = body.stop_list()
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _event_stream(stream_events(session, head, stops, include_usage))
+            return _event_stream(stream_events(session, head, stops, include_usage, requests.tool_parsing))
         outputs = await _collect(session, request)
         if outputs is None:
             return Response(status_code=499)
@@ -128,15 +131,16 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
             logprobs = None
             if top_logprobs is not None:
                 logprobs = await _logprobs(engine, logprobs_format, out, top_logprobs)
-            choices.append(choice(index, _final_text(out, stops), out.finish_reason, logprobs))
+            choices.append(choice(index, _final_text(out, stops), out.finish_reason, logprobs,
+                                  requests.tool_parsing))
         return {"id": head[0], "object": object_name, "created": head[1], "model": head[2], "choices": choices,
                 "usage": _usage(session, outputs)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body, served)
-        messages, config = chat_request(body, max_positions)
-        return await respond(body, request, [messages], config, endpoint="chat", id_prefix="chatcmpl",
+        requests = chat_request(body, max_positions, vocab_size, native_tools)
+        return await respond(body, request, requests, endpoint="chat", id_prefix="chatcmpl",
                              object_name="chat.completion", stream_events=_stream_chat, choice=fmt.chat_choice,
                              logprobs_format=fmt.chat_logprobs,
                              top_logprobs=(body.top_logprobs or 0) if body.logprobs else None)
@@ -144,8 +148,8 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body, served)
-        prompts, config = completion_requests(body)
-        return await respond(body, request, prompts, config, endpoint="completions", id_prefix="cmpl",
+        requests = completion_requests(body, vocab_size)
+        return await respond(body, request, requests, endpoint="completions", id_prefix="cmpl",
                              object_name="text_completion", stream_events=_stream_completion,
                              choice=fmt.completion_choice, logprobs_format=fmt.completion_logprobs,
                              top_logprobs=body.logprobs)
@@ -200,19 +204,31 @@ def _event_stream(generator) -> StreamingResponse:
     )
 
 
-async def _stream_chat(session: Session, head, stops: list[str], include_usage: bool):
+async def _stream_chat(session: Session, head, stops: list[str], include_usage: bool, tool_parsing: bool):
     response_id, created, model = head
-    cutters = [fmt.StopCutter(stops) for _ in range(len(session.subs) * session.n)]
+    num_choices = len(session.subs) * session.n
+    cutters = [fmt.StopCutter(stops) for _ in range(num_choices)]
+    parsers = [ToolCallParser() if tool_parsing else None for _ in range(num_choices)]
     started: set[int] = set()
     outputs: dict[int, object] = {}
     try:
         async for index, delta in session.deltas():
             text = cutters[index].feed(delta.text, delta.finished)
             reason = delta.finish_reason if delta.finished else None
-            if text or reason or index not in started:
-                piece = {"content": text} if index in started else {"role": "assistant", "content": text}
+            if parsers[index] is None:
+                pieces = [{"content": text}] if text else []
+            else:  # content, or a tool call's name then its argument fragments
+                pieces = [{"content": e[1]} if e[0] == "content" else {"tool_calls": [e[2]]}
+                          for e in parsers[index].feed(text, delta.finished)]
+                reason = fmt.tool_finish_reason(reason, bool(parsers[index].calls))
+            if index not in started:  # the first chunk of a choice carries the role
+                pieces = [{"role": "assistant", **(pieces[0] if pieces else {"content": ""})}, *pieces[1:]]
                 started.add(index)
-                yield sse(fmt.chat_chunk(response_id, created, model, index, piece, reason))
+            if reason and not pieces:
+                pieces = [{}]
+            for i, piece in enumerate(pieces):
+                last = reason if i == len(pieces) - 1 else None
+                yield sse(fmt.chat_chunk(response_id, created, model, index, piece, last))
             if delta.finished:
                 outputs[index] = delta.output
         if include_usage:
@@ -230,7 +246,7 @@ async def _stream_chat(session: Session, head, stops: list[str], include_usage: 
         session.close()
 
 
-async def _stream_completion(session: Session, head, stops: list[str], include_usage: bool):
+async def _stream_completion(session: Session, head, stops: list[str], include_usage: bool, tool_parsing: bool):
     response_id, created, model = head
     cutters = [fmt.StopCutter(stops) for _ in range(len(session.subs) * session.n)]
     outputs: dict[int, object] = {}

@@ -70,16 +70,18 @@ class EngineLoop:
         self.num_in_flight = 0  # requests submitted and not finished
 
     # ------------------------------------------------------------ handlers' side
-    def submit(self, prompt, config, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> Subscription:
+    def submit(self, prompt, config, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue,
+               **request_kwargs) -> Subscription:
         """Queue a request whose deltas go to `queue` on `loop` (several requests may share
-        one). Blocking (`add_request` tokenizes): call it from a worker thread. Raises what
-        `add_request` raises for a bad request (ValueError / TypeError)."""
+        one); `request_kwargs` go to `add_request` (grammar, logits_processor). Blocking
+        (`add_request` tokenizes): call it from a worker thread. Raises what `add_request`
+        raises for a bad request (ValueError / TypeError)."""
         if self._stopping.is_set():
             raise RuntimeError("the server is shutting down")
         with self._lock:
             self._num_submitting += 1
         try:
-            request_id = self.engine.add_request(prompt, config)
+            request_id = self.engine.add_request(prompt, config, **request_kwargs)
             with self._lock:
                 sub = Subscription(request_id, config.num_return_sequences or 1, queue, loop)
                 self._subs[request_id] = sub
