@@ -27,7 +27,7 @@ import json
 import re
 import uuid
 
-from chunk_llama.engine.grammar import Grammar
+from chunk_llama.engine.grammar import JSON_OPTIONS, Grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FALLBACK_INSTRUCTIONS = (
@@ -72,6 +72,8 @@ def chat_prompt(messages: list, tools: list | None, native: bool):
         elif role == "tool":
             item = {"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"}
         else:
+            for c in m.tool_calls or []:
+                _arguments(c.function.arguments)  # refused unless valid JSON, as with a native template
             calls = "\n".join(call_text(c.function.name, c.function.arguments) for c in m.tool_calls or [])
             item = {"role": role, "content": text + calls}
         if m.name is not None:
@@ -111,7 +113,7 @@ def call_grammar(tools: list, only: str | None, parallel: bool) -> Grammar:
         bodies.append({"type": "object", "properties": {"name": {"const": function.name},
                                                         "arguments": function.parameters or {"type": "object"}},
                        "required": ["name", "arguments"], "additionalProperties": False})
-    schema = bodies[0] if len(bodies) == 1 else {"anyOf": bodies}
+    schema = {**(bodies[0] if len(bodies) == 1 else {"anyOf": bodies}), "x-guidance": JSON_OPTIONS}
     repeat = ' ("\\n" call)*' if parallel and only is None else ""
     return Grammar.lark(f'start: call{repeat}\ncall: {json.dumps(OPEN + chr(10))} body {json.dumps(chr(10) + CLOSE)}\n'
                         f"body: %json {json.dumps(schema)}\n")
@@ -158,7 +160,7 @@ class ToolCallParser:
             body = self.buffer if end < 0 else self.buffer[:end]
             self.buffer = "" if end < 0 else self.buffer[end + len(CLOSE):]
             self.in_call = False
-            events += self._close_call(body)
+            events += self._close_call(body, closed=end >= 0)
             if end < 0:
                 return events
 
@@ -187,7 +189,11 @@ class ToolCallParser:
     def _scan(self, body: str) -> str:
         """The arguments text from where the last scan stopped to where the value ends (a JSON
         value: brackets counted outside strings)."""
-        start = i = self.args_scanned
+        i = self.args_scanned
+        if not self.calls[-1]["arguments"]:  # the value has not begun: whitespace before it is not part of it
+            while i < len(body) and body[i].isspace():
+                i += 1
+        start = i
         while i < len(body) and not self.args_done:
             c = body[i]
             if self.in_string:  # a character after a backslash is literal
@@ -208,7 +214,7 @@ class ToolCallParser:
         self.args_scanned = i
         return body[start:i]
 
-    def _close_call(self, body: str) -> list[tuple]:
+    def _close_call(self, body: str, closed: bool) -> list[tuple]:
         """A block ended (or the text did): a call when its JSON parses, else its text is content."""
         try:
             parsed = json.loads(body)
@@ -218,7 +224,7 @@ class ToolCallParser:
         if not ok:
             if self.head_sent:  # announced as a call but not one after all: drop the announcement
                 self.calls.pop()
-            return [("content", OPEN + body)]
+            return [("content", OPEN + body + (CLOSE if closed else ""))]
         arguments = parsed["arguments"] if isinstance(parsed["arguments"], str) else None
         if self.head_sent and self.args_done:
             return []  # streamed whole
