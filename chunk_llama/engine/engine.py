@@ -56,6 +56,8 @@ class ChunkLlamaEngine:
             longer prompt is prefilled in pieces over several steps, between which
             the running requests decode (chunked prefill).
         retain_prefixes: keep the chunks of finished sequences as a prefix cache.
+        max_model_len: most tokens of a request, prompt and new tokens together (default and
+            at most: the model's `max_position_embeddings`); `self.max_model_len` is the limit in force.
     """
 
     def __init__(
@@ -68,8 +70,16 @@ class ChunkLlamaEngine:
         kv_cache_bytes: int | None = None,
         max_prefill_tokens: int = 1024,
         retain_prefixes: bool = True,
+        max_model_len: int | None = None,
     ):
         positive_int("max_batch_size", max_batch_size)
+        max_positions = getattr(model.config, "max_position_embeddings", None)
+        if max_model_len is not None:
+            positive_int("max_model_len", max_model_len)
+            if max_positions and max_model_len > max_positions:
+                raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                                 f"max_position_embeddings={max_positions}")
+        self.max_model_len = max_model_len or max_positions
         positive_int("max_prefill_tokens", max_prefill_tokens)
         if chunk_size is not None:
             positive_int("chunk_size", chunk_size)
@@ -88,7 +98,8 @@ class ChunkLlamaEngine:
         # the first step a user times; a CPU variant this host cannot run fails here.
         prepare_backend(pool.device, pool.dtype, pool.head_dim, pool.chunk_size)
         linear.backend(pool.dtype, pool.device)  # its one-time check, and why not, logged now
-        self.inputs = InputProcessor(model, tokenizer, self.cache.chunk_size, pool.capacity, max_batch_size)
+        self.inputs = InputProcessor(model, tokenizer, self.cache.chunk_size, pool.capacity, max_batch_size,
+                                     max_model_len)
         self.scheduler = Scheduler(self.cache, max_batch_size, max_prefill_tokens)
         self.runner = ModelRunner(model, self.cache, self.scheduler, self.inputs)
         self.max_batch_size = max_batch_size

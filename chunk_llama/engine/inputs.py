@@ -31,8 +31,10 @@ def positive_int(name: str, value) -> int:
 class InputProcessor:
     """Tokenizes prompts and builds the sequences of a request."""
 
-    def __init__(self, model, tokenizer, chunk_size: int, capacity_chunks: int, max_batch_size: int):
+    def __init__(self, model, tokenizer, chunk_size: int, capacity_chunks: int, max_batch_size: int,
+                 max_model_len: int | None = None):
         self.model = model
+        self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.chunk_size = chunk_size
         self.capacity_chunks = capacity_chunks
@@ -94,11 +96,10 @@ class InputProcessor:
         )
         max_new, num_samples = settings.max_new_tokens, settings.num_samples
         max_positions = getattr(self.model.config, "max_position_embeddings", None)
-        if max_positions and len(ids) + max_new > max_positions:
-            raise ValueError(
-                f"prompt of {len(ids)} tokens plus max_new_tokens={max_new} exceeds "
-                f"the model's max_position_embeddings={max_positions}"
-            )
+        limit = (f"max_model_len={self.max_model_len}" if self.max_model_len else
+                 f"the model's max_position_embeddings={max_positions}")
+        if (self.max_model_len or max_positions) and len(ids) + max_new > (self.max_model_len or max_positions):
+            raise ValueError(f"prompt of {len(ids)} tokens plus max_new_tokens={max_new} exceeds {limit}")
         if num_samples > self.max_batch_size:
             raise ValueError(
                 f"num_return_sequences={num_samples} exceeds max_batch_size={self.max_batch_size}: "

@@ -15,7 +15,8 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chunk_llama.server import responses as fmt
@@ -24,6 +25,7 @@ from chunk_llama.server.loop import EngineLoop
 from chunk_llama.server.metrics import CONTENT_TYPE, Metrics
 from chunk_llama.server.schemas import ChatCompletionRequest, CompletionRequest
 from chunk_llama.server.session import ClientGone, Session
+from chunk_llama.server.stats_log import StatsLogger
 from chunk_llama.server.tools import ToolCallParser, template_writes_tool_calls
 
 
@@ -51,15 +53,26 @@ def _validation_message(errors) -> tuple[str, str | None]:
     return "; ".join(parts) + more, param
 
 
-def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_thread: bool = True) -> FastAPI:
+def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_thread: bool = True,
+               allowed_origins: list[str] | None = None, stats_interval: float = 0.0) -> FastAPI:
     """The server app for `engine`, serving it as `model_name` (requests may also name it by
     one of `aliases`, e.g. the path it was loaded from). The engine loop (`app.state.loop`)
     starts in a thread of its own with the app (its lifespan), or, with `loop_thread=False`,
-    is the caller's to `run`; it stops with the app either way."""
+    is the caller's to `run`; it stops with the app either way. `allowed_origins`: browser
+    origins allowed by CORS (`["*"]`: any); `stats_interval`: seconds between stats lines
+    while busy (`stats_log.py`; 0: none)."""
     metrics = Metrics()
-    loop = EngineLoop(engine, on_deltas=metrics.on_deltas, on_finish=metrics.on_finish)
+    stats = None
+
+    def on_deltas(deltas):
+        metrics.on_deltas(deltas)
+        stats.maybe_log()
+
+    loop = EngineLoop(engine, on_deltas=on_deltas, on_finish=metrics.on_finish, on_admitted=metrics.on_admitted)
+    metrics.bind(engine, loop)
+    stats = StatsLogger(metrics, engine, loop, stats_interval)
     served = [model_name, *aliases]
-    max_positions = getattr(engine.model.config, "max_position_embeddings", None)
+    max_positions = engine.max_model_len
     vocab_size = engine.model.config.vocab_size
     native_tools = template_writes_tool_calls(engine.tokenizer)
     created_at = int(time.time())
@@ -74,6 +87,9 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
             loop.stop()
 
     app = FastAPI(title="chunk-llama", lifespan=lifespan)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     app.state.engine, app.state.loop, app.state.metrics = engine, loop, metrics
 
     @app.exception_handler(OpenAIError)
@@ -110,7 +126,7 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(engine, loop), media_type=CONTENT_TYPE)
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     async def respond(body, request: Request, requests, *, endpoint: str, id_prefix: str,
                       object_name: str, stream_events, choice, logprobs_format, top_logprobs: int | None):
