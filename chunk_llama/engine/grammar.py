@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -101,16 +102,20 @@ def as_grammar(value) -> Grammar | None:
 
 
 class GrammarCompiler:
-    """Per engine: the tokenizer as llguidance sees it (built on first use), and the worker
-    thread that computes masks."""
+    """Per engine: the tokenizer as llguidance sees it (built on first use), the worker
+    thread that computes masks, and the compiled grammars of recent requests (a fresh
+    matcher is a copy of the compiled one: compiling the eval's grammar takes 0.36 s, a
+    copy microseconds)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], max_cached: int = 64):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.max_cached = max_cached
         self._lock = threading.Lock()
         self._llg_tokenizer = None
         self._worker: ThreadPoolExecutor | None = None
+        self._compiled: OrderedDict[Grammar, object] = OrderedDict()
 
     def _setup(self):
         with self._lock:
@@ -133,11 +138,19 @@ class GrammarCompiler:
         import llguidance
 
         tokenizer = self._setup()
-        source = grammar.llguidance_grammar()
-        matcher = llguidance.LLMatcher(tokenizer, source, log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"invalid {grammar.kind.replace('_', ' ')} grammar: {matcher.get_error()}")
-        return GrammarState(matcher, self.vocab_size, self._worker)
+        with self._lock:
+            compiled = self._compiled.get(grammar)
+            if compiled is not None:
+                self._compiled.move_to_end(grammar)
+                return GrammarState(compiled.deep_copy(), self.vocab_size, self._worker)
+        compiled = llguidance.LLMatcher(tokenizer, grammar.llguidance_grammar(), log_level=0)
+        if compiled.is_error():
+            raise ValueError(f"invalid {grammar.kind.replace('_', ' ')} grammar: {compiled.get_error()}")
+        with self._lock:
+            self._compiled[grammar] = compiled
+            while len(self._compiled) > self.max_cached:
+                self._compiled.popitem(last=False)
+            return GrammarState(compiled.deep_copy(), self.vocab_size, self._worker)
 
 
 class GrammarState:
@@ -172,8 +185,12 @@ class GrammarState:
         """Set the disallowed tokens of `row` ([1, vocab] float32, modified in place) to -inf."""
         self.pending.result()
         bits = np.unpackbits(self.bitmask.numpy().view(np.uint8), axis=1, count=row.shape[1], bitorder="little")
-        with np.errstate(divide="ignore"):  # log(0) = -inf is the point; adding is faster than masked_fill here
-            row.add_(torch.from_numpy(np.log(bits, dtype=np.float32)).to(row.device))
+        with np.errstate(divide="ignore"):  # log(0) = -inf is the point: adding is 5x faster than masked_fill
+            penalty = np.log(bits, dtype=np.float32)
+        if row.device.type == "cpu":  # in numpy, one thread: a 2-thread torch op of this size waits on the other core
+            np.add(row.numpy(), penalty, out=row.numpy())
+        else:
+            row.add_(torch.from_numpy(penalty).to(row.device))
 
     @property
     def is_accepting(self) -> bool:
