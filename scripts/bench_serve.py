@@ -4,6 +4,7 @@
     python scripts/bench_serve.py --workload shared --num-clients 16 --max-new-tokens 32     # the 0.9x target
     python scripts/bench_serve.py --workload toolqa --limit 8 --rps 2 --num-clients 16
     python scripts/bench_serve.py --workload shared --num-requests 4 --n-shared 200 --max-new-tokens 8
+    python scripts/bench_serve.py --json-schema-ab 3       # constrained decoding's cost (below)
 
 Workloads (chat requests, greedy):
   shared   `--num-requests` chats whose system prompt is `--n-shared` tokens of the shipped tool
@@ -24,6 +25,11 @@ Systems:
 The server is idle while `generate` runs and the other way round; each system gets the
 same warm-up request (the first chat, 2 tokens), so every system starts with the shared
 prefix of the first request cached the same way.
+`--json-schema-ab ROUNDS` measures instead what structured output costs: `engine.generate` on
+the workload in this process, every request unconstrained (A) or under the JSON schema
+`ANSWER_SCHEMA` (B), A, B, A, B, ... for ROUNDS rounds, each run on a fresh engine given the
+same warm-up; throughput (generated tokens over wall time) per run, the medians, and the
+median of the rounds' B/A ratios; B's answers that ended are checked to parse and validate.
 """
 
 from __future__ import annotations
@@ -50,6 +56,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_e2e import poisson_arrivals  # noqa: E402  (the same arrivals as the e2e benchmark)
 
 SYSTEMS = ("http", "generate", "hf-serve")
+ANSWER_SCHEMA = {  # an answer to a tool-manual question, with free text (long enough for 32 tokens)
+    "type": "object",
+    "properties": {"tool": {"type": "string"}, "arguments": {"type": "array", "items": {"type": "string"}},
+                   "reason": {"type": "string"}},
+    "required": ["tool", "arguments", "reason"],
+    "additionalProperties": False,
+}
 
 
 # ------------------------------------------------------------------ workloads
@@ -226,6 +239,41 @@ def generate_run(engine, chats, arrivals, max_new_tokens: int):
     ]
 
 
+def json_schema_ab(model, tokenizer, chats, args) -> None:
+    """Unconstrained (A) against every request under ANSWER_SCHEMA (B), interleaved (see module doc)."""
+    import statistics
+
+    import jsonschema
+
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False)
+    grammar = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA, "strict": True}}
+    rates: dict[str, list[float]] = {"A": [], "B": []}
+    valid = ended = 0
+    print("| round | run | tokens | wall s | tokens/s |\n|---|---|---|---|---|")
+    for round_index in range(args.json_schema_ab):
+        for run, constraint in (("A", None), ("B", grammar)):
+            engine = chunk_llama.ChunkLlamaEngine(model, tokenizer, max_batch_size=args.max_batch_size,
+                                                  kv_cache_bytes=args.kv_cache_bytes)
+            engine.generate(chats[:1], GenerationConfig(max_new_tokens=2, do_sample=False))  # warm-up
+            start = time.perf_counter()
+            outputs = engine.generate(chats, config, grammar=constraint)
+            wall = time.perf_counter() - start
+            engine.close()
+            tokens = sum(len(o.token_ids) for o in outputs)
+            rates[run].append(tokens / wall)
+            print(f"| {round_index + 1} | {run} | {tokens} | {wall:.2f} | {tokens / wall:.1f} |", flush=True)
+            for out in outputs if constraint else []:
+                if out.finish_reason == "stop":
+                    ended += 1
+                    jsonschema.validate(json.loads(out.text), ANSWER_SCHEMA)
+                    valid += 1
+    ratios = [b / a for a, b in zip(rates["A"], rates["B"])]
+    print(f"\nmedian tokens/s: unconstrained {statistics.median(rates['A']):.1f}, json_schema "
+          f"{statistics.median(rates['B']):.1f}; median ratio {statistics.median(ratios):.3f} "
+          f"(rounds: {', '.join(f'{r:.3f}' for r in ratios)}); constrained answers that ended: {ended}, "
+          f"valid: {valid}")
+
+
 # ------------------------------------------------------------------ figures
 def pct(values, q):
     if not values:
@@ -297,6 +345,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server-timeout", type=float, default=600, help="seconds for a server to start")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--json-schema-ab", type=int, default=0, metavar="ROUNDS",
+                        help="measure structured output's cost instead (see above)")
     args = parser.parse_args()
 
     model, tokenizer = chunk_llama.load_default_model(getattr(torch, args.dtype))
@@ -305,6 +355,8 @@ def main() -> None:
         if args.workload == "shared"
         else toolqa_chats(args.limit)
     )
+    if args.json_schema_ab:
+        return json_schema_ab(model, tokenizer, chats, args)
     arrivals = poisson_arrivals(args.rps, len(chats), args.seed)
     rows, reference = [], None
     logs = tempfile.mkdtemp(prefix="bench_serve_")

@@ -289,3 +289,58 @@ def test_tool_call_parser_streams_what_it_parses_whole(step):
                 entry[1] += delta["function"]["arguments"]
     assert streamed == content
     assert [tuple(v) for v in pieces.values()] == [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+@pytest.mark.slow
+def test_default_model_tool_calls_and_json_schema_always_validate_under_16_clients():
+    """The targets on SmolLM2-135M-Instruct: tool_choice=required and a strict json_schema, 16
+    concurrent clients each: every answer parses and validates. One call each: with parallel calls
+    allowed this model repeats its call until max_tokens (the calls before the cut still parse)."""
+    import chunk_llama
+    from chunk_llama.cli import DEFAULT_PROMPTS, read_prompts
+    from chunk_llama.server import create_app
+    from chunk_llama.server.main import DEFAULT_MODEL_NAME
+
+    model, tokenizer = chunk_llama.load_default_model(torch.float32)
+    engine = ChunkLlamaEngine(model, tokenizer, max_batch_size=16, kv_cache_bytes=256 << 20)
+    server = Server(create_app(engine, DEFAULT_MODEL_NAME))
+    questions = read_prompts(DEFAULT_PROMPTS)[:16]
+    answer = {"type": "object", "properties": {"airport": {"type": "string", "maxLength": 3},
+                                               "count": {"type": "integer", "minimum": 0, "maximum": 10000}},
+              "required": ["airport", "count"], "additionalProperties": False}
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+        results, errors = {}, []
+
+        def run(i, kind):
+            try:
+                messages = [{"role": "user", "content": questions[i]}]
+                if kind == "tools":
+                    results[(kind, i)] = client.chat.completions.create(
+                        model=DEFAULT_MODEL_NAME, messages=messages, tools=TOOLS, tool_choice="required",
+                        parallel_tool_calls=False, max_tokens=80, temperature=0)
+                else:
+                    results[(kind, i)] = client.chat.completions.create(
+                        model=DEFAULT_MODEL_NAME, messages=messages, max_tokens=80, temperature=0,
+                        response_format={"type": "json_schema",
+                                         "json_schema": {"name": "answer", "schema": answer, "strict": True}})
+            except Exception as error:  # reported below
+                errors.append(error)
+
+        for kind in ("tools", "json"):
+            threads = [threading.Thread(target=run, args=(i, kind)) for i in range(16)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(600)
+        assert not errors and len(results) == 32
+        for (kind, _), response in results.items():
+            choice = response.choices[0]
+            if kind == "tools":
+                check_calls(choice.message)
+                assert choice.finish_reason == "tool_calls"
+            else:
+                assert choice.finish_reason == "stop"
+                jsonschema.validate(json.loads(choice.message.content), answer)
+    finally:
+        server.stop()

@@ -12,10 +12,13 @@ while it does), so the work overlaps the next forward pass; the sampling step on
 waits for it and adds `log(bit)` (0 or -inf) to the row (`constrain`). Requests
 without a grammar take none of this.
 
-Why llguidance (docs/ARCHITECTURE.md): at batch 16 on the default model's 49,152-token
-vocabulary its mask costs 0.35 ms per decode step (scripts/bench_grammar.py), a fraction
-of a percent of the step; xgrammar's is cheaper still but it brings triton (about 1 GB)
-with it, outlines-core compiles a schema in 100 ms instead of 1 ms.
+Why llguidance (docs/ARCHITECTURE.md, "Structured output"): it has no dependencies
+(xgrammar brings triton, about 1 GB), compiles a schema in about 1 ms (outlines-core: 100 ms,
+and regular expressions only) and takes Lark grammars with JSON schemas inside, which the
+tool-call blocks and the eval's action format need. Its masks cost the most of the three
+per step (scripts/bench_grammar.py, batch 16 on the default model's 49,152-token vocabulary:
+0.57 ms against xgrammar's 0.13 and outlines-core's 0.10), about 0.3% of a decode step of
+that batch, computed while the forward runs.
 """
 
 from __future__ import annotations
@@ -157,13 +160,22 @@ class GrammarState:
     """One sample's matcher and its next mask (see module doc). Only the worker thread
     touches the matcher while a mask is being computed."""
 
-    def __init__(self, matcher, vocab_size: int, worker: ThreadPoolExecutor):
+    def __init__(self, matcher, vocab_size: int, worker: ThreadPoolExecutor | None):
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.worker = worker
         self.bitmask = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32)
-        self.pending: Future = worker.submit(self._fill)
         self.warned = False
+        self.pending: Future = self._run(self._fill)
+
+    def _run(self, work, *args) -> Future:
+        """`work` in the worker thread, or here and now without one."""
+        if self.worker is not None:
+            return self.worker.submit(work, *args)
+        done: Future = Future()
+        work(*args)
+        done.set_result(None)
+        return done
 
     def _fill(self) -> None:
         self.matcher.unsafe_compute_mask_ptr(self.bitmask.data_ptr(), self.bitmask.numel() * 4)
@@ -179,7 +191,7 @@ class GrammarState:
     def advance(self, token: int, more: bool) -> None:
         """The sample took `token`; compute the next mask in the background if `more` tokens follow."""
         self.pending.result()
-        self.pending = self.worker.submit(self._consume_and_fill, token, more)
+        self.pending = self._run(self._consume_and_fill, token, more)
 
     def constrain(self, row: torch.Tensor) -> None:
         """Set the disallowed tokens of `row` ([1, vocab] float32, modified in place) to -inf."""

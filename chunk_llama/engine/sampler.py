@@ -31,9 +31,17 @@ def select_tokens(seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int]
     if plain:  # no processors, no grammar: one batched argmax, no copies
         for i, token in zip(plain, logits[plain].argmax(dim=-1).tolist()):
             tokens[i] = token
+    masked = [i for i, s in enumerate(seqs)
+              if not s.do_sample and not s.processors and s.grammar is not None and not s.keep_scores]
+    if masked:  # greedy under a grammar only: one float32 copy, each row masked, one batched argmax
+        rows = logits[masked].to(dtype=torch.float32)
+        for r, i in enumerate(masked):
+            seqs[i].grammar.constrain(rows[r : r + 1])
+        for i, token in zip(masked, rows.argmax(dim=-1).tolist()):
+            tokens[i] = token
     groups: dict[SampleGroup, dict[int, int]] = {}  # sampled: group -> sample index -> row
     for i, seq in enumerate(seqs):
-        if i in plain and not seq.keep_scores:
+        if tokens[i] is not None and not seq.keep_scores:
             continue
         # float32 copy, as generate takes it (processors may work in place)
         row = logits[i : i + 1].to(dtype=torch.float32, copy=True)

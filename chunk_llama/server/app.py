@@ -8,6 +8,7 @@ the loop thread steps the engine. A bad request is a 400 with OpenAI's error bod
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import time
@@ -138,7 +139,7 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
         stops = body.stop_list()
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _event_stream(stream_events(session, head, stops, include_usage, requests.tool_parsing))
+            return _event_stream(stream_events(session, head, stops, include_usage))
         outputs = await _collect(session, request)
         if outputs is None:
             return Response(status_code=499)
@@ -147,8 +148,7 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
             logprobs = None
             if top_logprobs is not None:
                 logprobs = await _logprobs(engine, logprobs_format, out, top_logprobs)
-            choices.append(choice(index, _final_text(out, stops), out.finish_reason, logprobs,
-                                  requests.tool_parsing))
+            choices.append(choice(index, _final_text(out, stops), out.finish_reason, logprobs))
         return {"id": head[0], "object": object_name, "created": head[1], "model": head[2], "choices": choices,
                 "usage": _usage(session, outputs)}
 
@@ -157,7 +157,9 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
         check_model(body, served)
         requests = chat_request(body, max_positions, vocab_size, native_tools)
         return await respond(body, request, requests, endpoint="chat", id_prefix="chatcmpl",
-                             object_name="chat.completion", stream_events=_stream_chat, choice=fmt.chat_choice,
+                             object_name="chat.completion",
+                             stream_events=functools.partial(_stream_chat, tool_parsing=requests.tool_parsing),
+                             choice=functools.partial(fmt.chat_choice, tool_parsing=requests.tool_parsing),
                              logprobs_format=fmt.chat_logprobs,
                              top_logprobs=(body.top_logprobs or 0) if body.logprobs else None)
 
@@ -220,7 +222,7 @@ def _event_stream(generator) -> StreamingResponse:
     )
 
 
-async def _stream_chat(session: Session, head, stops: list[str], include_usage: bool, tool_parsing: bool):
+async def _stream_chat(session: Session, head, stops: list[str], include_usage: bool, *, tool_parsing: bool):
     response_id, created, model = head
     num_choices = len(session.subs) * session.n
     cutters = [fmt.StopCutter(stops) for _ in range(num_choices)]
@@ -262,7 +264,7 @@ async def _stream_chat(session: Session, head, stops: list[str], include_usage: 
         session.close()
 
 
-async def _stream_completion(session: Session, head, stops: list[str], include_usage: bool, tool_parsing: bool):
+async def _stream_completion(session: Session, head, stops: list[str], include_usage: bool):
     response_id, created, model = head
     cutters = [fmt.StopCutter(stops) for _ in range(len(session.subs) * session.n)]
     outputs: dict[int, object] = {}

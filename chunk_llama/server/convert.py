@@ -88,8 +88,8 @@ def generation_config(body: _Sampling, max_new_tokens: int | None, want_logprobs
     if body.temperature is not None:
         if body.temperature == 0:
             kwargs["do_sample"] = False
-        else:  # OpenAI samples from the whole distribution: no top-k unless asked for
-            kwargs.update(do_sample=True, temperature=body.temperature, top_k=body.top_k or 0)
+        else:  # OpenAI samples from the whole distribution: no top-k unless asked for (below)
+            kwargs.update(do_sample=True, temperature=body.temperature, top_k=0)
     if body.temperature != 0:  # greedy decoding: the warpers would change nothing
         for name in ("top_p", "top_k", "min_p"):
             if getattr(body, name) is not None:

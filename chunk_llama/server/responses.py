@@ -131,8 +131,7 @@ def tool_finish_reason(reason: str | None, called: bool) -> str | None:
     return "tool_calls" if called and reason == "stop" else reason
 
 
-def completion_choice(index: int, text: str, reason: str | None, logprobs: dict | None,
-                      tool_parsing: bool = False) -> dict:
+def completion_choice(index: int, text: str, reason: str | None, logprobs: dict | None) -> dict:
     """One choice of a completion."""
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
