@@ -160,22 +160,12 @@ class GrammarState:
     """One sample's matcher and its next mask (see module doc). Only the worker thread
     touches the matcher while a mask is being computed."""
 
-    def __init__(self, matcher, vocab_size: int, worker: ThreadPoolExecutor | None):
+    def __init__(self, matcher, vocab_size: int, worker: ThreadPoolExecutor):
         self.matcher = matcher
-        self.vocab_size = vocab_size
         self.worker = worker
         self.bitmask = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32)
         self.warned = False
-        self.pending: Future = self._run(self._fill)
-
-    def _run(self, work, *args) -> Future:
-        """`work` in the worker thread, or here and now without one."""
-        if self.worker is not None:
-            return self.worker.submit(work, *args)
-        done: Future = Future()
-        work(*args)
-        done.set_result(None)
-        return done
+        self.pending: Future = worker.submit(self._fill)
 
     def _fill(self) -> None:
         self.matcher.unsafe_compute_mask_ptr(self.bitmask.data_ptr(), self.bitmask.numel() * 4)
@@ -191,7 +181,7 @@ class GrammarState:
     def advance(self, token: int, more: bool) -> None:
         """The sample took `token`; compute the next mask in the background if `more` tokens follow."""
         self.pending.result()
-        self.pending = self._run(self._consume_and_fill, token, more)
+        self.pending = self.worker.submit(self._consume_and_fill, token, more)
 
     def constrain(self, row: torch.Tensor) -> None:
         """Set the disallowed tokens of `row` ([1, vocab] float32, modified in place) to -inf."""
@@ -203,9 +193,3 @@ class GrammarState:
             np.add(row.numpy(), penalty, out=row.numpy())
         else:
             row.add_(torch.from_numpy(penalty).to(row.device))
-
-    @property
-    def is_accepting(self) -> bool:
-        """Whether the output so far is a complete match."""
-        self.pending.result()
-        return self.matcher.is_accepting()
