@@ -120,7 +120,9 @@ class GrammarCompiler:
         self._worker: ThreadPoolExecutor | None = None
         self._compiled: OrderedDict[Grammar, object] = OrderedDict()
 
-    def _setup(self):
+    def prepare(self):
+        """Build llguidance's view of the tokenizer now (about 0.3 s for a 49,152-token vocabulary;
+        otherwise the first request with a grammar waits for it); returns it."""
         with self._lock:
             if self._llg_tokenizer is None:
                 if self.tokenizer is None:
@@ -140,20 +142,20 @@ class GrammarCompiler:
         Raises ValueError naming the problem for a grammar llguidance refuses."""
         import llguidance
 
-        tokenizer = self._setup()
+        tokenizer = self.prepare()
         with self._lock:
             compiled = self._compiled.get(grammar)
-            if compiled is not None:
-                self._compiled.move_to_end(grammar)
-                return GrammarState(compiled.deep_copy(), self.vocab_size, self._worker)
-        compiled = llguidance.LLMatcher(tokenizer, grammar.llguidance_grammar(), log_level=0)
-        if compiled.is_error():
-            raise ValueError(f"invalid {grammar.kind.replace('_', ' ')} grammar: {compiled.get_error()}")
+        if compiled is None:
+            compiled = llguidance.LLMatcher(tokenizer, grammar.llguidance_grammar(), log_level=0)
+            if compiled.is_error():
+                raise ValueError(f"invalid {grammar.kind.replace('_', ' ')} grammar: {compiled.get_error()}")
         with self._lock:
             self._compiled[grammar] = compiled
+            self._compiled.move_to_end(grammar)
             while len(self._compiled) > self.max_cached:
                 self._compiled.popitem(last=False)
-            return GrammarState(compiled.deep_copy(), self.vocab_size, self._worker)
+            matcher = compiled.deep_copy()
+        return GrammarState(matcher, self.vocab_size, self._worker)
 
 
 class GrammarState:

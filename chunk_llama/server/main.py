@@ -66,6 +66,11 @@ def serve(engine_args: EngineArgs | None = None, serve_args=None) -> None:
         logger.warning("the tokenizer has no chat template: /v1/chat/completions will refuse requests "
                        "(give one with --chat-template)")
     engine = engine_args.build_engine(loaded, tokenizer)
+    if tokenizer is not None:  # the first request with a grammar would otherwise wait for it
+        try:
+            engine.inputs.grammars.prepare()
+        except ValueError as error:  # such requests will get this as their 400
+            logger.warning("response_format and forced tool calls will be refused: %s", error)
     aliases = tuple(dict.fromkeys([*names[1:], *([model] if model is not None and model not in names else [])]))
     app = create_app(engine, names[0], aliases=aliases, loop_thread=False, allowed_origins=args.allowed_origins,
                      stats_interval=args.stats_interval)
