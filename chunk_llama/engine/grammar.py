@@ -17,7 +17,7 @@ Why llguidance (docs/ARCHITECTURE.md, "Structured output"): it has no dependenci
 and regular expressions only) and takes Lark grammars with JSON schemas inside, which the
 tool-call blocks and the eval's action format need. Its masks cost the most of the three
 per step (scripts/bench_grammar.py, batch 16 on the default model's 49,152-token vocabulary:
-0.57 ms against xgrammar's 0.13 and outlines-core's 0.10), about 0.3% of a decode step of
+0.57 ms against xgrammar's 0.13 and outlines-core's 0.10), about 0.5% of a decode step of
 that batch, computed while the forward runs.
 """
 
