@@ -15,7 +15,9 @@ and the matchers' advance (the library's part) and of the apply (the same for al
 compile of the schema (medians over rounds), and each library's batched fill where it has one (xgrammar's
 `BatchGrammarMatcher`, llguidance's `fill_next_token_bitmask_par`, both threaded in native
 code) beside the row-by-row fill. Run the libraries interleaved (A, B, C, A, B, C, ...):
-the machine is shared, medians over rounds.
+the machine is shared, medians over rounds. Only llguidance is a dependency: install the
+others by hand to compare (`pip install xgrammar outlines-core`; xgrammar brings triton,
+about 1 GB); each one missing is left out with a line saying so.
 """
 
 from __future__ import annotations
@@ -202,8 +204,13 @@ def main() -> None:
     args = parser.parse_args()
     _, tokenizer = chunk_llama.load_default_model()
     vocab_size = len(tokenizer)
-    libs = [cls(tokenizer, vocab_size, batched) for cls, batched in
-            [(XGrammar, False), (XGrammar, True), (LLGuidance, False), (LLGuidance, True), (OutlinesCore, False)]]
+    libs = []
+    for cls, batched in [(XGrammar, False), (XGrammar, True), (LLGuidance, False), (LLGuidance, True),
+                         (OutlinesCore, False)]:
+        try:
+            libs.append(cls(tokenizer, vocab_size, batched))
+        except ImportError as error:  # only llguidance is a dependency of chunk-llama
+            print(f"{cls.name}: not installed ({error}), left out", flush=True)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
           f"vocab {vocab_size}")
     print("| library | fill | batch | masks + accept, ms per step | apply (the engine's), ms | compile ms |")

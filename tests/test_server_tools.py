@@ -19,6 +19,7 @@ from test_server import Server
 from transformers import GenerationConfig, LogitsProcessor
 
 from chunk_llama import ChunkLlamaEngine
+from chunk_llama.server import create_app
 
 MODEL = "tiny-bytes"
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -40,7 +41,7 @@ def served():
     tokenizer.chat_template = TEMPLATE
     model = tiny_byte_llama(tokenizer, max_position_embeddings=2048)
     engine = ChunkLlamaEngine(model, tokenizer, max_batch_size=8, chunk_size=16, kv_cache_bytes=16 << 20)
-    server = Server(__import__("chunk_llama.server", fromlist=["create_app"]).create_app(engine, MODEL))
+    server = Server(create_app(engine, MODEL))
     try:
         yield engine, server.url
     finally:
@@ -246,8 +247,6 @@ NATIVE_TEMPLATE = (  # a Hermes-style template: it renders the tools and the cal
 
 
 def test_a_template_that_knows_tools_renders_them():
-    from chunk_llama.server import create_app
-
     tokenizer = tiny_byte_tokenizer()
     tokenizer.chat_template = NATIVE_TEMPLATE
     engine = ChunkLlamaEngine(tiny_byte_llama(tokenizer, max_position_embeddings=2048), tokenizer, max_batch_size=4,
@@ -298,7 +297,6 @@ def test_default_model_tool_calls_and_json_schema_always_validate_under_16_clien
     allowed this model repeats its call until max_tokens (the calls before the cut still parse)."""
     import chunk_llama
     from chunk_llama.cli import DEFAULT_PROMPTS, read_prompts
-    from chunk_llama.server import create_app
     from chunk_llama.server.main import DEFAULT_MODEL_NAME
 
     model, tokenizer = chunk_llama.load_default_model(torch.float32)

@@ -96,10 +96,10 @@ class InputProcessor:
         )
         max_new, num_samples = settings.max_new_tokens, settings.num_samples
         max_positions = getattr(self.model.config, "max_position_embeddings", None)
-        limit = (f"max_model_len={self.max_model_len}" if self.max_model_len else
-                 f"the model's max_position_embeddings={max_positions}")
-        if (self.max_model_len or max_positions) and len(ids) + max_new > (self.max_model_len or max_positions):
-            raise ValueError(f"prompt of {len(ids)} tokens plus max_new_tokens={max_new} exceeds {limit}")
+        limit = self.max_model_len or max_positions
+        if limit and len(ids) + max_new > limit:
+            what = "max_model_len" if self.max_model_len else "the model's max_position_embeddings"
+            raise ValueError(f"prompt of {len(ids)} tokens plus max_new_tokens={max_new} exceeds {what}={limit}")
         if num_samples > self.max_batch_size:
             raise ValueError(
                 f"num_return_sequences={num_samples} exceeds max_batch_size={self.max_batch_size}: "
