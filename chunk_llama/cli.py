@@ -32,10 +32,20 @@ class GenerateArgs:
 
 @dataclass
 class ServeArgs:
-    """Where to listen."""
+    """Where to listen, under which names, and how to load and log."""
 
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(8000, "port to bind")
+    served_model_name: list[str] | None = option(None, "the names requests may give as `model` (the first is "
+                                                       "the one /v1/models lists; default: from --model)")
+    chat_template: str | None = option(None, "a Jinja chat template, or a file holding one, replacing the "
+                                             "tokenizer's")
+    trust_remote_code: bool = option(False, "let transformers run the model repository's own code")
+    revision: str | None = option(None, "the hub branch, tag or commit of --model")
+    log_level: str = option("info", "logging level of the server, the engine and libraries",
+                            choices=("debug", "info", "warning", "error", "critical"))
+    allowed_origins: list[str] | None = option(None, "browser origins allowed by CORS ('*': any; default: none)")
+    stats_interval: float = option(10.0, "seconds between stats lines while busy (0: none)")
 
 
 def read_prompts(path: str) -> list[str]:
@@ -126,7 +136,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """`chunk-llama serve`: the OpenAI-compatible server (chunk_llama.server)."""
     from chunk_llama.server import serve
 
-    serve(from_namespace(EngineArgs, args), **vars(from_namespace(ServeArgs, args)))
+    serve(from_namespace(EngineArgs, args), from_namespace(ServeArgs, args))
     return 0
 
 

@@ -245,16 +245,20 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 def load_model(name_or_path: str | None = None, *, device: str | torch.device | None = "auto",
-               dtype: str | torch.dtype | None = "auto"):
+               dtype: str | torch.dtype | None = "auto", revision: str | None = None,
+               trust_remote_code: bool = False):
     """Load `(model, tokenizer)`: the default model, `"gemma3-270m"`, a `.gguf` file, a local
     folder or a hub id, on `device` in `dtype` (see `resolve_device`, `resolve_dtype`). The
-    device, dtype and config are checked before any weights are read."""
+    device, dtype and config are checked before any weights are read. `revision` (a hub
+    branch, tag or commit) and `trust_remote_code` go to every `from_pretrained`."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     path = gemma3_270m_path() if name_or_path == GEMMA3_270M else name_or_path or default_model_path()
-    kwargs = {}
+    kwargs = {"trust_remote_code": trust_remote_code}
+    if revision is not None:
+        kwargs["revision"] = revision
     if path.endswith(".gguf"):
         path, kwargs["gguf_file"] = os.path.split(os.path.abspath(path))
     check_supported(AutoConfig.from_pretrained(path, **kwargs))  # before any weights are read

@@ -53,16 +53,19 @@ class EngineArgs:
                                            "are prefilled in pieces between decode steps")
     prefix_caching: bool = option(True, "keep finished requests' chunks as a prefix cache "
                                         "(--no-prefix-caching frees them at once)")
+    max_model_len: int | None = option(None, "most tokens of a request, prompt and new tokens together "
+                                             "(default: the model's max_position_embeddings)")
 
     def engine_kwargs(self) -> dict:
         """The keyword arguments of `ChunkLlamaEngine` these settings give."""
         return dict(max_batch_size=self.max_batch_size, chunk_size=self.chunk_size,
                     kv_cache_bytes=self.kv_cache_bytes, max_prefill_tokens=self.max_prefill_tokens,
-                    retain_prefixes=self.prefix_caching)
+                    retain_prefixes=self.prefix_caching, max_model_len=self.max_model_len)
 
-    def load(self, announce: bool = True):
-        """(model, tokenizer) on the chosen device and dtype (`models.load_model`); `announce`:
-        say what is loaded where on stderr (after the device and dtype were checked)."""
+    def load(self, announce: bool = True, **load_kwargs):
+        """(model, tokenizer) on the chosen device and dtype (`models.load_model`, which also takes
+        `load_kwargs`: revision, trust_remote_code); `announce`: say what is loaded where on
+        stderr (after the device and dtype were checked)."""
         from chunk_llama.models import load_model, resolve_device, resolve_dtype
 
         device = resolve_device(self.device)
@@ -70,7 +73,7 @@ class EngineArgs:
         if announce:
             name = self.model or "the default model (SmolLM2-135M-Instruct)"
             print(f"loading {name} on {device} in {str(dtype).removeprefix('torch.')} ...", file=sys.stderr)
-        return load_model(self.model, device=device, dtype=dtype)
+        return load_model(self.model, device=device, dtype=dtype, **load_kwargs)
 
     def build_engine(self, model, tokenizer):
         from chunk_llama.engine import ChunkLlamaEngine

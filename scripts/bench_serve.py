@@ -4,6 +4,7 @@
     python scripts/bench_serve.py --workload shared --num-clients 16 --max-new-tokens 32     # the 0.9x target
     python scripts/bench_serve.py --workload toolqa --limit 8 --rps 2 --num-clients 16
     python scripts/bench_serve.py --workload shared --num-requests 4 --n-shared 200 --max-new-tokens 8
+    python scripts/bench_serve.py --json-schema-ab 3       # constrained decoding's cost (below)
 
 Workloads (chat requests, greedy):
   shared   `--num-requests` chats whose system prompt is `--n-shared` tokens of the shipped tool
@@ -24,6 +25,16 @@ Systems:
 The server is idle while `generate` runs and the other way round; each system gets the
 same warm-up request (the first chat, 2 tokens), so every system starts with the shared
 prefix of the first request cached the same way.
+`--json-schema-ab ROUNDS` measures instead what structured output costs: `engine.generate` on
+the workload in this process, every request unconstrained (A) or under the JSON schema
+`ANSWER_SCHEMA` (B), A, B, A, B, ... for ROUNDS rounds, each run on a fresh engine given the
+same warm-up (2 tokens of the first chat, under the schema); throughput (generated tokens over wall time) per run, the medians, and the
+median of the rounds' B/A ratios. Both generate exactly `--max-new-tokens` per request, so
+the batch is the same at every step: the config's EOS is an id the model does not produce
+here (checked), so a B request whose document is complete goes on taking the only token its
+grammar then allows (the model's EOS, a special token: the text stays the document, which is
+validated), every step under its grammar. Otherwise A's requests end at other times than B's
+and the batch shrinks differently, which changes a step's cost more than the grammar does.
 """
 
 from __future__ import annotations
@@ -50,6 +61,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_e2e import poisson_arrivals  # noqa: E402  (the same arrivals as the e2e benchmark)
 
 SYSTEMS = ("http", "generate", "hf-serve")
+ANSWER_SCHEMA = {  # an answer to a tool-manual question
+    "type": "object",
+    "properties": {"tool": {"type": "string"}, "arguments": {"type": "array", "items": {"type": "string"}},
+                   "reason": {"type": "string"}},
+    "required": ["tool", "arguments", "reason"],
+    "additionalProperties": False,
+}
 
 
 # ------------------------------------------------------------------ workloads
@@ -226,6 +244,48 @@ def generate_run(engine, chats, arrivals, max_new_tokens: int):
     ]
 
 
+def json_schema_ab(model, tokenizer, chats, args) -> None:
+    """Unconstrained (A) against every request under ANSWER_SCHEMA (B), interleaved (see module doc)."""
+    import statistics
+
+    import jsonschema
+
+    complete = 0
+    never = model.config.vocab_size - 1  # as EOS: every request runs to max_new_tokens (checked below)
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=never)
+    grammar = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA, "strict": True}}
+    rates: dict[str, list[float]] = {"A": [], "B": []}
+    print("| round | run | tokens | wall s | tokens/s |\n|---|---|---|---|---|")
+    for round_index in range(args.json_schema_ab):
+        for run, constraint in (("A", None), ("B", grammar)):
+            engine = chunk_llama.ChunkLlamaEngine(model, tokenizer, max_batch_size=args.max_batch_size,
+                                                  kv_cache_bytes=args.kv_cache_bytes)
+            # the same warm-up for both: it also builds the engine's one-time llguidance view of the
+            # tokenizer (0.3 s for this vocabulary; `chunk-llama serve` builds it at start-up)
+            engine.generate(chats[:1], GenerationConfig(max_new_tokens=2, do_sample=False), grammar=grammar)
+            start = time.perf_counter()
+            outputs = engine.generate(chats, config, grammar=constraint)
+            wall = time.perf_counter() - start
+            engine.close()
+            tokens = sum(len(o.token_ids) for o in outputs)
+            assert tokens == len(chats) * args.max_new_tokens, "a request ended early: the batches would differ"
+            for out in outputs if constraint else []:  # a complete document is valid, else one begun
+                try:
+                    document = json.loads(out.text)
+                except json.JSONDecodeError:
+                    assert out.text.startswith('{"tool":"'), out.text
+                    continue
+                jsonschema.validate(document, ANSWER_SCHEMA)
+                complete += 1
+            rates[run].append(tokens / wall)
+            print(f"| {round_index + 1} | {run} | {tokens} | {wall:.2f} | {tokens / wall:.1f} |", flush=True)
+    ratios = [b / a for a, b in zip(rates["A"], rates["B"])]
+    print(f"\nmedian tokens/s: unconstrained {statistics.median(rates['A']):.1f}, json_schema "
+          f"{statistics.median(rates['B']):.1f}; median ratio {statistics.median(ratios):.3f} "
+          f"(rounds: {', '.join(f'{r:.3f}' for r in ratios)}); constrained documents complete and valid: "
+          f"{complete} of {len(ratios) * len(chats)} (the rest cut by the length)")
+
+
 # ------------------------------------------------------------------ figures
 def pct(values, q):
     if not values:
@@ -297,6 +357,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server-timeout", type=float, default=600, help="seconds for a server to start")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--json-schema-ab", type=int, default=0, metavar="ROUNDS",
+                        help="measure structured output's cost instead (see above)")
     args = parser.parse_args()
 
     model, tokenizer = chunk_llama.load_default_model(getattr(torch, args.dtype))
@@ -305,6 +367,8 @@ def main() -> None:
         if args.workload == "shared"
         else toolqa_chats(args.limit)
     )
+    if args.json_schema_ab:
+        return json_schema_ab(model, tokenizer, chats, args)
     arrivals = poisson_arrivals(args.rps, len(chats), args.seed)
     rows, reference = [], None
     logs = tempfile.mkdtemp(prefix="bench_serve_")

@@ -261,3 +261,30 @@ def tiny_bpe_tokenizer():
     backend.decoder = decoders.ByteLevel()
     backend.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=96, special_tokens=["<pad>", "<bos>", "<eos>"]))
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+
+
+def tiny_byte_tokenizer():
+    """A byte-level BPE tokenizer that can write any text (JSON, tool calls): the 256 bytes,
+    `<pad>`, `<bos>`, `<eos>` (id 2) and merges learnt from a few JSON-like lines, 320 ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = ['{"city": "Paris", "unit": "celsius", "days": 3}', '<tool_call>\n{"name": "get_weather", '
+              '"arguments": {}}\n</tool_call>', "the weather in Boston is sunny", "Action: Tool[a, b]"] * 5
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<pad>", "<bos>", "<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+
+
+def tiny_byte_llama(tokenizer, seed=0, **kwargs):
+    """`tiny_llama` with `tokenizer`'s vocabulary (EOS = its eos id), embeddings drawn anew."""
+    model = tiny_llama(eos=tokenizer.eos_token_id, seed=seed, **kwargs)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for weight in (model.model.embed_tokens.weight, model.lm_head.weight):
+            weight.copy_(torch.randn(weight.shape, generator=generator) * 0.2)
+    return model

@@ -202,3 +202,46 @@ def test_two_processes_with_accelerate_equal_one(tiny_model_dir, tmp_path):
                                                     "summary.md"]
     with open(tmp_path / "two" / "runs.jsonl") as f:
         assert sorted({json.loads(line)["rank"] for line in f}) == [0, 1]
+
+
+def test_constrained_eval_writes_only_well_formed_calls_of_the_apps_tools(tmp_path):
+    """`--constrained`: every answer is one Thought line and one Action calling one of the tools
+    its app's system prompt lists, with that tool's number of arguments, whatever the (random) model."""
+    import re
+
+    from helpers import tiny_byte_llama, tiny_byte_tokenizer
+
+    from chunk_llama.eval.constrained import app_tools
+
+    assert app_tools(load_prompt_set(apps=["flights"], limit=1)[0]["system_prompt"]) == {
+        "FlightStatus": 2, "FlightsBetween": 3, "AirportDelays": 2, "AirportInfo": 1, "CarrierOnTime": 2,
+        "Calculate": 1, "Finish": 1}
+    with pytest.raises(ValueError, match="app 'x': --constrained needs the system prompt to list its tools"):
+        app_tools("no tools here", "x")
+    folder = tmp_path / "model"
+    tokenizer = tiny_byte_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    tiny_byte_llama(tokenizer, max_position_embeddings=2048).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    systems = {"alpha": "Tools:\n1. Weather[city, date]\n2. Finish[answer]\n",
+               "beta": "Tools:\n1. Search[query]\n2. Route[from, to, day]\n"}
+    rows = [dict(app=app, system_prompt=system, question=f"question {i}", answer="Finish[x]")
+            for app, system in systems.items() for i in range(3)]
+    data = tmp_path / "set.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["--model", str(folder), "--data", str(data), "--max-new-tokens", "900", "--chunk-size", "16",
+            "--kv-cache-bytes", str(1 << 22), "--output", str(tmp_path / "constrained"), "--constrained"]
+    assert eval_main(argv) == 0
+    calls = {"alpha": r"(Weather\[[^\[\],\n]+, [^\[\],\n]+\]|Finish\[[^\[\],\n]+\])",
+             "beta": r"(Search\[[^\[\],\n]+\]|Route\[[^\[\],\n]+, [^\[\],\n]+, [^\[\],\n]+\])"}
+    results = read_results(tmp_path / "constrained")
+    assert len(results) == 6
+    for r in results:
+        assert re.fullmatch(r"Thought: [^\n]{1,160}\nAction: " + calls[r["app"]], r["output"]), r["output"]
+        assert r["tool_call"] == r["output"].split("Action: ")[1] and r["constrained"] is True
+    assert json.load(open(tmp_path / "constrained" / "summary.json"))["constrained"] is True
+    assert "--constrained" in open(tmp_path / "constrained" / "summary.md").read()
+    with pytest.raises(ValueError, match="holds results decoded with --constrained"):
+        eval_main([a for a in argv if a != "--constrained"])
+    with pytest.raises(ValueError, match="--check-parity compares with stock generate"):
+        eval_main(argv + ["--check-parity", "2"])

@@ -72,3 +72,56 @@ def test_a_port_in_use_is_an_error(model_folder):
         proc = start(model_folder, port)
         output = proc.communicate(timeout=120)[0]
     assert proc.returncode != 0 and f"the HTTP server did not start on 127.0.0.1:{port}" in output, output[-3000:]
+
+
+def test_server_options_from_flags_and_environment(model_folder, tmp_path):
+    """--served-model-name, --max-model-len, --chat-template, --allowed-origins, --stats-interval from
+    the command line and the log level from CHUNK_LLAMA_LOG_LEVEL; one log format for everything."""
+    import os
+
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}w9 {{ m['content'] }} {% endfor %}w8")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "chunk_llama.cli", "serve", "--model", str(model_folder), "--port", str(port),
+         "--kv-cache-bytes", str(8 << 20), "--served-model-name", "alpha", "beta", "--max-model-len", "64",
+         "--chat-template", str(template), "--allowed-origins", "*", "--stats-interval", "0.01"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "CHUNK_LLAMA_LOG_LEVEL": "info"})
+    try:
+        wait_healthy(proc, url)
+        assert [m["id"] for m in httpx.get(url + "/v1/models", timeout=10).json()["data"]] == ["alpha"]
+        chat = httpx.post(url + "/v1/chat/completions", timeout=60, headers={"Origin": "http://x.example"}, json={
+            "model": "beta", "messages": [{"role": "user", "content": "w7 w7"}], "max_tokens": 30, "temperature": 0})
+        assert chat.status_code == 200 and chat.headers["access-control-allow-origin"] == "*"
+        assert chat.json()["usage"]["prompt_tokens"] == 4  # w9 w7 w7 w8: the template given
+        too_long = httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": "alpha", "prompt": " ".join(["w7"] * 40), "max_tokens": 30})
+        assert too_long.status_code == 400 and "exceeds max_model_len=64" in too_long.json()["error"]["message"]
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    import re
+
+    stamp = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} "
+    assert re.search(stamp + r"INFO chunk_llama\.server: chunk-llama: cpu", output, re.M), output[-3000:]
+    assert re.search(stamp + r"INFO chunk_llama\.server: engine: [\d.]+ tokens/s generated, \d+ running, \d+ "
+                     r"waiting, KV [\d.]+% used", output, re.M), output[-3000:]
+    assert re.search(stamp + r"INFO uvicorn", output, re.M), output[-3000:]
+
+
+def test_engine_flags_reach_the_server_engine():
+    from chunk_llama.cli import ServeArgs, build_parser
+    from chunk_llama.settings import EngineArgs, from_namespace
+
+    args = build_parser().parse_args(["serve", "--max-prefill-tokens", "256", "--no-prefix-caching",
+                                      "--max-model-len", "128", "--revision", "abc", "--trust-remote-code"])
+    engine_kwargs = from_namespace(EngineArgs, args).engine_kwargs()
+    assert engine_kwargs["max_prefill_tokens"] == 256 and engine_kwargs["retain_prefixes"] is False
+    assert engine_kwargs["max_model_len"] == 128
+    serve = from_namespace(ServeArgs, args)
+    assert serve.revision == "abc" and serve.trust_remote_code is True

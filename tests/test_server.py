@@ -337,7 +337,7 @@ BAD_REQUESTS = [
     ({"temperature": -0.5}, "temperature", "greater than or equal to 0"),
     ({"top_p": 0}, "top_p", "greater than 0"),
     ({"stop": [""]}, "stop", "non-empty"),
-    ({"tools": []}, "tools", "Extra inputs are not permitted"),
+    ({"functions": []}, "functions", "Extra inputs are not permitted"),
     ({"stream": True, "logprobs": True}, "logprobs", "not supported with stream"),
     (
         {"messages": [{"role": "user", "content": " ".join(["w7"] * 2100)}], "max_tokens": None},
@@ -400,7 +400,7 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(served, client):
 def test_metrics_counters_and_gauges_move(served, client):
     engine, url = served
     text = httpx.get(url + "/metrics", timeout=10)
-    assert text.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert text.headers["content-type"].startswith("text/plain; version=")
     for family, kind in [
         ("requests_total", "counter"),
         ("prompt_tokens_total", "counter"),
@@ -443,6 +443,35 @@ def test_metrics_counters_and_gauges_move(served, client):
     )
     assert after["chunk_llama_kv_cache_retained_bytes"] > 0 and after["chunk_llama_kv_cache_used_bytes"] == 0
     assert after["chunk_llama_requests_waiting"] == 0
+    for histogram in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+                      "queue_time_seconds", "prompt_length_tokens", "generation_length_tokens"):
+        name = f"chunk_llama_{histogram}"
+        assert re.search(rf"^# TYPE {name} histogram$", text.text, re.M), histogram
+        assert after[name + "_count"] > before[name + "_count"], histogram  # moved with these requests
+        assert after[f'{name}_bucket{{le="+Inf"}}'] == after[name + "_count"]
+    assert after["chunk_llama_prompt_length_tokens_sum"] >= before["chunk_llama_prompt_length_tokens_sum"] + \
+        response.usage.prompt_tokens
+    assert after["chunk_llama_generation_length_tokens_sum"] >= before["chunk_llama_generation_length_tokens_sum"] + 3
+
+
+def test_cors_headers_for_allowed_origins():
+    model = tiny_llama()
+    tokenizer = tiny_tokenizer()
+    engine = ChunkLlamaEngine(model, tokenizer, max_batch_size=2, chunk_size=CHUNK, kv_cache_bytes=1 << 20)
+    server = Server(create_app(engine, MODEL, allowed_origins=["http://app.example"]))
+    try:
+        preflight = httpx.options(server.url + "/v1/completions", timeout=10, headers={
+            "Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "http://app.example"
+        assert "POST" in preflight.headers["access-control-allow-methods"]
+        listed = httpx.get(server.url + "/v1/models", timeout=10, headers={"Origin": "http://app.example"})
+        assert listed.headers["access-control-allow-origin"] == "http://app.example"
+        other = httpx.get(server.url + "/v1/models", timeout=10, headers={"Origin": "http://elsewhere.example"})
+        assert "access-control-allow-origin" not in other.headers
+    finally:
+        server.stop()
 
 
 def test_sse_wire_format(served):

@@ -22,7 +22,7 @@ def test_every_command_takes_the_engine_options(command):
     assert engine == EngineArgs(device="cpu", dtype="bfloat16", max_batch_size=4, chunk_size=32,
                                 kv_cache_bytes=1000000, max_prefill_tokens=256, prefix_caching=False)
     assert engine.engine_kwargs() == dict(max_batch_size=4, chunk_size=32, kv_cache_bytes=1000000,
-                                          max_prefill_tokens=256, retain_prefixes=False)
+                                          max_prefill_tokens=256, retain_prefixes=False, max_model_len=None)
 
 
 def test_defaults_equal_the_dataclass_and_the_environment_overrides_them(monkeypatch):

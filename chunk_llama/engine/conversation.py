@@ -64,11 +64,13 @@ class ConversationHistory:
         self._replies: OrderedDict[tuple[int, ...], list[list[int]]] = OrderedDict()
         self.num_continued = 0  # prompts built from an earlier turn's ids
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        """The token ids of `messages` with the generation prompt (see the module docstring)."""
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The token ids of `messages` with the generation prompt (see the module docstring);
+        `tools` go to the chat template (its `tools` variable)."""
+        render = self._render if tools is None else lambda m: self._render(m, tools)
         with self.tokenizer_lock:
-            text = self._render(messages)
-        ids = self._continue(messages, text)
+            text = render(messages)
+        ids = self._continue(messages, text, render)
         if ids is None:
             with self.tokenizer_lock:
                 ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -91,17 +93,18 @@ class ConversationHistory:
         while len(table) > self.max_entries:
             table.popitem(last=False)
 
-    def _render(self, messages: list[dict]) -> str:
-        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    def _render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        return self.tokenizer.apply_chat_template(list(messages), tools=tools, add_generation_prompt=True,
+                                                  tokenize=False)
 
-    def _continue(self, messages: list[dict], text: str) -> list[int] | None:
+    def _continue(self, messages: list[dict], text: str, render) -> list[int] | None:
         """Earlier ids + generated ids + the rest, or None for the plain rendering."""
         last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
         if not last or not isinstance(messages[last].get("content"), str):
             return None
         with self.tokenizer_lock:
             try:
-                earlier_text = self._render(messages[:last])
+                earlier_text = render(messages[:last])
             except Exception:  # a template that refuses a conversation ending before an assistant turn
                 return None
         with self._lock:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from chunk_llama.engine.inputs import InputProcessor, positive_int
+from chunk_llama.engine.inputs import InputProcessor, is_chat, positive_int
 from chunk_llama.engine.outputs import make_delta
 from chunk_llama.engine.request import RequestDelta, RequestOutput, Sequence
 from chunk_llama.engine.runner import ModelRunner
@@ -56,6 +56,8 @@ class ChunkLlamaEngine:
             longer prompt is prefilled in pieces over several steps, between which
             the running requests decode (chunked prefill).
         retain_prefixes: keep the chunks of finished sequences as a prefix cache.
+        max_model_len: most tokens of a request, prompt and new tokens together (default and
+            at most: the model's `max_position_embeddings`); `self.max_model_len` is the limit in force.
     """
 
     def __init__(
@@ -68,8 +70,16 @@ class ChunkLlamaEngine:
         kv_cache_bytes: int | None = None,
         max_prefill_tokens: int = 1024,
         retain_prefixes: bool = True,
+        max_model_len: int | None = None,
     ):
         positive_int("max_batch_size", max_batch_size)
+        max_positions = getattr(model.config, "max_position_embeddings", None)
+        if max_model_len is not None:
+            positive_int("max_model_len", max_model_len)
+            if max_positions and max_model_len > max_positions:
+                raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                                 f"max_position_embeddings={max_positions}")
+        self.max_model_len = max_model_len or max_positions
         positive_int("max_prefill_tokens", max_prefill_tokens)
         if chunk_size is not None:
             positive_int("chunk_size", chunk_size)
@@ -88,7 +98,8 @@ class ChunkLlamaEngine:
         # the first step a user times; a CPU variant this host cannot run fails here.
         prepare_backend(pool.device, pool.dtype, pool.head_dim, pool.chunk_size)
         linear.backend(pool.dtype, pool.device)  # its one-time check, and why not, logged now
-        self.inputs = InputProcessor(model, tokenizer, self.cache.chunk_size, pool.capacity, max_batch_size)
+        self.inputs = InputProcessor(model, tokenizer, self.cache.chunk_size, pool.capacity, max_batch_size,
+                                     max_model_len)
         self.scheduler = Scheduler(self.cache, max_batch_size, max_prefill_tokens)
         self.runner = ModelRunner(model, self.cache, self.scheduler, self.inputs)
         self.max_batch_size = max_batch_size
@@ -108,20 +119,22 @@ class ChunkLlamaEngine:
 
     # ------------------------------------------------------------ online API
     def add_request(self, prompt, generation_config: GenerationConfig | None = None, *, logits_processor=None,
-                    stopping_criteria=None) -> int:
+                    stopping_criteria=None, grammar=None) -> int:
         """Queue a request (thread-safe); returns its id. It is admitted at the next step.
 
         prompt: a string, a list of chat messages (chat template applied) or token ids.
         generation_config: merged over the model's own, as `generate` does.
         logits_processor, stopping_criteria: extra ones, as `generate` takes them.
-        Raises ValueError/TypeError for a bad prompt or config; nothing is queued then.
+        grammar: constrain the output: a `chunk_llama.Grammar` (JSON schema, any JSON object,
+            Lark) or OpenAI's `response_format` dict (`{"type": "json_schema", ...}`).
+        Raises ValueError/TypeError for a bad prompt, config or grammar; nothing is queued then.
         """
         self._check_open()
         with self._lock:
             self._num_submitting += 1
         try:
             seqs = self.inputs.make_sequences(prompt, generation_config, True, logits_processor=logits_processor,
-                                              stopping_criteria=stopping_criteria)
+                                              stopping_criteria=stopping_criteria, grammar=grammar)
             return self._enqueue([seqs])[0]
         finally:
             with self._lock:
@@ -154,8 +167,8 @@ class ChunkLlamaEngine:
         return deltas
 
     def stream(self, prompt, generation_config: GenerationConfig | None = None, *, logits_processor=None,
-               stopping_criteria=None) -> Iterator[str]:
-        """Generate for one prompt, yielding its text as it is produced.
+               stopping_criteria=None, grammar=None) -> Iterator[str]:
+        """Generate for one prompt, yielding its text as it is produced (`grammar` as in `add_request`).
 
         The request is validated now and queued when iteration starts; leaving the
         loop early aborts it. For `num_return_sequences > 1` use `add_request` and
@@ -163,7 +176,7 @@ class ChunkLlamaEngine:
         """
         self._check_open()
         seqs = self.inputs.make_sequences(prompt, generation_config, True, logits_processor=logits_processor,
-                                          stopping_criteria=stopping_criteria)
+                                          stopping_criteria=stopping_criteria, grammar=grammar)
         if len(seqs) > 1:
             raise ValueError(f"stream() yields one text; num_return_sequences={len(seqs)} needs add_request and "
                              "step(), whose deltas carry each sample's index")
@@ -186,19 +199,20 @@ class ChunkLlamaEngine:
 
     # ----------------------------------------------------------- offline API
     def generate(self, prompts: list, generation_config: GenerationConfig | None = None, *, progress: bool = False,
-                 logits_processor=None, stopping_criteria=None) -> list[RequestOutput]:
+                 logits_processor=None, stopping_criteria=None, grammar=None) -> list[RequestOutput]:
         """Generate for every prompt; results in input order, the samples of a
         prompt together (like `generate` with `num_return_sequences`).
 
         prompts: strings (tokenized as given), chat message lists (chat template with
         the generation prompt) or lists of token ids. All are validated before any runs.
+        grammar: as in `add_request`, for every prompt.
         """
         self._check_open()
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a list, got {type(prompts).__name__}")
         batches = [
             self.inputs.make_sequences(p, generation_config, False, logits_processor=logits_processor,
-                                       stopping_criteria=stopping_criteria)
+                                       stopping_criteria=stopping_criteria, grammar=grammar)
             for p in prompts
         ]
         channel: deque[RequestDelta] = deque()
@@ -380,7 +394,7 @@ class ChunkLlamaEngine:
     def _delta(self, seq: Sequence) -> RequestDelta:
         delta = make_delta(seq, self.inputs)
         if delta.finished and seq.finish_reason != "abort" and self.inputs.conversations is not None \
-                and isinstance(seq.prompt, (list, tuple)) and seq.prompt and isinstance(seq.prompt[0], dict):
+                and is_chat(seq.prompt):
             self.inputs.conversations.record(seq.prompt_ids, seq.output_ids)  # the next turn may continue it
         if delta.finished:
             with self._lock:

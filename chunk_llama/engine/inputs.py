@@ -15,6 +15,7 @@ from transformers import GenerationConfig
 
 from chunk_llama.engine import generation
 from chunk_llama.engine.conversation import ConversationHistory
+from chunk_llama.engine.grammar import GrammarCompiler, as_grammar
 from chunk_llama.engine.request import SampleGroup, Sequence
 from chunk_llama.engine.text import decode
 
@@ -30,8 +31,10 @@ def positive_int(name: str, value) -> int:
 class InputProcessor:
     """Tokenizes prompts and builds the sequences of a request."""
 
-    def __init__(self, model, tokenizer, chunk_size: int, capacity_chunks: int, max_batch_size: int):
+    def __init__(self, model, tokenizer, chunk_size: int, capacity_chunks: int, max_batch_size: int,
+                 max_model_len: int | None = None):
         self.model = model
+        self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.chunk_size = chunk_size
         self.capacity_chunks = capacity_chunks
@@ -41,17 +44,19 @@ class InputProcessor:
         # chat prompts continuing an earlier turn reuse its ids (conversation.py)
         self.conversations = None if tokenizer is None else ConversationHistory(tokenizer,
                                                                                 self.tokenizer_lock)
+        self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, _eos_ids(model, tokenizer))
 
     def tokenize(self, prompt) -> list[int]:
-        """Token ids of a prompt: a string, a chat message list or a list of token ids."""
-        if isinstance(prompt, str) or (
-            isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt)
-        ):
+        """Token ids of a prompt: a string, a chat message list, `{"messages": [...], "tools":
+        [...]}` (a chat whose template renders the tools) or a list of token ids."""
+        if isinstance(prompt, str) or is_chat(prompt):
             if self.tokenizer is None:
                 raise ValueError("text and chat prompts need a tokenizer; pass one to ChunkLlamaEngine")
             if isinstance(prompt, str):
                 with self.tokenizer_lock:
                     return list(self.tokenizer(prompt)["input_ids"])
+            if isinstance(prompt, dict):
+                return self.conversations.prompt_ids(list(prompt["messages"]), tools=prompt.get("tools"))
             return self.conversations.prompt_ids(list(prompt))
         if isinstance(prompt, (list, tuple)) or (isinstance(prompt, torch.Tensor) and prompt.ndim == 1):
             ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
@@ -70,11 +75,13 @@ class InputProcessor:
 
     def make_sequences(
         self, prompt, config: GenerationConfig | None, track_text: bool, *, logits_processor=None,
-        stopping_criteria=None,
+        stopping_criteria=None, grammar=None,
     ) -> list[Sequence]:
         """One sequence per returned sample; all share the prompt (and its chunks). The
-        engine numbers them (`request_id`, `seq_id`) when it queues them."""
+        engine numbers them (`request_id`, `seq_id`) when it queues them. `grammar`: a
+        `Grammar` or OpenAI `response_format` dict constraining every sample's output."""
         generation.check_config(config)
+        grammar = as_grammar(grammar)
         if config is not None and config.max_new_tokens is not None:
             positive_int("max_new_tokens", config.max_new_tokens)
         ids = self.tokenize(prompt)
@@ -89,11 +96,10 @@ class InputProcessor:
         )
         max_new, num_samples = settings.max_new_tokens, settings.num_samples
         max_positions = getattr(self.model.config, "max_position_embeddings", None)
-        if max_positions and len(ids) + max_new > max_positions:
-            raise ValueError(
-                f"prompt of {len(ids)} tokens plus max_new_tokens={max_new} exceeds "
-                f"the model's max_position_embeddings={max_positions}"
-            )
+        limit = self.max_model_len or max_positions
+        if limit and len(ids) + max_new > limit:
+            what = "max_model_len" if self.max_model_len else "the model's max_position_embeddings"
+            raise ValueError(f"prompt of {len(ids)} tokens plus max_new_tokens={max_new} exceeds {what}={limit}")
         if num_samples > self.max_batch_size:
             raise ValueError(
                 f"num_return_sequences={num_samples} exceeds max_batch_size={self.max_batch_size}: "
@@ -114,6 +120,7 @@ class InputProcessor:
         if settings.do_sample and settings.seed is not None:  # as `torch.manual_seed(seed)` before generate
             generator = torch.Generator(device=self.model.device).manual_seed(settings.seed)
         group = SampleGroup(num_samples, generator)
+        states = [self.grammars.start(grammar) if grammar is not None else None for _ in range(num_samples)]
         arrival = time.perf_counter()
         return [
             Sequence(
@@ -133,6 +140,26 @@ class InputProcessor:
                 stop_strings=settings.stop_strings,
                 track_text=(track_text and self.tokenizer is not None) or bool(settings.stop_strings),
                 arrival_time=arrival,
+                grammar=states[index],
             )
             for index in range(num_samples)
         ]
+
+
+def is_chat(prompt) -> bool:
+    """Whether `prompt` is a chat: a list of message dicts, or `{"messages": [...], "tools": [...]}`."""
+    if isinstance(prompt, dict):
+        if set(prompt) - {"messages", "tools"} or not is_chat(prompt.get("messages")):
+            raise TypeError('a chat prompt given as a dict has "messages" (a list of message dicts) and '
+                            'optionally "tools"')
+        return True
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    """The model's end-of-sequence ids (its generation_config's, else the tokenizer's): what a
+    grammar allows once its output is complete."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos or [])

@@ -90,6 +90,7 @@ class Sequence:
     keep_scores: bool = False
     stop_strings: tuple[str, ...] = ()
     track_text: bool = False  # decode text as tokens arrive (streaming, stop strings)
+    grammar: Any = None  # GrammarState when the output is constrained (grammar.py)
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -122,3 +123,5 @@ class Sequence:
             self.finish_reason = "stop"
         elif len(self.output_ids) >= self.max_new_tokens:
             self.finish_reason = "length"
+        if self.grammar is not None:
+            self.grammar.advance(token, more=not self.is_finished)

@@ -1,7 +1,9 @@
 """Next-token selection, per request, as `generate`'s sampling loop does it.
 
-Each sample's scores go through its own logits processors (built by
-`generation.resolve`) on its own `input_ids`; greedy samples take the argmax.
+Each sample's scores go through its grammar's mask, if it has one (`grammar.py`: the
+disallowed tokens set to -inf, so every processor after it sees only what the grammar
+allows), then its own logits processors (built by `generation.resolve`) on its own
+`input_ids`; greedy samples take the argmax.
 Sampled samples of one request draw together: one `torch.multinomial` over a
 `[num_samples, vocab]` matrix from the request's generator, with a row of ones
 standing in for each sample that already finished (stock `generate` keeps
@@ -25,16 +27,26 @@ def select_tokens(seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int]
     """
     tokens: list[int | None] = [None] * len(seqs)
     scores: list[torch.Tensor | None] = [None] * len(seqs)
-    plain = [i for i, s in enumerate(seqs) if not s.do_sample and not s.processors]
-    if plain:  # no processors: one batched argmax, no copies
+    plain = [i for i, s in enumerate(seqs) if not s.do_sample and not s.processors and s.grammar is None]
+    if plain:  # no processors, no grammar: one batched argmax, no copies
         for i, token in zip(plain, logits[plain].argmax(dim=-1).tolist()):
+            tokens[i] = token
+    masked = [i for i, s in enumerate(seqs)
+              if not s.do_sample and not s.processors and s.grammar is not None and not s.keep_scores]
+    if masked:  # greedy under a grammar only: one float32 copy, each row masked, one batched argmax
+        rows = logits[masked].to(dtype=torch.float32)
+        for r, i in enumerate(masked):
+            seqs[i].grammar.constrain(rows[r : r + 1])
+        for i, token in zip(masked, rows.argmax(dim=-1).tolist()):
             tokens[i] = token
     groups: dict[SampleGroup, dict[int, int]] = {}  # sampled: group -> sample index -> row
     for i, seq in enumerate(seqs):
-        if i in plain and not seq.keep_scores:
+        if tokens[i] is not None and not seq.keep_scores:
             continue
         # float32 copy, as generate takes it (processors may work in place)
         row = logits[i : i + 1].to(dtype=torch.float32, copy=True)
+        if seq.grammar is not None:
+            seq.grammar.constrain(row)
         if seq.processors:
             row = seq.processors(torch.tensor([seq.all_ids], device=logits.device), row)
         scores[i] = row[0]

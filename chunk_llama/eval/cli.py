@@ -28,6 +28,8 @@ class EvalArgs:
     max_new_tokens: int = option(64, "most new tokens per answer")
     check_parity: int = option(0, "also run N requests with stock transformers generate and compare tokens",
                                metavar="N")
+    constrained: bool = option(False, "decode each answer under a grammar of its app's tools (one Thought line, "
+                                      "then Action: Tool[args] with the tool's number of arguments)")
 
 
 def add_eval_parser(sub) -> None:
@@ -53,7 +55,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     dataset = load_prompt_set(args.data, apps=args.apps, limit=args.limit)
     model, tokenizer = engine_args.load()
     config = EvalConfig(output_dir=args.output, max_new_tokens=args.max_new_tokens, check_parity=args.check_parity,
-                        engine=engine_args)
+                        engine=engine_args, constrained=args.constrained)
     summary = run_eval(model, tokenizer, dataset, config, rank=state.process_index,
                        num_processes=state.num_processes, barrier=state.wait_for_everyone)
     if summary is not None:

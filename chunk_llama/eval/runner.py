@@ -31,6 +31,7 @@ import datasets
 from accelerate.utils import gather_object
 from transformers import GenerationConfig
 
+from chunk_llama.eval.constrained import action_grammar
 from chunk_llama.eval.data import prompt_ids, shared_prefix_lengths
 from chunk_llama.eval.ordering import compare_orders, shard_by_app
 from chunk_llama.eval.parity import count_equal, parity_sample
@@ -54,6 +55,12 @@ class EvalConfig:
     check_parity: int = 0
     engine: EngineArgs = field(default_factory=EngineArgs)
     progress: bool = True
+    constrained: bool = False
+
+    def __post_init__(self):
+        if self.constrained and self.check_parity:
+            raise ValueError("--check-parity compares with stock generate, which decodes without a grammar: "
+                             "run it without --constrained")
 
 
 def run_eval(model, tokenizer, dataset: datasets.Dataset, config: EvalConfig, *, rank: int = 0,
@@ -81,7 +88,7 @@ def run_eval(model, tokenizer, dataset: datasets.Dataset, config: EvalConfig, *,
     if rank == 0:  # files of earlier runs that no rank of this one appends to
         for path in [p for stem in STEMS for p in existing_files(output_dir, stem) if p not in owned]:
             repair(path)
-    done = _done_ids(output_dir)
+    done = _done_ids(output_dir, config.constrained)
     mine = set(shards[rank])
     todo = [r for r in rows if r["id"] in mine and r["id"] not in done]
     engine = config.engine.build_engine(model, tokenizer)
@@ -96,11 +103,13 @@ def run_eval(model, tokenizer, dataset: datasets.Dataset, config: EvalConfig, *,
             open(journals["runs"], "a", encoding="utf-8") as runs:
         for app in dict.fromkeys(r["app"] for r in todo):  # grouped: an app's prefix stays resident
             app_rows = [r for r in todo if r["app"] == app]
-            run, outputs = _run_app(engine, app_rows, prompts, shared, gen_config, results, bar)
+            grammar = action_grammar(app_rows[0]["system_prompt"], app) if config.constrained else None
+            run, outputs = _run_app(engine, app_rows, prompts, shared, gen_config, results, bar, grammar)
             sample = [r["id"] for r in app_rows if r["id"] in parity_ids]
             run["parity"] = count_equal(model, [prompts[i] for i in sample], [outputs[i] for i in sample],
                                         gen_config)
-            append_record(runs, dict(app=app, rank=rank, num_processes=num_processes, **run))
+            append_record(runs, dict(app=app, rank=rank, num_processes=num_processes,
+                                     constrained=config.constrained, **run))
     if bar is not None:
         bar.close()
     capacity = engine.cache.pool.capacity
@@ -122,13 +131,14 @@ def run_eval(model, tokenizer, dataset: datasets.Dataset, config: EvalConfig, *,
     return summary
 
 
-def _run_app(engine, app_rows, prompts, shared, gen_config, results, bar) -> tuple[dict, dict]:
-    """One app's requests through the engine; the run's record and each request's tokens."""
+def _run_app(engine, app_rows, prompts, shared, gen_config, results, bar, grammar=None) -> tuple[dict, dict]:
+    """One app's requests through the engine (each under `grammar`, if given); the run's record
+    and each request's tokens."""
     engine.reset_peaks()
     before = engine.stats
     started_at = time.time()  # wall clock: comparable across processes, for the summary's wall time
     start = time.perf_counter()
-    row_of = {engine.add_request(prompts[r["id"]], gen_config): r for r in app_rows}
+    row_of = {engine.add_request(prompts[r["id"]], gen_config, grammar=grammar): r for r in app_rows}
     outputs = {}
     while engine.has_unfinished_requests():
         for delta in engine.step():
@@ -140,7 +150,7 @@ def _run_app(engine, app_rows, prompts, shared, gen_config, results, bar) -> tup
                 id=row["id"], app=row["app"], question=row["question"], answer=row["answer"], output=out.text,
                 tool_call=extract_tool_call(out.text), correct=is_correct(out.text, row["answer"]),
                 prompt_tokens=len(prompts[row["id"]]), shared_tokens=shared[row["app"]],
-                generated_tokens=len(out.token_ids)))
+                generated_tokens=len(out.token_ids), constrained=grammar is not None))
             if bar is not None:
                 bar.update(1)
     stats = engine.stats
@@ -157,11 +167,17 @@ def _run_app(engine, app_rows, prompts, shared, gen_config, results, bar) -> tup
     return run, outputs
 
 
-def _done_ids(output_dir: str) -> set[int]:
+def _done_ids(output_dir: str, constrained: bool) -> set[int]:
     """Ids any results file holds. Another rank may be appending to its journal right
-    now, so a torn last line is skipped here (its id is that rank's, not ours)."""
-    return {r["id"] for path in existing_files(output_dir, "results")
-            for r in read_jsonl(path, required=REQUIRED_FIELDS["results"], allow_torn_tail=True)}
+    now, so a torn last line is skipped here (its id is that rank's, not ours). Results
+    decoded the other way (with or without --constrained) are a ValueError: a folder holds one."""
+    records = [r for path in existing_files(output_dir, "results")
+               for r in read_jsonl(path, required=REQUIRED_FIELDS["results"], allow_torn_tail=True)]
+    mixed = [r["id"] for r in records if bool(r.get("constrained", False)) != constrained]
+    if mixed:
+        raise ValueError(f"{output_dir} holds results decoded {'without' if constrained else 'with'} "
+                         f"--constrained (ids {mixed[:5]}...): use another output folder")
+    return {r["id"] for r in records}
 
 
 def _merge(output_dir: str, parts: list[dict], owned: set[str]) -> dict[str, list[dict]]:

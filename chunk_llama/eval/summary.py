@@ -52,7 +52,8 @@ def wall_seconds(runs: list[dict]) -> float:
 def summarize(results: list[dict], runs: list[dict], ordering: dict, num_processes: int) -> dict:
     """Per app (in order of first result) and `overall` figures from all results and runs so far."""
     apps = list(dict.fromkeys(r["app"] for r in results))
-    summary = dict(apps={}, ordering=ordering, num_processes=num_processes)
+    summary = dict(apps={}, ordering=ordering, num_processes=num_processes,
+                   constrained=any(r.get("constrained", False) for r in runs))
     for app in apps + ["overall"]:
         rs = [r for r in results if app == "overall" or r["app"] == app]
         ru = [r for r in runs if app == "overall" or r["app"] == app]
@@ -105,6 +106,8 @@ def render_markdown(summary: dict) -> str:
     lines += ["", f"Prefill tokens by order (replayed on the prefix tree with this KV budget): input order "
               f"{o['input_order']}, grouped by app {o['grouped_order']} ({saved:.1%} saved). "
               f"Processes: {summary['num_processes']}, generating for {wall:.1f} s of wall time."]
+    if summary.get("constrained"):
+        lines.append("Decoded under a grammar of each app's tools (--constrained).")
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ the loop thread steps the engine. A bad request is a 400 with OpenAI's error bod
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import time
@@ -15,7 +16,8 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chunk_llama.server import responses as fmt
@@ -24,6 +26,8 @@ from chunk_llama.server.loop import EngineLoop
 from chunk_llama.server.metrics import CONTENT_TYPE, Metrics
 from chunk_llama.server.schemas import ChatCompletionRequest, CompletionRequest
 from chunk_llama.server.session import ClientGone, Session
+from chunk_llama.server.stats_log import StatsLogger
+from chunk_llama.server.tools import ToolCallParser, template_writes_tool_calls
 
 
 def sse(obj) -> str:
@@ -50,15 +54,28 @@ def _validation_message(errors) -> tuple[str, str | None]:
     return "; ".join(parts) + more, param
 
 
-def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_thread: bool = True) -> FastAPI:
+def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_thread: bool = True,
+               allowed_origins: list[str] | None = None, stats_interval: float = 0.0) -> FastAPI:
     """The server app for `engine`, serving it as `model_name` (requests may also name it by
     one of `aliases`, e.g. the path it was loaded from). The engine loop (`app.state.loop`)
     starts in a thread of its own with the app (its lifespan), or, with `loop_thread=False`,
-    is the caller's to `run`; it stops with the app either way."""
+    is the caller's to `run`; it stops with the app either way. `allowed_origins`: browser
+    origins allowed by CORS (`["*"]`: any); `stats_interval`: seconds between stats lines
+    while busy (`stats_log.py`; 0: none)."""
     metrics = Metrics()
-    loop = EngineLoop(engine, on_deltas=metrics.on_deltas, on_finish=metrics.on_finish)
+    stats = None
+
+    def on_deltas(deltas):
+        metrics.on_deltas(deltas)
+        stats.maybe_log()
+
+    loop = EngineLoop(engine, on_deltas=on_deltas, on_finish=metrics.on_finish, on_admitted=metrics.on_admitted)
+    metrics.bind(engine, loop)
+    stats = StatsLogger(metrics, engine, loop, stats_interval)
     served = [model_name, *aliases]
-    max_positions = getattr(engine.model.config, "max_position_embeddings", None)
+    max_positions = engine.max_model_len
+    vocab_size = engine.model.config.vocab_size
+    native_tools = template_writes_tool_calls(engine.tokenizer)
     created_at = int(time.time())
 
     @asynccontextmanager
@@ -71,6 +88,9 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
             loop.stop()
 
     app = FastAPI(title="chunk-llama", lifespan=lifespan)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     app.state.engine, app.state.loop, app.state.metrics = engine, loop, metrics
 
     @app.exception_handler(OpenAIError)
@@ -107,14 +127,14 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(engine, loop), media_type=CONTENT_TYPE)
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    async def respond(body, request: Request, prompts: list, config, *, endpoint: str, id_prefix: str,
+    async def respond(body, request: Request, requests, *, endpoint: str, id_prefix: str,
                       object_name: str, stream_events, choice, logprobs_format, top_logprobs: int | None):
         """What both endpoints share: queue the prompts, then stream their events or collect
         the outputs into one response (`choice(index, text, finish_reason, logprobs)`)."""
         session = Session(loop, body.n)
-        await session.submit(prompts, config, metrics=metrics, endpoint=endpoint)
+        await session.submit(requests, metrics=metrics, endpoint=endpoint)
         head = (fmt.new_id(id_prefix), fmt.now(), body.model)
         stops = body.stop_list()
         if body.stream:
@@ -135,17 +155,19 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body, served)
-        messages, config = chat_request(body, max_positions)
-        return await respond(body, request, [messages], config, endpoint="chat", id_prefix="chatcmpl",
-                             object_name="chat.completion", stream_events=_stream_chat, choice=fmt.chat_choice,
+        requests = chat_request(body, max_positions, vocab_size, native_tools)
+        return await respond(body, request, requests, endpoint="chat", id_prefix="chatcmpl",
+                             object_name="chat.completion",
+                             stream_events=functools.partial(_stream_chat, tool_parsing=requests.tool_parsing),
+                             choice=functools.partial(fmt.chat_choice, tool_parsing=requests.tool_parsing),
                              logprobs_format=fmt.chat_logprobs,
                              top_logprobs=(body.top_logprobs or 0) if body.logprobs else None)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body, served)
-        prompts, config = completion_requests(body)
-        return await respond(body, request, prompts, config, endpoint="completions", id_prefix="cmpl",
+        requests = completion_requests(body, vocab_size)
+        return await respond(body, request, requests, endpoint="completions", id_prefix="cmpl",
                              object_name="text_completion", stream_events=_stream_completion,
                              choice=fmt.completion_choice, logprobs_format=fmt.completion_logprobs,
                              top_logprobs=body.logprobs)
@@ -200,19 +222,31 @@ def _event_stream(generator) -> StreamingResponse:
     )
 
 
-async def _stream_chat(session: Session, head, stops: list[str], include_usage: bool):
+async def _stream_chat(session: Session, head, stops: list[str], include_usage: bool, *, tool_parsing: bool):
     response_id, created, model = head
-    cutters = [fmt.StopCutter(stops) for _ in range(len(session.subs) * session.n)]
+    num_choices = len(session.subs) * session.n
+    cutters = [fmt.StopCutter(stops) for _ in range(num_choices)]
+    parsers = [ToolCallParser() if tool_parsing else None for _ in range(num_choices)]
     started: set[int] = set()
     outputs: dict[int, object] = {}
     try:
         async for index, delta in session.deltas():
             text = cutters[index].feed(delta.text, delta.finished)
             reason = delta.finish_reason if delta.finished else None
-            if text or reason or index not in started:
-                piece = {"content": text} if index in started else {"role": "assistant", "content": text}
+            if parsers[index] is None:
+                pieces = [{"content": text}] if text else []
+            else:  # content, or a tool call's name then its argument fragments
+                pieces = [{"content": e[1]} if e[0] == "content" else {"tool_calls": [e[2]]}
+                          for e in parsers[index].feed(text, delta.finished)]
+                reason = fmt.tool_finish_reason(reason, bool(parsers[index].calls))
+            if index not in started:  # the first chunk of a choice carries the role
+                pieces = [{"role": "assistant", **(pieces[0] if pieces else {"content": ""})}, *pieces[1:]]
                 started.add(index)
-                yield sse(fmt.chat_chunk(response_id, created, model, index, piece, reason))
+            if reason and not pieces:
+                pieces = [{}]
+            for i, piece in enumerate(pieces):
+                last = reason if i == len(pieces) - 1 else None
+                yield sse(fmt.chat_chunk(response_id, created, model, index, piece, last))
             if delta.finished:
                 outputs[index] = delta.output
         if include_usage:

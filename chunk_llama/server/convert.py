@@ -7,12 +7,22 @@ Sampling: `temperature` 0 decodes greedily; above 0 it samples at that temperatu
 so pass `temperature` explicitly for that. `seed` seeds the request's own generator
 (the engine draws a seeded request's tokens exactly as `generate` after
 `torch.manual_seed(seed)`, whatever else is in the batch).
+
+The other options, each as its definition says: `top_k`, `min_p` and `repetition_penalty`
+are transformers' processors of those names; `logit_bias` is added to the logits
+(transformers' `sequence_bias` with one-token sequences); `frequency_penalty` and
+`presence_penalty` are OpenAI's (`engine/penalties.py`: counted over the completion);
+`response_format` and a forced tool call constrain the output with a grammar.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from transformers import GenerationConfig
 
+from chunk_llama.engine import OpenAIPenaltiesLogitsProcessor
+from chunk_llama.server import tools as tool_calls
 from chunk_llama.server.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
 
 
@@ -43,8 +53,30 @@ def check_model(body: _Sampling, served: list[str]) -> None:
         )
 
 
-def generation_config(body: _Sampling, max_new_tokens: int | None, want_logprobs: bool) -> GenerationConfig:
-    """The engine's settings for one request of `body` (see the module doc for sampling)."""
+@dataclass
+class EngineRequests:
+    """What the engine gets for one HTTP request: its prompts, their config, and per prompt
+    the keyword arguments of `add_request` (`kwargs()`: a fresh penalties processor each).
+    `tool_parsing`: read tool calls out of the text (chat with tools, tool_choice not none)."""
+
+    prompts: list
+    config: GenerationConfig
+    grammar: object = None
+    penalties: tuple[float, float] | None = None
+    tool_parsing: bool = False
+
+    def kwargs(self) -> dict:
+        out = {}
+        if self.grammar is not None:
+            out["grammar"] = self.grammar
+        if self.penalties is not None:
+            out["logits_processor"] = [OpenAIPenaltiesLogitsProcessor(*self.penalties)]
+        return out
+
+
+def generation_config(body: _Sampling, max_new_tokens: int | None, want_logprobs: bool,
+                      vocab_size: int) -> GenerationConfig:
+    """The engine's settings for one request of `body` (see the module doc)."""
     if body.n > 1 and not body.temperature:
         raise OpenAIError(
             f"n={body.n} needs temperature > 0: greedy decoding would return {body.n} identical choices",
@@ -56,12 +88,20 @@ def generation_config(body: _Sampling, max_new_tokens: int | None, want_logprobs
     if body.temperature is not None:
         if body.temperature == 0:
             kwargs["do_sample"] = False
-        else:
-            kwargs.update(do_sample=True, temperature=body.temperature, top_k=0)  # OpenAI has no top-k
-            if body.top_p is not None:
-                kwargs["top_p"] = body.top_p
-    elif body.top_p is not None:
-        kwargs["top_p"] = body.top_p
+        else:  # OpenAI samples from the whole distribution: no top-k unless asked for (below)
+            kwargs.update(do_sample=True, temperature=body.temperature, top_k=0)
+    if body.temperature != 0:  # greedy decoding: the warpers would change nothing
+        for name in ("top_p", "top_k", "min_p"):
+            if getattr(body, name) is not None:
+                kwargs[name] = getattr(body, name)
+    if body.repetition_penalty is not None:
+        kwargs["repetition_penalty"] = body.repetition_penalty
+    if body.logit_bias:
+        bad = [t for t in body.logit_bias if not 0 <= t < vocab_size]
+        if bad:
+            raise OpenAIError(f"logit_bias: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
+                              param="logit_bias")
+        kwargs["sequence_bias"] = [[[token], bias] for token, bias in body.logit_bias.items()]
     stops = body.stop_list()
     if stops:
         kwargs["stop_strings"] = stops
@@ -75,12 +115,20 @@ def generation_config(body: _Sampling, max_new_tokens: int | None, want_logprobs
         raise OpenAIError(f"invalid generation settings: {error}") from error
 
 
-def chat_request(
-    body: ChatCompletionRequest, max_positions: int | None
-) -> tuple[list[dict], GenerationConfig]:
-    """The chat prompt (message dicts, for the model's chat template) and its config. Without
-    `max_tokens` / `max_completion_tokens` a chat may run to the end of the model's context
-    (`max_positions`), as in OpenAI's API."""
+def _common(body: _Sampling, prompts: list, config: GenerationConfig) -> EngineRequests:
+    penalties = (body.frequency_penalty or 0.0, body.presence_penalty or 0.0)
+    grammar = None
+    if body.response_format is not None and body.response_format.type != "text":
+        grammar = body.response_format.as_dict()
+    return EngineRequests(prompts, config, grammar=grammar, penalties=penalties if any(penalties) else None)
+
+
+def chat_request(body: ChatCompletionRequest, max_positions: int | None, vocab_size: int,
+                 native_tools: bool) -> EngineRequests:
+    """The chat prompt (message dicts for the model's chat template, with the tools: `tools.py`)
+    and its settings. Without `max_tokens` / `max_completion_tokens` a chat may run to the end
+    of the model's context (`max_positions`), as in OpenAI's API. `native_tools`: the template
+    renders tools itself."""
     if (
         body.max_tokens is not None
         and body.max_completion_tokens is not None
@@ -98,17 +146,26 @@ def chat_request(
             "the last message is the assistant's: continuing an assistant turn is not supported",
             param="messages",
         )
-    messages = []
-    for message in body.messages:
-        item = {"role": "system" if message.role == "developer" else message.role, "content": message.text()}
-        if message.name is not None:
-            item["name"] = message.name
-        messages.append(item)
+    choice = body.tool_choice or ("auto" if body.tools else "none")
+    named = choice.function.name if not isinstance(choice, str) else None
+    if choice != "none" and not body.tools:
+        raise OpenAIError("tool_choice needs tools", param="tool_choice")
+    if named is not None and named not in [t.function.name for t in body.tools]:
+        raise OpenAIError(f"tool_choice names {named!r}, which is not among the tools", param="tool_choice")
+    forced = choice == "required" or named is not None
+    if forced and body.response_format is not None and body.response_format.type != "text":
+        raise OpenAIError("response_format cannot constrain a reply that must be a tool call",
+                          param="response_format")
+    prompt = tool_calls.chat_prompt(body.messages, body.tools, native_tools)
     max_new = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    config = generation_config(body, max_new, body.logprobs)
+    config = generation_config(body, max_new, body.logprobs, vocab_size)
     if max_new is None and max_positions:
         config.max_length = max_positions
-    return messages, config
+    request = _common(body, [prompt], config)
+    request.tool_parsing = choice != "none"
+    if forced:
+        request.grammar = tool_calls.call_grammar(body.tools, named, body.parallel_tool_calls)
+    return request
 
 
 def explain(error: Exception, config: GenerationConfig) -> str:
@@ -127,8 +184,8 @@ def explain(error: Exception, config: GenerationConfig) -> str:
     return message
 
 
-def completion_requests(body: CompletionRequest) -> tuple[list[str | list[int]], GenerationConfig]:
-    """The prompts (strings tokenized as given, or token ids) and their config; without
+def completion_requests(body: CompletionRequest, vocab_size: int) -> EngineRequests:
+    """The prompts (strings tokenized as given, or token ids) and their settings; without
     `max_tokens`, 16 new tokens (OpenAI's default)."""
     prompts = body.prompts()
     if not prompts:
@@ -136,4 +193,4 @@ def completion_requests(body: CompletionRequest) -> tuple[list[str | list[int]],
     if body.stream and body.logprobs is not None:
         raise OpenAIError("logprobs are not supported with stream=true", param="logprobs")
     max_new = body.max_tokens if body.max_tokens is not None else 16
-    return prompts, generation_config(body, max_new, body.logprobs is not None)
+    return _common(body, prompts, generation_config(body, max_new, body.logprobs is not None, vocab_size))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 from chunk_llama.engine.request import RequestDelta
@@ -49,14 +50,17 @@ class Subscription:
 class EngineLoop:
     """Owns the thread that calls `engine.step()`; `start` it, `stop` it at shutdown.
 
-    `on_deltas(deltas)` and `on_finish(output)` (optional) are called in the loop thread
-    for every delta of a step and every finished sample (the metrics use them).
+    `on_deltas(deltas)`, `on_finish(output)` and `on_admitted(arrival_times, step_start)`
+    (optional) are called in the loop thread for every delta of a step, every finished
+    sample, and the requests a step admitted (the metrics use them).
     """
 
-    def __init__(self, engine, *, on_deltas=None, on_finish=None, idle_wait: float = 0.5):
+    def __init__(self, engine, *, on_deltas=None, on_finish=None, on_admitted=None, idle_wait: float = 0.5):
         self.engine = engine
         self.on_deltas = on_deltas
         self.on_finish = on_finish
+        self.on_admitted = on_admitted
+        self._admitted: set[int] = set()  # requests in flight seen running (a preempted one stays in)
         self.idle_wait = idle_wait
         self._lock = threading.Lock()
         self._subs: dict[int, Subscription] = {}
@@ -70,16 +74,18 @@ class EngineLoop:
         self.num_in_flight = 0  # requests submitted and not finished
 
     # ------------------------------------------------------------ handlers' side
-    def submit(self, prompt, config, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> Subscription:
+    def submit(self, prompt, config, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue,
+               **request_kwargs) -> Subscription:
         """Queue a request whose deltas go to `queue` on `loop` (several requests may share
-        one). Blocking (`add_request` tokenizes): call it from a worker thread. Raises what
-        `add_request` raises for a bad request (ValueError / TypeError)."""
+        one); `request_kwargs` go to `add_request` (grammar, logits_processor). Blocking
+        (`add_request` tokenizes): call it from a worker thread. Raises what `add_request`
+        raises for a bad request (ValueError / TypeError)."""
         if self._stopping.is_set():
             raise RuntimeError("the server is shutting down")
         with self._lock:
             self._num_submitting += 1
         try:
-            request_id = self.engine.add_request(prompt, config)
+            request_id = self.engine.add_request(prompt, config, **request_kwargs)
             with self._lock:
                 sub = Subscription(request_id, config.num_return_sequences or 1, queue, loop)
                 self._subs[request_id] = sub
@@ -141,19 +147,26 @@ class EngineLoop:
             if not engine.has_unfinished_requests():
                 self._wake.wait(self.idle_wait)
                 continue
+            step_start = time.perf_counter()
             try:
                 deltas = engine.step()
             except Exception as error:  # noqa: BLE001 - reported to every request in flight
                 logger.exception("an engine step failed; aborting the requests in flight")
                 self._fail_all(error)
                 continue
-            self._count_running()
+            self._count_running(step_start)
             if deltas:
                 self._dispatch(deltas)
 
-    def _count_running(self) -> None:
+    def _count_running(self, step_start: float) -> None:
         scheduler = self.engine.scheduler
-        self.num_running = len({s.request_id for s in [*scheduler.running, *scheduler.partial]})
+        live = {s.request_id: s.arrival_time for s in [*scheduler.running, *scheduler.partial]}
+        self.num_running = len(live)
+        admitted = [arrival for request_id, arrival in live.items() if request_id not in self._admitted]
+        with self._lock:
+            self._admitted = {r for r in self._admitted if r in self._subs} | set(live)
+        if admitted and self.on_admitted is not None:
+            self.on_admitted(admitted, step_start)
 
     def _dispatch(self, deltas: list[RequestDelta]) -> None:
         if self.on_deltas is not None:

@@ -1,7 +1,8 @@
-"""`serve`: load a model, build the engine and the app, run uvicorn."""
+"""`serve`: configure logging, load a model, build the engine and the app, run uvicorn."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -10,6 +11,8 @@ import threading
 from chunk_llama.settings import EngineArgs
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+logger = logging.getLogger("chunk_llama.server")
 
 
 def model_name_for(path: str | None) -> str:
@@ -23,32 +26,61 @@ def model_name_for(path: str | None) -> str:
     return path
 
 
-def serve(engine_args: EngineArgs | None = None, *, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "info") -> None:
+def configure_logging(level: str) -> None:
+    """One format (time, level, logger) for the server, the engine, uvicorn and the libraries'
+    warnings (`warnings.warn` included), set once at start-up."""
+    logging.basicConfig(format=LOG_FORMAT, level=level.upper(), force=True)
+    logging.captureWarnings(True)
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):  # through the root's handler and format
+        logging.getLogger(name).handlers.clear()
+        logging.getLogger(name).propagate = True
+
+
+def read_chat_template(value: str) -> str:
+    """`--chat-template`: a file's content, or the template itself."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
+        raise SystemExit(f"error: --chat-template {value!r} is neither a file nor a Jinja template")
+    return value
+
+
+def serve(engine_args: EngineArgs | None = None, serve_args=None) -> None:
     """Load the model `engine_args` name (None: the default model, its defaults) and serve it
-    on http://host:port until interrupted."""
+    as `serve_args` (`cli.ServeArgs`: host, port, names, loading and logging) says, until
+    interrupted."""
     import uvicorn
 
+    from chunk_llama.cli import ServeArgs
     from chunk_llama.server.app import create_app
 
-    engine_args = engine_args or EngineArgs()
+    engine_args, args = engine_args or EngineArgs(), serve_args or ServeArgs()
+    configure_logging(args.log_level)
     model = engine_args.model
-    name = model_name_for(model)
-    loaded, tokenizer = engine_args.load()
+    names = args.served_model_name or [model_name_for(model)]
+    loaded, tokenizer = engine_args.load(revision=args.revision, trust_remote_code=args.trust_remote_code)
+    if args.chat_template is not None and tokenizer is not None:
+        tokenizer.chat_template = read_chat_template(args.chat_template)
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
-        print(
-            "warning: the tokenizer has no chat template: /v1/chat/completions will refuse requests",
-            file=sys.stderr,
-        )
+        logger.warning("the tokenizer has no chat template: /v1/chat/completions will refuse requests "
+                       "(give one with --chat-template)")
     engine = engine_args.build_engine(loaded, tokenizer)
-    aliases = (model,) if model is not None and model != name else ()
-    app = create_app(engine, name, aliases=aliases, loop_thread=False)
-    print(engine.describe(), file=sys.stderr)
-    print(f"serving {name!r} on http://{host}:{port}/v1", file=sys.stderr)
+    if tokenizer is not None:  # the first request with a grammar would otherwise wait for it
+        try:
+            engine.inputs.grammars.prepare()
+        except ValueError as error:  # such requests will get this as their 400
+            logger.warning("response_format and forced tool calls will be refused: %s", error)
+    aliases = tuple(dict.fromkeys([*names[1:], *([model] if model is not None and model not in names else [])]))
+    app = create_app(engine, names[0], aliases=aliases, loop_thread=False, allowed_origins=args.allowed_origins,
+                     stats_interval=args.stats_interval)
+    logger.info(engine.describe())
+    print(f"serving {names[0]!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     # The engine steps in this thread, which made the model's OpenMP teams (see
     # server/loop.py); uvicorn serves from another and ends the loop when it stops.
     loop = app.state.loop
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           log_config=None))
 
     def serve_http():
         try:
@@ -68,4 +100,4 @@ def serve(engine_args: EngineArgs | None = None, *, host: str = "127.0.0.1", por
         loop.stop()
         http.join(30)
     if not server.started:
-        raise SystemExit(f"the HTTP server did not start on {host}:{port} (see its log above)")
+        raise SystemExit(f"the HTTP server did not start on {args.host}:{args.port} (see its log above)")

@@ -15,6 +15,8 @@ import uuid
 
 import torch
 
+from chunk_llama.server.tools import split_tool_calls
+
 
 def new_id(prefix: str) -> str:
     """A response id such as `chatcmpl-...`."""
@@ -111,14 +113,22 @@ def completion_logprobs(output, top: int, token_text) -> dict:
     }
 
 
-def chat_choice(index: int, text: str, reason: str | None, logprobs: dict | None) -> dict:
-    """One choice of a chat completion."""
-    return {
-        "index": index,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": logprobs,
-        "finish_reason": reason,
-    }
+def chat_choice(index: int, text: str, reason: str | None, logprobs: dict | None,
+                tool_parsing: bool = False) -> dict:
+    """One choice of a chat completion; with `tool_parsing`, the tool calls in `text` become
+    `message.tool_calls` (and the finish reason `tool_calls` when the model stopped after them)."""
+    message = {"role": "assistant", "content": text}
+    if tool_parsing:
+        content, calls = split_tool_calls(text)
+        if calls:
+            message = {"role": "assistant", "content": content, "tool_calls": calls}
+            reason = tool_finish_reason(reason, True)
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
+
+
+def tool_finish_reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI's `tool_calls` for a reply that called tools and ended by itself."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def completion_choice(index: int, text: str, reason: str | None, logprobs: dict | None) -> dict:

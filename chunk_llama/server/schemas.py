@@ -1,14 +1,17 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic).
 
-Only what the engine honours is accepted: an unknown field is a 400 naming it,
-rather than a setting silently ignored. Field bounds follow OpenAI's API; what
-needs the model (the model name, prompt length, `n` against the batch size) is
-checked later, in `convert.py` and by the engine.
+What the engine honours is accepted, and the fields clients send that change
+nothing here (`user`, `metadata`, `store`, `service_tier`) are accepted and
+ignored; any other unknown field is a 400 naming it, rather than a setting silently
+ignored. Field bounds follow OpenAI's API; what needs the model (the model name,
+prompt length, `n` against the batch size) is checked later, in `convert.py` and by
+the engine. `top_k`, `min_p` and `repetition_penalty` are transformers' (and vLLM's)
+extensions.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -24,12 +27,30 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    """A called function: its name and its arguments as a JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    """One tool call of an assistant message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    """A chat turn. `content` is a string or a list of text parts (joined)."""
+    """A chat turn. `content` is a string or a list of text parts (joined); an assistant
+    turn may carry `tool_calls`, a `tool` turn answers the call `tool_call_id`."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         """The content as one string."""
@@ -46,6 +67,49 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class FunctionDefinition(_Strict):
+    """A function the model may call; `parameters` is a JSON schema of its arguments."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """`tool_choice` naming one function: the model must call it."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """`text`, `json_object` (any JSON object) or `json_schema` (valid under its schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    def as_dict(self) -> dict:
+        """As the engine's `grammar` argument takes it."""
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
 class _Sampling(_Strict):
     """Settings shared by both endpoints."""
 
@@ -58,9 +122,25 @@ class _Sampling(_Strict):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(None, ge=0.0, le=0.0)
-    frequency_penalty: float | None = Field(None, ge=0.0, le=0.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[int, float] | None = None
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    response_format: ResponseFormat | None = None
+    # accepted and ignored: they change nothing in what is generated
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value):
+        if value is not None and not all(-100.0 <= b <= 100.0 for b in value.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -86,6 +166,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(_Sampling):

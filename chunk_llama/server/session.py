@@ -45,15 +45,17 @@ class Session:
         self._prompt_index: dict[int, int] = {}
         self.remaining = 0  # samples not finished
 
-    async def submit(self, prompts: list, config, *, metrics, endpoint: str) -> None:
-        """Queue every prompt (the engine tokenizes and checks it, in a worker thread). A bad
-        one raises `OpenAIError` and none of them stays queued."""
+    async def submit(self, requests, *, metrics, endpoint: str) -> None:
+        """Queue every prompt of `requests` (`convert.EngineRequests`; the engine tokenizes and
+        checks each, in a worker thread). A bad one raises `OpenAIError` and none of them stays
+        queued."""
         event_loop = asyncio.get_running_loop()
+        config = requests.config
 
         def work():
-            for prompt in prompts:
+            for prompt in requests.prompts:
                 try:
-                    sub = self.loop.submit(prompt, config, event_loop, self.queue)
+                    sub = self.loop.submit(prompt, config, event_loop, self.queue, **requests.kwargs())
                 except TemplateError as error:
                     raise OpenAIError(
                         f"the chat template cannot render these messages: {error}", param="messages"
