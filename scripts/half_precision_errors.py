@@ -28,10 +28,20 @@ from chunk_llama import ChunkCache, patch_model  # noqa: E402
 from chunk_llama.ops import isa  # noqa: E402
 
 
+def cast(model, dtype):
+    """A copy of `model` in `dtype`, parameter by parameter (transformers refuses `.float()` on
+    a model it loaded from GGUF)."""
+    model = copy.deepcopy(model)
+    for tensor in model.parameters():  # buffers (RoPE frequencies) keep their dtype, as from_pretrained does
+        if tensor.is_floating_point():
+            tensor.data = tensor.data.to(dtype)
+    return model
+
+
 @torch.no_grad()
 def errors(model, ids, dtype):
-    stock = copy.deepcopy(model).to(dtype)
-    truth = copy.deepcopy(stock).float()(input_ids=ids).logits.double()  # the half weights, in float32
+    stock = cast(model, dtype)
+    truth = cast(stock, torch.float32)(input_ids=ids).logits.double()  # the half weights, in float32
     ours = patch_model(copy.deepcopy(stock))
     stock_out = stock(input_ids=ids).logits.double()
     ours_out = ours(input_ids=ids, past_key_values=ChunkCache(ours, chunk_size=16, kv_cache_bytes=1 << 26)).logits
