@@ -1,4 +1,22 @@
 import os
 import sys
 
+import psutil
+
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Kill what a failed test may have left running (a server, a router, a launcher): a process
+    that outlives the run keeps its pipes open, and CI would wait for it until its own time limit."""
+    leftovers, names = psutil.Process().children(recursive=True), []
+    for proc in leftovers:
+        try:
+            names.append(" ".join(proc.cmdline())[:160])
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(leftovers, timeout=10)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if leftovers and reporter is not None:
+        reporter.write_line("conftest: killed what the tests left running: " + "; ".join(names), yellow=True)

@@ -125,3 +125,21 @@ def test_engine_flags_reach_the_server_engine():
     assert engine_kwargs["max_model_len"] == 128
     serve = from_namespace(ServeArgs, args)
     assert serve.revision == "abc" and serve.trust_remote_code is True
+
+
+def test_sigterm_ends_it_when_started_with_sigint_ignored(model_folder):
+    """A shell's background job (and some CI runners) start it with SIGINT ignored, a disposition
+    that survives exec: SIGTERM must end it all the same."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "chunk_llama.cli", "serve", "--model", str(model_folder), "--port",
+                             str(port), "--kv-cache-bytes", str(8 << 20)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}")
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-3000:]

@@ -28,16 +28,21 @@ from chunk_llama.models import check_dtype, check_supported
 from chunk_llama.step import current_step, running
 
 
+_PLAIN = (torch.nn.Parameter, torch.Tensor)
+
+
 def _plain_weight(module: torch.nn.Linear) -> bool:
     """A weight the step's linear path can read as it is: a parameter or tensor of torch's
-    own class (not a quantized tensor subclass), not offloaded behind accelerate's hook."""
-    return type(module.weight) in (torch.nn.Parameter, torch.Tensor) and not hasattr(module, "_hf_hook")
+    own class (not a quantized tensor subclass), not offloaded behind accelerate's hook
+    (looked up in the instance dict: `hasattr` on a module costs a raised AttributeError)."""
+    return type(module._parameters["weight"]) in _PLAIN and "_hf_hook" not in module.__dict__
 
 
 def _linear_forward(module: torch.nn.Linear, original, x: torch.Tensor) -> torch.Tensor:
     step = current_step()
     if step is not None and step.linear is not None and _plain_weight(module):
-        return step.linear(x, module.weight, module.bias)
+        parameters = module._parameters
+        return step.linear(x, parameters["weight"], parameters["bias"])
     return original(x)
 
 

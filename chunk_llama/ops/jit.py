@@ -128,6 +128,10 @@ def load_extension(spec: KernelBuild):
     try:
         # beside the build folder: torch's own baton is `<build_dir>/lock`
         with FileLock(str(build_dir.parent / f"{build_dir.name}.lock")):
+            # Holding our lock, no other process builds here: a baton torch left behind is
+            # from a build that was killed (torch's baton is a plain file, never released
+            # by a dead process), and would make this load wait for it forever.
+            (build_dir / "lock").unlink(missing_ok=True)
             built = (build_dir / f"{module_name}.so").exists()
             if not built:
                 print(f"chunk-llama: building {spec.description or name} (first use only, about "

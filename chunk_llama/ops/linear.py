@@ -84,17 +84,17 @@ def _paths(dtype: torch.dtype, device: torch.device | str):
 
 
 def _run(small, onednn: bool, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if not (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
-            and weight.is_contiguous() and (bias is None or bias.is_contiguous())):
+    if x.dtype is not torch.float32 or weight.dtype is not torch.float32 or x.device.type != "cpu" or not (
+            weight.is_contiguous() and (bias is None or bias.is_contiguous())):
         return F.linear(x, weight, bias)
-    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    flat = x.reshape(-1, x.shape[-1])
     if small is not None and flat.shape[0] <= SMALL_ROWS:
-        out = small(flat, weight, bias)
+        out = small(flat.contiguous(), weight, bias)
     elif onednn:
-        out = _onednn(flat, weight, bias)
+        out = _onednn(flat.contiguous(), weight, bias)
     else:
         return F.linear(x, weight, bias)
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def resolve(dtype: torch.dtype, device: torch.device | str):

@@ -90,7 +90,10 @@ def serve(engine_args: EngineArgs | None = None, serve_args=None) -> None:
 
     http = threading.Thread(target=serve_http, name="chunk-llama-http")
     http.start()
-    signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))  # both end it gracefully
+    # Both end it gracefully. SIGINT's handler is set too: a process started in the background
+    # by a shell (or by a CI runner) inherits SIGINT ignored, and SIGTERM must stop it all the same.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
     try:
         loop.run()
     except KeyboardInterrupt:

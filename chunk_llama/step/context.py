@@ -56,6 +56,7 @@ class StepContext:
     # layers whose K/V sit on another device (a model split by device_map): this step there
     for_device: Callable[["StepContext", torch.device], "StepContext"] | None = None
     moved: dict = field(default_factory=dict)
+    _rows: torch.Tensor | None = field(default=None, init=False, repr=False)  # not copied by dataclasses.replace
 
     def on(self, device: torch.device) -> "StepContext":
         """This step with its tensors and plan on `device`, made once per step and device."""
@@ -75,14 +76,25 @@ class StepContext:
         """
         if key_states.device != self.write_chunk.device:
             return self.on(key_states.device).store(layer, key_states, value_states)
-        if not self.write_token_index.numel():
+        rows = self._write_rows()
+        if rows is None:
             return
         batch, num_kv_heads, q_len, head_dim = key_states.shape
-        # [batch * q_len, num_kv_heads, head_dim]
-        flat_k = key_states.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
-        flat_v = value_states.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
-        self.pool.k[layer][self.write_chunk, :, self.write_offset] = flat_k[self.write_token_index]
-        self.pool.v[layer][self.write_chunk, :, self.write_offset] = flat_v[self.write_token_index]
+        for cache, states in ((self.pool.k[layer], key_states), (self.pool.v[layer], value_states)):
+            # [batch * q_len, num_kv_heads, head_dim] -> the written tokens' rows, [num_writes * num_kv_heads, head_dim]
+            flat = states.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)[self.write_token_index]
+            cache.view(-1, head_dim).index_copy_(0, rows, flat.reshape(-1, head_dim))
+
+    def _write_rows(self) -> torch.Tensor | None:
+        """[num_writes * num_kv_heads] the written slots as rows of a layer's pool viewed as
+        [capacity * num_kv_heads * chunk_size, head_dim] (one index_copy_ per layer and
+        tensor, the same rows in every layer): computed once per step; None if nothing is written."""
+        if self._rows is None and self.write_token_index.numel():
+            heads = torch.arange(self.pool.num_kv_heads, device=self.write_chunk.device)
+            chunk_size = self.pool.chunk_size
+            self._rows = ((self.write_chunk[:, None] * self.pool.num_kv_heads + heads) * chunk_size
+                          + self.write_offset[:, None]).reshape(-1)
+        return self._rows
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                window: int = 0) -> torch.Tensor:
