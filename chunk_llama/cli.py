@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 from chunk_llama.eval.cli import add_eval_parser
+from chunk_llama.server.options import DeployArgs
 from chunk_llama.settings import EngineArgs, HelpFormatter, add_arguments, from_namespace, option, run_command
 from chunk_llama.version import __version__
 
@@ -136,7 +137,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """`chunk-llama serve`: the OpenAI-compatible server (chunk_llama.server)."""
     from chunk_llama.server import serve
 
-    serve(from_namespace(EngineArgs, args), from_namespace(ServeArgs, args))
+    serve(from_namespace(EngineArgs, args), from_namespace(ServeArgs, args), from_namespace(DeployArgs, args))
     return 0
 
 
@@ -149,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     add_eval_parser(sub)
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the engine", formatter_class=HelpFormatter)
-    add_arguments(srv, EngineArgs, ServeArgs)
+    add_arguments(srv, EngineArgs, ServeArgs, DeployArgs)
     srv.set_defaults(func=cmd_serve)
     return parser
 

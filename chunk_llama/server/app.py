@@ -2,7 +2,9 @@
 
 Handlers validate, queue their requests (`Session.submit`) and relay deltas; only
 the loop thread steps the engine. A bad request is a 400 with OpenAI's error body
-(pydantic's validation errors included), and touches nothing else.
+(pydantic's validation errors included), and touches nothing else. The guards
+(`options.DeployArgs`): API keys (`auth.py`, 401), the body's size (413) and strict JSON
+(`limits.py`, 400), a bounded queue (429) and a drain on shutdown (503: `loop.py`).
 """
 
 from __future__ import annotations
@@ -21,9 +23,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chunk_llama.server import responses as fmt
+from chunk_llama.server.auth import ApiKeyMiddleware
 from chunk_llama.server.convert import OpenAIError, chat_request, check_model, completion_requests
+from chunk_llama.server.limits import StrictJSONRoute, check_chat_size, check_completion_size, request_deadline
 from chunk_llama.server.loop import EngineLoop
 from chunk_llama.server.metrics import CONTENT_TYPE, Metrics
+from chunk_llama.server.options import DeployArgs
 from chunk_llama.server.schemas import ChatCompletionRequest, CompletionRequest
 from chunk_llama.server.session import ClientGone, Session
 from chunk_llama.server.stats_log import StatsLogger
@@ -55,13 +60,17 @@ def _validation_message(errors) -> tuple[str, str | None]:
 
 
 def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_thread: bool = True,
-               allowed_origins: list[str] | None = None, stats_interval: float = 0.0) -> FastAPI:
+               allowed_origins: list[str] | None = None, stats_interval: float = 0.0,
+               deploy: DeployArgs | None = None) -> FastAPI:
     """The server app for `engine`, serving it as `model_name` (requests may also name it by
     one of `aliases`, e.g. the path it was loaded from). The engine loop (`app.state.loop`)
     starts in a thread of its own with the app (its lifespan), or, with `loop_thread=False`,
     is the caller's to `run`; it stops with the app either way. `allowed_origins`: browser
     origins allowed by CORS (`["*"]`: any); `stats_interval`: seconds between stats lines
-    while busy (`stats_log.py`; 0: none)."""
+    while busy (`stats_log.py`; 0: none); `deploy`: keys, limits, queue bound, timeouts
+    (default: `DeployArgs()`, no key)."""
+    deploy = deploy or DeployArgs()
+    keys = deploy.keys()
     metrics = Metrics()
     stats = None
 
@@ -69,7 +78,8 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
         metrics.on_deltas(deltas)
         stats.maybe_log()
 
-    loop = EngineLoop(engine, on_deltas=on_deltas, on_finish=metrics.on_finish, on_admitted=metrics.on_admitted)
+    loop = EngineLoop(engine, on_deltas=on_deltas, on_finish=metrics.on_finish, on_admitted=metrics.on_admitted,
+                      max_waiting=deploy.max_waiting_requests)
     metrics.bind(engine, loop)
     stats = StatsLogger(metrics, engine, loop, stats_interval)
     served = [model_name, *aliases]
@@ -87,7 +97,11 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
         finally:
             loop.stop()
 
-    app = FastAPI(title="chunk-llama", lifespan=lifespan)
+    app = FastAPI(title="chunk-llama", lifespan=lifespan, max_body_size=deploy.max_request_bytes)
+    app.router.route_class = StrictJSONRoute
+    if keys:  # inside CORS (added later, so outside it): a 401 carries the CORS headers too
+        app.add_middleware(ApiKeyMiddleware, keys=keys, protect_metrics=deploy.metrics_need_key,
+                           on_refused=lambda: metrics.on_rejected("unauthorized"))
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
@@ -95,9 +109,9 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, error: OpenAIError):
-        if error.status < 500:
+        if error.status < 500 and error.status != 429:  # 429 and 503 count as rejected (session.refusal)
             metrics.on_error()
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError):
@@ -107,11 +121,15 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):
+        if error.status_code in (400, 413):  # a body refused before validation: too large, not strict JSON
+            metrics.on_error()
         body = OpenAIError(str(error.detail), status=error.status_code).body()
         return JSONResponse(body, status_code=error.status_code, headers=getattr(error, "headers", None))
 
     @app.get("/health")
     async def health():
+        if loop.draining:
+            return JSONResponse({"status": "draining", "message": "the server is shutting down"}, status_code=503)
         if not loop.alive:
             return JSONResponse(
                 {"status": "error", "message": "the engine loop is not running"}, status_code=503
@@ -134,7 +152,8 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
         """What both endpoints share: queue the prompts, then stream their events or collect
         the outputs into one response (`choice(index, text, finish_reason, logprobs)`)."""
         session = Session(loop, body.n)
-        await session.submit(requests, metrics=metrics, endpoint=endpoint)
+        await session.submit(requests, metrics=metrics, endpoint=endpoint,
+                             deadline=request_deadline(request, body.stream, deploy))
         head = (fmt.new_id(id_prefix), fmt.now(), body.model)
         stops = body.stop_list()
         if body.stream:
@@ -155,6 +174,7 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body, served)
+        check_chat_size(body, deploy)
         requests = chat_request(body, max_positions, vocab_size, native_tools)
         return await respond(body, request, requests, endpoint="chat", id_prefix="chatcmpl",
                              object_name="chat.completion",
@@ -166,6 +186,7 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body, served)
+        check_completion_size(body, deploy)
         requests = completion_requests(body, vocab_size)
         return await respond(body, request, requests, endpoint="completions", id_prefix="cmpl",
                              object_name="text_completion", stream_events=_stream_completion,
