@@ -25,7 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from chunk_llama.server import responses as fmt
 from chunk_llama.server.auth import ApiKeyMiddleware
 from chunk_llama.server.convert import OpenAIError, chat_request, check_model, completion_requests
-from chunk_llama.server.limits import StrictJSONRoute, check_chat_size, check_completion_size, request_deadline
+from chunk_llama.server.limits import (BodyLimitMiddleware, StrictJSONRoute, check_chat_size, check_completion_size,
+                                      request_deadline)
 from chunk_llama.server.loop import EngineLoop
 from chunk_llama.server.metrics import CONTENT_TYPE, Metrics
 from chunk_llama.server.options import DeployArgs
@@ -46,6 +47,10 @@ DONE = "data: [DONE]\n\n"
 def _validation_message(errors) -> tuple[str, str | None]:
     """pydantic's errors as one message, and the offending field's path (the common part of
     the errors' paths: a union reports one error per member type)."""
+    if errors and errors[0].get("type") == "json_invalid":  # its loc is a character offset, not a field
+        where = [p for p in errors[0].get("loc", ()) if p != "body"]
+        reason = (errors[0].get("ctx") or {}).get("error") or errors[0].get("msg")
+        return f"the body is not valid JSON: {reason}" + (f" at character {where[0]}" if where else ""), None
     locs = [[str(p) for p in error.get("loc", ()) if p != "body"] for error in errors]
     common = os.path.commonprefix(locs) if locs else []
     param = ".".join(common or (locs[0] if locs else [])) or None
@@ -97,8 +102,9 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
         finally:
             loop.stop()
 
-    app = FastAPI(title="chunk-llama", lifespan=lifespan, max_body_size=deploy.max_request_bytes)
+    app = FastAPI(title="chunk-llama", lifespan=lifespan)
     app.router.route_class = StrictJSONRoute
+    app.add_middleware(BodyLimitMiddleware, max_bytes=deploy.max_request_bytes, on_refused=metrics.on_error)
     if keys:  # inside CORS (added later, so outside it): a 401 carries the CORS headers too
         app.add_middleware(ApiKeyMiddleware, keys=keys, protect_metrics=deploy.metrics_need_key,
                            on_refused=lambda: metrics.on_rejected("unauthorized"))

@@ -4,9 +4,11 @@ deadline.
 FastAPI parses a body with `json.loads`, which takes `NaN` and `Infinity` (not JSON) and,
 given bytes, guesses their encoding. `StrictJSONRoute` parses them as UTF-8 and refuses
 non-finite numbers, invalid UTF-8 and nesting too deep for the parser: each a 400 naming
-the problem, before any field is read. The body's size is FastAPI's `max_body_size`
-(413); the sizes of the fields that bound the work are checked here; the prompt's length
-against the context is the engine's check (`engine/inputs.py`).
+the problem, before any field is read. `BodyLimitMiddleware` refuses a body over
+`max_request_bytes` with a 413 before reading it (by its Content-Length) or as soon as a
+chunked one passes the limit (FastAPI's own `max_body_size` answers in plain text, not
+OpenAI's error body). The sizes of the fields that bound the work are checked here; the
+prompt's length against the context is the engine's check (`engine/inputs.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import time
 from fastapi import Request
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from chunk_llama.server.convert import OpenAIError
 from chunk_llama.server.options import DeployArgs
@@ -27,6 +31,45 @@ CLIENT_TIMEOUT_SHARE = 0.9  # end a request at 90% of its client's timeout, so i
 
 def _refuse_constant(name: str):
     raise HTTPException(400, f"the body holds {name}, which is not a JSON number (non-finite numbers are refused)")
+
+
+class BodyLimitMiddleware:
+    """413 with OpenAI's error body for a request body over `max_bytes` (module doc);
+    `on_refused()` counts one refused by its Content-Length (the app's handler of the
+    HTTPException counts the others)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, on_refused=None):
+        self.app, self.max_bytes, self.on_refused = app, max_bytes, on_refused
+
+    def _too_large(self) -> HTTPException:
+        return HTTPException(413, f"the request body is too large: this server takes at most {self.max_bytes} "
+                                  "bytes")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            if self.on_refused is not None:
+                self.on_refused()
+            error = self._too_large()
+            body = {"error": {"message": error.detail, "type": "invalid_request_error", "param": None,
+                              "code": None}}
+            await JSONResponse(body, status_code=413, headers={"Connection": "close"})(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:  # FastAPI re-raises an HTTPException from the body's read
+                    raise self._too_large()
+            return message
+
+        await self.app(scope, limited_receive, send)
 
 
 class StrictJSONRequest(Request):

@@ -65,6 +65,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def warn_if_exposed(host: str, keys: list[str]) -> None:
+    """Warn when binding to an address others may reach without an API key."""
+    if not keys and not is_loopback(host):
+        logger.warning("serving on %s without an API key: anyone who reaches this port can use the model; give "
+                       "--api-key or --api-key-file, or bind to 127.0.0.1 behind a proxy that authenticates", host)
+
+
 def serve(engine_args: EngineArgs | None = None, serve_args=None, deploy: DeployArgs | None = None) -> None:
     """Load the model `engine_args` name (None: the default model, its defaults) and serve it
     as `serve_args` (`cli.ServeArgs`: host, port, names, loading and logging) and `deploy`
@@ -77,10 +84,7 @@ def serve(engine_args: EngineArgs | None = None, serve_args=None, deploy: Deploy
 
     engine_args, args, deploy = engine_args or EngineArgs(), serve_args or ServeArgs(), deploy or DeployArgs()
     configure_logging(args.log_level)
-    if not deploy.keys() and not is_loopback(args.host):
-        logger.warning("serving on %s without an API key: anyone who reaches this port can use the model; give "
-                       "--api-key or --api-key-file, or bind to 127.0.0.1 behind a proxy that authenticates",
-                       args.host)
+    warn_if_exposed(args.host, deploy.keys())
     model = engine_args.model
     names = args.served_model_name or [model_name_for(model)]
     loaded, tokenizer = engine_args.load(revision=args.revision, trust_remote_code=args.trust_remote_code)
