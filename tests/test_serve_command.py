@@ -1,8 +1,11 @@
 """`chunk-llama serve` as a user runs it: a subprocess on a local model folder that answers
 over HTTP, steps the engine in its main thread (see server/loop.py) and ends cleanly on
-SIGTERM; a port in use ends it with an error."""
+SIGTERM, draining what runs; a second SIGINT ends it at once; a port in use ends it with
+an error."""
 
+import json
 import signal
+import threading
 import socket
 import subprocess
 import sys
@@ -10,13 +13,17 @@ import time
 
 import httpx
 import pytest
+import torch
 from helpers import tiny_llama, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-model")
-    tiny_llama(max_position_embeddings=256).save_pretrained(folder)
+    model = tiny_llama(max_position_embeddings=256)
+    with torch.no_grad():  # EOS (id 5) is never the likeliest token: requests run to max_tokens
+        model.lm_head.weight[5].zero_()
+    model.save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     return folder
 
@@ -27,9 +34,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(folder, port):
+def start(folder, port, *flags):
     return subprocess.Popen([sys.executable, "-m", "chunk_llama.cli", "serve", "--model", str(folder), "--port",
-                             str(port), "--kv-cache-bytes", str(8 << 20)],
+                             str(port), "--kv-cache-bytes", str(8 << 20), *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -125,3 +132,66 @@ def test_engine_flags_reach_the_server_engine():
     assert engine_kwargs["max_model_len"] == 128
     serve = from_namespace(ServeArgs, args)
     assert serve.revision == "abc" and serve.trust_remote_code is True
+
+
+def test_sigterm_drains_running_requests_then_exits_0(model_folder):
+    """A stream running when SIGTERM comes runs to its end; a request sent during the drain gets
+    503; then the process exits 0 by itself."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start(model_folder, port, "--drain-timeout", "60")
+    try:
+        wait_healthy(proc, url)
+        body = {"model": model_folder.name, "prompt": "w7 w8 w9", "max_tokens": 200, "temperature": 0,
+                "stream": True}
+        events, first = [], threading.Event()
+
+        def read_stream():
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[len("data: "):])
+                        first.set()
+
+        reader = threading.Thread(target=read_stream)
+        reader.start()
+        assert first.wait(60)
+        proc.send_signal(signal.SIGTERM)
+        seen_at_signal = len(events)
+        deadline = time.monotonic() + 30
+        while (health := httpx.get(url + "/health", timeout=5)).status_code != 503:
+            assert time.monotonic() < deadline, "the server did not start draining"
+            time.sleep(0.05)
+        assert health.json()["status"] == "draining"
+        refused = httpx.post(url + "/v1/completions", timeout=10, json={**body, "stream": False})
+        assert refused.status_code == 503 and refused.headers["retry-after"]
+        reader.join(60)
+        output = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and len(events) > seen_at_signal
+    assert "SIGTERM: draining" in output and "drained: no request left" in output, output[-3000:]
+
+
+def test_a_second_sigint_exits_at_once(model_folder):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start(model_folder, port, "--drain-timeout", "600")
+    try:
+        wait_healthy(proc, url)
+        body = {"model": model_folder.name, "prompt": "w7", "max_tokens": 200, "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+            next(response.iter_lines())
+            proc.send_signal(signal.SIGINT)  # drains: the stream would keep it for up to 600 s
+            time.sleep(0.5)
+            assert proc.poll() is None
+            proc.send_signal(signal.SIGINT)
+            output = proc.communicate(timeout=20)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "second interrupt: exiting now" in output, output[-3000:]

@@ -181,11 +181,11 @@ class EngineLoop:
 
     def drain(self, timeout: float) -> None:
         """Take no new request; let those in flight finish for up to `timeout` seconds, then
-        abort the rest. The loop ends once none is left (`run` returns)."""
-        with self._lock:
-            if self._drain_deadline is None:
-                self._drain_deadline = time.monotonic() + timeout
-        self._wake.set()
+        abort the rest. The loop ends once none is left (`run` returns). Safe in a signal
+        handler: it takes no lock (the handler may run in the loop thread while it holds one);
+        the loop sees it at its next step, or within `idle_wait` when idle."""
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + timeout
 
     @property
     def draining(self) -> bool:
