@@ -20,7 +20,7 @@ from helpers import tiny_llama, tiny_tokenizer
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-model")
-    model = tiny_llama(max_position_embeddings=256)
+    model = tiny_llama(max_position_embeddings=4096)  # room for streams that outlast a signal
     with torch.no_grad():  # EOS (id 5) is never the likeliest token: requests run to max_tokens
         model.lm_head.weight[5].zero_()
     model.save_pretrained(folder)
@@ -34,10 +34,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(folder, port, *flags):
+def start(folder, port, *flags, **popen_kwargs):
     return subprocess.Popen([sys.executable, "-m", "chunk_llama.cli", "serve", "--model", str(folder), "--port",
                              str(port), "--kv-cache-bytes", str(8 << 20), *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen_kwargs)
 
 
 def wait_healthy(proc, url, timeout=120.0):
@@ -53,10 +53,17 @@ def wait_healthy(proc, url, timeout=120.0):
     raise AssertionError(f"the server did not become healthy:\n{proc.communicate()[0][-3000:]}")
 
 
-def test_serves_then_ends_cleanly_on_sigterm(model_folder):
+def ignore_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_serves_then_ends_cleanly_on_sigterm(model_folder, sigint):
+    """Also when started in the background from a shell, which has SIGINT ignored: SIGTERM
+    must not rely on SIGINT."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start(model_folder, port)
+    proc = start(model_folder, port, preexec_fn=ignore_sigint if sigint == "ignored" else None)
     try:
         wait_healthy(proc, url)
         body = {"model": model_folder.name, "prompt": "w7 w8 w9", "max_tokens": 4, "temperature": 0}
@@ -142,7 +149,7 @@ def test_sigterm_drains_running_requests_then_exits_0(model_folder):
     proc = start(model_folder, port, "--drain-timeout", "60")
     try:
         wait_healthy(proc, url)
-        body = {"model": model_folder.name, "prompt": "w7 w8 w9", "max_tokens": 200, "temperature": 0,
+        body = {"model": model_folder.name, "prompt": "w7 w8 w9", "max_tokens": 400, "temperature": 0,
                 "stream": True}
         events, first = [], threading.Event()
 
@@ -183,11 +190,14 @@ def test_a_second_sigint_exits_at_once(model_folder):
     proc = start(model_folder, port, "--drain-timeout", "600")
     try:
         wait_healthy(proc, url)
-        body = {"model": model_folder.name, "prompt": "w7", "max_tokens": 200, "temperature": 0, "stream": True}
+        body = {"model": model_folder.name, "prompt": "w7", "max_tokens": 4000, "temperature": 0, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
             next(response.iter_lines())
             proc.send_signal(signal.SIGINT)  # drains: the stream would keep it for up to 600 s
-            time.sleep(0.5)
+            deadline = time.monotonic() + 30
+            while httpx.get(url + "/health", timeout=5).status_code != 503:
+                assert time.monotonic() < deadline, "the server did not start draining"
+                time.sleep(0.05)
             assert proc.poll() is None
             proc.send_signal(signal.SIGINT)
             output = proc.communicate(timeout=20)[0]
