@@ -149,7 +149,7 @@ def test_sigterm_drains_running_requests_then_exits_0(model_folder):
     proc = start(model_folder, port, "--drain-timeout", "60")
     try:
         wait_healthy(proc, url)
-        body = {"model": model_folder.name, "prompt": "w7 w8 w9", "max_tokens": 400, "temperature": 0,
+        body = {"model": model_folder.name, "prompt": "w7 w8 w9", "max_tokens": 150, "temperature": 0,
                 "stream": True}
         events, first = [], threading.Event()
 
