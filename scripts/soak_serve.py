@@ -1,6 +1,6 @@
 """HTTP soak of the server: thousands of requests with random sizes and options, clients that
 drop mid-stream or time out while queued or in prefill, and invalid bodies, against a real
-uvicorn server on 127.0.0.1 in this process.
+`chunk-llama serve` on 127.0.0.1 (a subprocess, whose RSS is measured).
 
     python scripts/soak_serve.py                            # 2,000 requests, the default model
     python scripts/soak_serve.py --num-requests 200 --tiny  # a tiny random Llama (what CI's test does)
@@ -8,7 +8,8 @@ uvicorn server on 127.0.0.1 in this process.
 Afterwards, with the server idle: no request running or waiting, no K/V held by a request
 (`kv_cache_used_bytes` 0), the retained prefix cache within the pool, `/metrics` consistent with
 what was sent (every accepted sample finished once; invalid bodies counted as errors), no 5xx,
-and the process RSS within 5% of its value after warm-up. Prints the figures as JSON.
+the server's RSS within 5% of its value after warm-up (the first quarter of the requests), and
+exit code 0 on SIGTERM. Prints the figures as JSON.
 `drive` and `check` serve any server URL (tests/test_server_attack.py runs them on a tiny model).
 """
 
@@ -18,8 +19,11 @@ import argparse
 import json
 import os
 import random
+import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -36,14 +40,17 @@ KINDS = {  # kind of client -> weight
     "timeout_drop": 1, # a client that gives up after 10-300 ms: while queued or in prefill
     "invalid": 1,      # a body the server must refuse with a 4xx
 }
-INVALID_BODIES = [
+INVALID_BODIES = [  # MODEL: the served model's name, so each is refused for its own fault
     b"{not json",
-    b'{"model": "m", "prompt": "w7", "max_tokens": NaN}',
-    b'{"model": "m", "prompt": "\xff\xfe"}',
-    b'{"model": "m", "prompt": "w7", "max_tokens": -3}',
-    b'{"model": "m", "prompt": "w7", "n": 100000}',
-    b'{"model": "m", "prompt": "w7", "stop": ["a", "b", "c", "d", "e", "f"]}',
-    b'{"model": "m", "prompt": "w7", "max_tokens": 100000000}',
+    b'{"model": "MODEL", "prompt": "w7", "max_tokens": NaN}',
+    b'{"model": "MODEL", "prompt": "\xff\xfe"}',
+    b'{"model": "MODEL", "prompt": "w7", "max_tokens": -3}',
+    b'{"model": "MODEL", "prompt": "w7", "n": 100000, "temperature": 1}',
+    b'{"model": "MODEL", "prompt": "w7", "stop": ["w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8", "w9", "w10", '
+    b'"w11", "w12", "w13", "w14", "w15", "w16", "w17"]}',
+    b'{"model": "MODEL", "prompt": "w7", "max_tokens": 100000000}',
+    b'{"model": "MODEL", "prompt": "w7", "logprobs": 6}',
+    b'{"model": "no-such-model", "prompt": "w7"}',
     b'[]',
 ]
 
@@ -76,7 +83,7 @@ def one_request(url: str, model: str, kind: str, rng: random.Random, prefixes: l
     result = {"kind": kind, "status": None, "samples": 0, "completion_tokens": 0}
     with httpx.Client(base_url=url, headers=headers, timeout=120) as client:
         if kind == "invalid":
-            response = client.post("/v1/completions", content=rng.choice(INVALID_BODIES),
+            response = client.post("/v1/completions", content=rng.choice(INVALID_BODIES).replace(b"MODEL", model.encode()),
                                    headers={"content-type": "application/json"})
             result["status"] = response.status_code
             return result
@@ -213,12 +220,11 @@ def check(url: str, tally: dict, before: dict[str, float], api_key: str | None =
     return figures, problems
 
 
-def tiny_engine():
-    """A tiny random Llama (scripts/soak.py's) with a word-level tokenizer and a chat template."""
+def save_tiny_model(folder: str) -> None:
+    """A tiny random Llama (scripts/soak.py's) with a word-level tokenizer and a chat template, saved."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from chunk_llama import ChunkLlamaEngine
     from soak import tiny_model
 
     backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(96)}, unk_token="w0"))
@@ -227,7 +233,25 @@ def tiny_engine():
     tokenizer.chat_template = "{% for m in messages %}w3 {{ m['content'] }} {% endfor %}w4"
     model = tiny_model()
     model.config.max_position_embeddings = 4096
-    return ChunkLlamaEngine(model, tokenizer, max_batch_size=16, chunk_size=16, kv_cache_bytes=8 << 20)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def start_server(model_folder: str | None, port: int) -> subprocess.Popen:
+    """`chunk-llama serve` on 127.0.0.1:`port` (the default model when `model_folder` is None)."""
+    argv = [sys.executable, "-m", "chunk_llama.cli", "serve", "--port", str(port), "--log-level", "warning",
+            *(["--model", model_folder, "--kv-cache-bytes", str(8 << 20)] if model_folder else [])]
+    proc = subprocess.Popen(argv)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("the server did not start")
 
 
 def main() -> int:
@@ -237,50 +261,43 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of the default model")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    import uvicorn
-
-    import chunk_llama
-    from chunk_llama.server import create_app
-    from chunk_llama.server.http import uvicorn_config
-    from chunk_llama.server.options import DeployArgs
-
-    if args.tiny:
-        engine, name = tiny_engine(), "tiny"
-    else:
-        model, tokenizer = chunk_llama.load_default_model()
-        engine, name = chunk_llama.ChunkLlamaEngine(model, tokenizer, max_batch_size=16), "default"
-    deploy = DeployArgs()
-    app = create_app(engine, name, deploy=deploy)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn_config(app, host="127.0.0.1", port=port, header_timeout=deploy.header_timeout,
-                                           keep_alive_timeout=deploy.keep_alive_timeout, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    process, rss = psutil.Process(), {}
+    with tempfile.TemporaryDirectory() as folder:
+        if args.tiny:
+            save_tiny_model(folder)
+        proc = start_server(folder if args.tiny else None, port)
+        server, rss = psutil.Process(proc.pid), {}
+        name = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
 
-    def sample_rss(done):
-        if done == args.num_requests // 10:
-            rss["warm"] = process.memory_info().rss
-    try:
-        with httpx.Client(base_url=url) as client:
-            before = metrics(client)
-        tally = drive(url, name, args.num_requests, concurrency=args.concurrency, seed=args.seed,
-                      on_progress=sample_rss)
-        figures, problems = check(url, tally, before)
-    finally:
-        server.should_exit = True
-        thread.join(30)
-    final = process.memory_info().rss
+        def sample_rss(done):  # every tenth of the requests; warm-up: the first quarter
+            if done % max(1, args.num_requests // 10) == 0:
+                rss.setdefault("trace", []).append(round(server.memory_info().rss / 2**20, 1))
+            if done == args.num_requests // 4:
+                rss["warm"] = server.memory_info().rss
+        try:
+            with httpx.Client(base_url=url) as client:
+                before = metrics(client)
+            tally = drive(url, name, args.num_requests, concurrency=args.concurrency, seed=args.seed,
+                          on_progress=sample_rss)
+            figures, problems = check(url, tally, before)
+            final = server.memory_info().rss
+            proc.send_signal(signal.SIGTERM)
+            stop_start = time.monotonic()
+            figures["exit_code"] = proc.wait(timeout=120)
+            figures["stop_seconds"] = round(time.monotonic() - stop_start, 2)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
     figures.update(requests=args.num_requests, seconds=tally["seconds"], by_kind=tally["by_kind_status"],
-                   rss_after_warmup_mib=round(rss["warm"] / 2**20, 1), rss_final_mib=round(final / 2**20, 1),
+                   rss_after_warmup_mib=round(rss["warm"] / 2**20, 1), rss_final_mib=round(final / 2**20, 1), rss_trace_mib=rss["trace"],
                    rss_growth=round(final / rss["warm"] - 1, 4))
     if figures["rss_growth"] > 0.05:
         problems.append(f"RSS grew {figures['rss_growth']:.1%} after warm-up")
+    if figures["exit_code"] != 0:
+        problems.append(f"the server exited with {figures['exit_code']} on SIGTERM")
     print(json.dumps(figures, indent=2))
     print("OK" if not problems else "FAILED: " + "; ".join(problems))
     return 1 if problems else 0
