@@ -237,10 +237,10 @@ def save_tiny_model(folder: str) -> None:
     tokenizer.save_pretrained(folder)
 
 
-def start_server(model_folder: str | None, port: int) -> subprocess.Popen:
+def start_server(model_folder: str | None, port: int, flags: list[str] = ()) -> subprocess.Popen:
     """`chunk-llama serve` on 127.0.0.1:`port` (the default model when `model_folder` is None)."""
     argv = [sys.executable, "-m", "chunk_llama.cli", "serve", "--port", str(port), "--log-level", "warning",
-            *(["--model", model_folder, "--kv-cache-bytes", str(8 << 20)] if model_folder else [])]
+            *(["--model", model_folder, "--kv-cache-bytes", str(8 << 20)] if model_folder else []), *flags]
     proc = subprocess.Popen(argv)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
