@@ -12,7 +12,6 @@ import threading
 from collections import Counter
 
 import httpx
-import pytest
 from hypothesis import HealthCheck, given, settings
 from test_server import MODEL, metrics, wait_for, words
 from test_server_guards import BIG, Serving
@@ -20,7 +19,7 @@ from test_server_guards import BIG, Serving
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import soak_serve  # noqa: E402
 
-FUZZ_CASES = 40  # per operation and generation mode: a bounded run (scripts/soak_serve.py is the long one)
+FUZZ_CASES = 30  # per operation and generation mode: a bounded run (scripts/soak_serve.py is the long one)
 
 
 def assert_idle_and_serving(s: Serving) -> None:
@@ -77,10 +76,15 @@ def test_a_disconnect_storm_leaves_nothing_behind():
         try:
             wait_for(lambda: metrics(s.url)["chunk_llama_requests_running"] == 2, what="two running")
 
+            answered_while_queued = []  # a thread's assertion would not fail the test: collect instead
+
             def leave_while_queued(i):
-                with pytest.raises(httpx.TimeoutException):
-                    httpx.post(s.url + "/v1/completions", timeout=0.5,
-                               json={"model": MODEL, "prompt": words(60 + i, 20), "max_tokens": 20})
+                try:
+                    answer = httpx.post(s.url + "/v1/completions", timeout=0.5,
+                                        json={"model": MODEL, "prompt": words(60 + i, 20), "max_tokens": 20})
+                    answered_while_queued.append(answer.status_code)
+                except httpx.TimeoutException:
+                    pass
 
             def leave_in_prefill(i):
                 try:
@@ -104,6 +108,7 @@ def test_a_disconnect_storm_leaves_nothing_behind():
             for t in clients:
                 t.join(60)
             assert not any(t.is_alive() for t in clients)
+            assert not answered_while_queued  # the batch was full: they could only wait, then leave
         finally:
             for stream, holder in zip(streams, holders):
                 stream.__exit__(None, None, None)
