@@ -11,7 +11,9 @@ import time
 from dataclasses import dataclass
 
 from chunk_llama.eval.cli import add_eval_parser
-from chunk_llama.settings import EngineArgs, HelpFormatter, add_arguments, from_namespace, option, run_command
+from chunk_llama.server.options import DeployArgs
+from chunk_llama.settings import (EngineArgs, HelpFormatter, UsageError, add_arguments, from_namespace, option,
+                                  run_command)
 from chunk_llama.version import __version__
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "examples")
@@ -147,12 +149,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from chunk_llama.server import serve
 
     engine_args, serve_args = from_namespace(EngineArgs, args), from_namespace(ServeArgs, args)
+    deploy = from_namespace(DeployArgs, args)
     if serve_args.data_parallel > 1 or serve_args.worker_urls:
         from chunk_llama.server.replicas import serve_replicas
 
+        if deploy != DeployArgs():  # the router does not apply them: refusing beats serving unguarded
+            raise UsageError("API keys, limits, timeouts and drain options (or their CHUNK_LLAMA_* variables) "
+                             "apply to one server, not to --data-parallel or --worker-urls: put keys and limits "
+                             "on a reverse proxy in front of the router")
         serve_replicas(engine_args, serve_args)
     else:
-        serve(engine_args, serve_args)
+        serve(engine_args, serve_args, deploy)
     return 0
 
 
@@ -165,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     add_eval_parser(sub)
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the engine", formatter_class=HelpFormatter)
-    add_arguments(srv, EngineArgs, ServeArgs)
+    add_arguments(srv, EngineArgs, ServeArgs, DeployArgs)
     srv.set_defaults(func=cmd_serve)
     return parser
 

@@ -32,7 +32,8 @@ class UsageError(ValueError):
 
 
 def option(default, help: str, **argparse_kwargs):
-    """A dataclass field that is also a command-line flag (`choices`, `metavar`, `nargs`...)."""
+    """A dataclass field that is also a command-line flag (`choices`, `metavar`, `nargs`, `action`...;
+    `secret=True`: `--help` does not show its value)."""
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": help, **argparse_kwargs})
     return field(default=default, metadata={"help": help, **argparse_kwargs})
@@ -127,6 +128,8 @@ def add_arguments(parser: argparse.ArgumentParser, *classes: type) -> None:
                                    help=f"{meta.pop('help')} ({env})")
                 continue
             help_text = f"{meta.pop('help')} ({env})"
+            if meta.pop("secret", False):  # --help must not print a key read from the environment
+                help_text += "%(default).0s"
             if is_list:
                 meta.setdefault("nargs", "+")
             required = meta.pop("required", False) and default is None

@@ -1,8 +1,11 @@
 """`chunk-llama serve` as a user runs it: a subprocess on a local model folder that answers
 over HTTP, steps the engine in its main thread (see server/loop.py) and ends cleanly on
-SIGTERM; a port in use ends it with an error."""
+SIGTERM, draining what runs; a second SIGINT ends it at once; a port in use ends it with
+an error."""
 
+import json
 import signal
+import threading
 import socket
 import subprocess
 import sys
@@ -10,13 +13,17 @@ import time
 
 import httpx
 import pytest
+import torch
 from helpers import tiny_llama, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-model")
-    tiny_llama(max_position_embeddings=256).save_pretrained(folder)
+    model = tiny_llama(max_position_embeddings=4096)  # room for streams that outlast a signal
+    with torch.no_grad():  # EOS (id 5) is never the likeliest token: requests run to max_tokens
+        model.lm_head.weight[5].zero_()
+    model.save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     return folder
 
@@ -27,10 +34,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(folder, port):
+def start(folder, port, *flags, **popen_kwargs):
     return subprocess.Popen([sys.executable, "-m", "chunk_llama.cli", "serve", "--model", str(folder), "--port",
-                             str(port), "--kv-cache-bytes", str(8 << 20)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             str(port), "--kv-cache-bytes", str(8 << 20), *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen_kwargs)
 
 
 def wait_healthy(proc, url, timeout=120.0):
@@ -46,10 +53,17 @@ def wait_healthy(proc, url, timeout=120.0):
     raise AssertionError(f"the server did not become healthy:\n{proc.communicate()[0][-3000:]}")
 
 
-def test_serves_then_ends_cleanly_on_sigterm(model_folder):
+def ignore_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_serves_then_ends_cleanly_on_sigterm(model_folder, sigint):
+    """Also when started in the background from a shell, which has SIGINT ignored: SIGTERM
+    must not rely on SIGINT."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start(model_folder, port)
+    proc = start(model_folder, port, preexec_fn=ignore_sigint if sigint == "ignored" else None)
     try:
         wait_healthy(proc, url)
         body = {"model": model_folder.name, "prompt": "w7 w8 w9", "max_tokens": 4, "temperature": 0}
@@ -127,19 +141,85 @@ def test_engine_flags_reach_the_server_engine():
     assert serve.revision == "abc" and serve.trust_remote_code is True
 
 
-def test_sigterm_ends_it_when_started_with_sigint_ignored(model_folder):
-    """A shell's background job (and some CI runners) start it with SIGINT ignored, a disposition
-    that survives exec: SIGTERM must end it all the same."""
+def test_sigterm_drains_running_requests_then_exits_0(model_folder):
+    """A stream running when SIGTERM comes runs to its end; a request sent during the drain gets
+    503; then the process exits 0 by itself."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "chunk_llama.cli", "serve", "--model", str(model_folder), "--port",
-                             str(port), "--kv-cache-bytes", str(8 << 20)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    url = f"http://127.0.0.1:{port}"
+    proc = start(model_folder, port, "--drain-timeout", "60")
     try:
-        wait_healthy(proc, f"http://127.0.0.1:{port}")
+        wait_healthy(proc, url)
+        body = {"model": model_folder.name, "prompt": "w7 w8 w9", "max_tokens": 150, "temperature": 0,
+                "stream": True}
+        events, first = [], threading.Event()
+
+        def read_stream():
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[len("data: "):])
+                        first.set()
+
+        reader = threading.Thread(target=read_stream)
+        reader.start()
+        assert first.wait(60)
         proc.send_signal(signal.SIGTERM)
+        seen_at_signal = len(events)
+        deadline = time.monotonic() + 30
+        while (health := httpx.get(url + "/health", timeout=5)).status_code != 503:
+            assert time.monotonic() < deadline, "the server did not start draining"
+            time.sleep(0.05)
+        assert health.json()["status"] == "draining"
+        refused = httpx.post(url + "/v1/completions", timeout=10, json={**body, "stream": False})
+        assert refused.status_code == 503 and refused.headers["retry-after"]
+        reader.join(60)
         output = proc.communicate(timeout=60)[0]
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, output[-3000:]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and len(events) > seen_at_signal
+    assert "SIGTERM: draining" in output and "drained: no request left" in output, output[-3000:]
+
+
+def test_a_second_sigint_exits_at_once(model_folder):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start(model_folder, port, "--drain-timeout", "600")
+    try:
+        wait_healthy(proc, url)
+        body = {"model": model_folder.name, "prompt": "w7", "max_tokens": 4000, "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+            next(response.iter_lines())
+            proc.send_signal(signal.SIGINT)  # drains: the stream would keep it for up to 600 s
+            deadline = time.monotonic() + 30
+            while httpx.get(url + "/health", timeout=5).status_code != 503:
+                assert time.monotonic() < deadline, "the server did not start draining"
+                time.sleep(0.05)
+            assert proc.poll() is None
+            proc.send_signal(signal.SIGINT)
+            output = proc.communicate(timeout=20)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "second interrupt: exiting now" in output, output[-3000:]
+
+
+def test_guards_with_replicas_are_refused_not_ignored(monkeypatch, capsys):
+    """The router in front of --data-parallel workers applies no key or limit: asking for them
+    there is an error (exit 2), not a server that silently runs unguarded."""
+    from chunk_llama.cli import build_parser, main
+    from chunk_llama.server import replicas
+
+    def launched(*args):
+        raise AssertionError("replicas launched with a key nobody checks")
+
+    monkeypatch.setattr(replicas, "serve_replicas", launched)
+    monkeypatch.setenv("CHUNK_LLAMA_API_KEY", "k1")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--data-parallel", "2"])
+    assert exit_info.value.code == 2 and "apply to one server" in capsys.readouterr().err
+    monkeypatch.delenv("CHUNK_LLAMA_API_KEY")
+    assert build_parser().parse_args(["serve", "--data-parallel", "2"]).api_key is None

@@ -19,6 +19,8 @@ from transformers import GenerationConfig
 
 from chunk_llama import ChunkLlamaEngine
 from chunk_llama.server import create_app
+from chunk_llama.server.http import uvicorn_config
+from chunk_llama.server.options import DeployArgs
 
 MODEL = "tiny-llama"
 CHAT_TEMPLATE = (
@@ -41,15 +43,20 @@ def chat(system: str, question: str) -> list[dict]:
 
 
 class Server:
-    """uvicorn in a background thread on a free port of 127.0.0.1."""
+    """uvicorn in a background thread on a free port of 127.0.0.1, configured as `chunk-llama
+    serve` configures it (`deploy`'s read and keep-alive timeouts)."""
 
-    def __init__(self, app):
+    def __init__(self, app, deploy: DeployArgs | None = None):
         import uvicorn
 
+        deploy = deploy or DeployArgs()
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn_config(
+            app, host="127.0.0.1", port=self.port, header_timeout=deploy.header_timeout,
+            keep_alive_timeout=deploy.keep_alive_timeout, log_level="warning", timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

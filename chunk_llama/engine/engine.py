@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -109,6 +110,7 @@ class ChunkLlamaEngine:
         self._lock = threading.Lock()  # guards everything below
         self._inbox: list[list[Sequence]] = []
         self._aborts: list[int] = []
+        self._deadlines: dict[int, float] = {}  # request id -> perf_counter time it must end by
         self._live: dict[int, list[Sequence]] = {}  # request id -> its sequences, until all finish
         self._channels: dict[int, deque[RequestDelta]] = {}  # requests of a generate / stream call
         self._undelivered: list[RequestDelta] = []  # deltas of add_request's requests, for step()
@@ -119,7 +121,7 @@ class ChunkLlamaEngine:
 
     # ------------------------------------------------------------ online API
     def add_request(self, prompt, generation_config: GenerationConfig | None = None, *, logits_processor=None,
-                    stopping_criteria=None, grammar=None) -> int:
+                    stopping_criteria=None, grammar=None, deadline: float | None = None) -> int:
         """Queue a request (thread-safe); returns its id. It is admitted at the next step.
 
         prompt: a string, a list of chat messages (chat template applied) or token ids.
@@ -127,15 +129,20 @@ class ChunkLlamaEngine:
         logits_processor, stopping_criteria: extra ones, as `generate` takes them.
         grammar: constrain the output: a `chunk_llama.Grammar` (JSON schema, any JSON object,
             Lark) or OpenAI's `response_format` dict (`{"type": "json_schema", ...}`).
+        deadline: a `time.perf_counter()` time; a request not finished by then ends at the next
+            step with what it generated (`finish_reason="length"`, as `max_time` ends one) and
+            leaves the batch or the queue, its chunks freed.
         Raises ValueError/TypeError for a bad prompt, config or grammar; nothing is queued then.
         """
         self._check_open()
+        if deadline is not None and not isinstance(deadline, (int, float)):
+            raise TypeError(f"deadline must be a time.perf_counter() time, got {type(deadline).__name__}")
         with self._lock:
             self._num_submitting += 1
         try:
             seqs = self.inputs.make_sequences(prompt, generation_config, True, logits_processor=logits_processor,
                                               stopping_criteria=stopping_criteria, grammar=grammar)
-            return self._enqueue([seqs])[0]
+            return self._enqueue([seqs], deadline=deadline)[0]
         finally:
             with self._lock:
                 self._num_submitting -= 1
@@ -304,6 +311,7 @@ class ChunkLlamaEngine:
             with self._lock:
                 self._inbox.clear()
                 self._live.clear()
+                self._deadlines.clear()
             self.cache = None
 
     def tokenize(self, prompt) -> list[int]:
@@ -328,7 +336,8 @@ class ChunkLlamaEngine:
             finally:
                 self._step_owner = None
 
-    def _enqueue(self, batches: list[list[Sequence]], channel: deque | None = None) -> list[int]:
+    def _enqueue(self, batches: list[list[Sequence]], channel: deque | None = None,
+                 deadline: float | None = None) -> list[int]:
         """Number the requests (arrival order) and queue them; returns their ids."""
         request_ids = []
         with self._lock:
@@ -342,6 +351,8 @@ class ChunkLlamaEngine:
                 self._live[request_id] = seqs
                 if channel is not None:
                     self._channels[request_id] = channel
+                if deadline is not None:
+                    self._deadlines[request_id] = float(deadline)
                 request_ids.append(request_id)
         return request_ids
 
@@ -368,20 +379,26 @@ class ChunkLlamaEngine:
                 self._channels.pop(request_id, None)
                 if aborted:
                     self._live.pop(request_id, None)
+                    self._deadlines.pop(request_id, None)
 
     def _iterate(self) -> None:
         """One iteration (caller holds the step lock); every delta goes to its consumer,
         those that advanced before an exception included."""
+        now = time.perf_counter()
         with self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
+            expired = [r for r, deadline in self._deadlines.items() if deadline <= now]
+            for request_id in expired:
+                del self._deadlines[request_id]
         for seqs in inbox:
             self.scheduler.add(seqs)
         deltas = []
-        for request_id in aborts:
-            for seq in self.scheduler.abort(request_id):
-                seq.finish_reason = "abort"
-                deltas.append(self._delta(seq))
+        for request_ids, reason in ((aborts, "abort"), (expired, "length")):
+            for request_id in request_ids:
+                for seq in self.scheduler.abort(request_id):
+                    seq.finish_reason = reason
+                    deltas.append(self._delta(seq))
         try:
             if self.scheduler.has_work():
                 self.runner.run_iteration()
@@ -400,4 +417,5 @@ class ChunkLlamaEngine:
             with self._lock:
                 if all(s.is_finished for s in self._live.get(seq.request_id, [])):
                     self._live.pop(seq.request_id, None)
+                    self._deadlines.pop(seq.request_id, None)
         return delta

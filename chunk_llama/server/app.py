@@ -2,7 +2,9 @@
 
 Handlers validate, queue their requests (`Session.submit`) and relay deltas; only
 the loop thread steps the engine. A bad request is a 400 with OpenAI's error body
-(pydantic's validation errors included), and touches nothing else.
+(pydantic's validation errors included), and touches nothing else. The guards
+(`options.DeployArgs`): API keys (`auth.py`, 401), the body's size (413) and strict JSON
+(`limits.py`, 400), a bounded queue (429) and a drain on shutdown (503: `loop.py`).
 """
 
 from __future__ import annotations
@@ -21,9 +23,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chunk_llama.server import responses as fmt
+from chunk_llama.server.auth import ApiKeyMiddleware
 from chunk_llama.server.convert import OpenAIError, chat_request, check_model, completion_requests
+from chunk_llama.server.limits import (BodyLimitMiddleware, StrictJSONRoute, check_chat_size, check_completion_size,
+                                      request_deadline)
 from chunk_llama.server.loop import EngineLoop
 from chunk_llama.server.metrics import CONTENT_TYPE, Metrics
+from chunk_llama.server.options import DeployArgs
 from chunk_llama.server.schemas import ChatCompletionRequest, CompletionRequest
 from chunk_llama.server.session import ClientGone, Session
 from chunk_llama.server.stats_log import StatsLogger
@@ -42,6 +48,10 @@ DONE = "data: [DONE]\n\n"
 def _validation_message(errors) -> tuple[str, str | None]:
     """pydantic's errors as one message, and the offending field's path (the common part of
     the errors' paths: a union reports one error per member type)."""
+    if errors and errors[0].get("type") == "json_invalid":  # its loc is a character offset, not a field
+        where = [p for p in errors[0].get("loc", ()) if p != "body"]
+        reason = (errors[0].get("ctx") or {}).get("error") or errors[0].get("msg")
+        return f"the body is not valid JSON: {reason}" + (f" at character {where[0]}" if where else ""), None
     locs = [[str(p) for p in error.get("loc", ()) if p != "body"] for error in errors]
     common = os.path.commonprefix(locs) if locs else []
     param = ".".join(common or (locs[0] if locs else [])) or None
@@ -57,7 +67,7 @@ def _validation_message(errors) -> tuple[str, str | None]:
 
 def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_thread: bool = True,
                allowed_origins: list[str] | None = None, stats_interval: float = 0.0,
-               worker_id: str | None = None) -> FastAPI:
+               worker_id: str | None = None, deploy: DeployArgs | None = None) -> FastAPI:
     """The server app for `engine`, serving it as `model_name` (requests may also name it by
     one of `aliases`, e.g. the path it was loaded from). The engine loop (`app.state.loop`)
     starts in a thread of its own with the app (its lifespan), or, with `loop_thread=False`,
@@ -65,7 +75,10 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
     origins allowed by CORS (`["*"]`: any); `stats_interval`: seconds between stats lines
     while busy (`stats_log.py`; 0: none); `worker_id`: this server is one replica behind a
     router (`worker_info.py`: the routes a router reads, the worker in every response and
-    every metric)."""
+    every metric); `deploy`: keys, limits, queue bound, timeouts (default: `DeployArgs()`,
+    no key)."""
+    deploy = deploy or DeployArgs()
+    keys = deploy.keys()
     metrics = Metrics()
     stats = None
 
@@ -73,7 +86,8 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
         metrics.on_deltas(deltas)
         stats.maybe_log()
 
-    loop = EngineLoop(engine, on_deltas=on_deltas, on_finish=metrics.on_finish, on_admitted=metrics.on_admitted)
+    loop = EngineLoop(engine, on_deltas=on_deltas, on_finish=metrics.on_finish, on_admitted=metrics.on_admitted,
+                      max_waiting=deploy.max_waiting_requests)
     metrics.bind(engine, loop)
     stats = StatsLogger(metrics, engine, loop, stats_interval)
     served = [model_name, *aliases]
@@ -92,6 +106,11 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
             loop.stop()
 
     app = FastAPI(title="chunk-llama", lifespan=lifespan)
+    app.router.route_class = StrictJSONRoute
+    app.add_middleware(BodyLimitMiddleware, max_bytes=deploy.max_request_bytes, on_refused=metrics.on_error)
+    if keys:  # inside CORS (added later, so outside it): a 401 carries the CORS headers too
+        app.add_middleware(ApiKeyMiddleware, keys=keys, protect_metrics=deploy.metrics_need_key,
+                           on_refused=lambda: metrics.on_rejected("unauthorized"))
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
@@ -102,9 +121,9 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, error: OpenAIError):
-        if error.status < 500:
+        if error.status < 500 and error.status != 429:  # 429 and 503 count as rejected (session.refusal)
             metrics.on_error()
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError):
@@ -114,11 +133,15 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):
+        if error.status_code in (400, 413):  # a body refused before validation: too large, not strict JSON
+            metrics.on_error()
         body = OpenAIError(str(error.detail), status=error.status_code).body()
         return JSONResponse(body, status_code=error.status_code, headers=getattr(error, "headers", None))
 
     @app.get("/health")
     async def health():
+        if loop.draining:
+            return JSONResponse({"status": "draining", "message": "the server is shutting down"}, status_code=503)
         if not loop.alive:
             return JSONResponse(
                 {"status": "error", "message": "the engine loop is not running"}, status_code=503
@@ -141,7 +164,8 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
         """What both endpoints share: queue the prompts, then stream their events or collect
         the outputs into one response (`choice(index, text, finish_reason, logprobs)`)."""
         session = Session(loop, body.n)
-        await session.submit(requests, metrics=metrics, endpoint=endpoint)
+        await session.submit(requests, metrics=metrics, endpoint=endpoint,
+                             deadline=request_deadline(request, body.stream, deploy))
         head = (fmt.new_id(id_prefix), fmt.now(), body.model)
         stops = body.stop_list()
         if body.stream:
@@ -162,6 +186,7 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body, served)
+        check_chat_size(body, deploy)
         requests = chat_request(body, max_positions, vocab_size, native_tools)
         return await respond(body, request, requests, endpoint="chat", id_prefix="chatcmpl",
                              object_name="chat.completion",
@@ -173,6 +198,7 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body, served)
+        check_completion_size(body, deploy)
         requests = completion_requests(body, vocab_size)
         return await respond(body, request, requests, endpoint="completions", id_prefix="cmpl",
                              object_name="text_completion", stream_events=_stream_completion,

@@ -11,6 +11,13 @@ If a step raises (a bug, or memory the engine could not find), every request in
 flight gets the error as its last item and is aborted, and the loop goes on: a
 failed step would otherwise be retried with the same requests forever.
 
+Overload: with `max_waiting`, a handler `reserve`s room for its requests before it
+tokenizes them; the queue (requests submitted or reserved and not running) is bounded,
+and `reserve` raises `Overloaded` beyond it. Drain (`drain(timeout)`, on SIGTERM): new
+requests are refused (`Draining`), those in flight run on until they finish or the
+timeout passes, when they are aborted (each still gets its last delta, with what it
+generated); then the loop ends.
+
 `chunk-llama serve` runs the loop in the main thread (`run`) and uvicorn in another:
 the kernels' OpenMP teams belong to the thread that starts them, and once the main
 thread has one (loading the model makes it), parallel regions started from any other
@@ -35,6 +42,21 @@ class EngineFailure(Exception):
     """A step of the engine raised while this request was in flight."""
 
 
+class Overloaded(Exception):
+    """The queue is full; `waiting` requests wait for the batch."""
+
+    def __init__(self, waiting: int):
+        super().__init__(f"the server is overloaded: {waiting} requests are already waiting; retry later")
+        self.waiting = waiting
+
+
+class Draining(Exception):
+    """The server is shutting down and takes no new request."""
+
+    def __init__(self):
+        super().__init__("the server is shutting down and takes no new requests")
+
+
 @dataclass(eq=False)
 class Subscription:
     """Where one request's deltas go, in order: a queue on the event loop of the handler
@@ -55,8 +77,10 @@ class EngineLoop:
     sample, and the requests a step admitted (the metrics use them).
     """
 
-    def __init__(self, engine, *, on_deltas=None, on_finish=None, on_admitted=None, idle_wait: float = 0.5):
+    def __init__(self, engine, *, on_deltas=None, on_finish=None, on_admitted=None, idle_wait: float = 0.5,
+                 max_waiting: int | None = None):
         self.engine = engine
+        self.max_waiting = max_waiting
         self.on_deltas = on_deltas
         self.on_finish = on_finish
         self.on_admitted = on_admitted
@@ -70,18 +94,44 @@ class EngineLoop:
         self._stopping = threading.Event()
         self._running = threading.Event()
         self._thread: threading.Thread | None = None
+        self._reserved = 0  # requests that passed `reserve` and are not submitted yet
+        self._drain_deadline: float | None = None  # time.monotonic() when draining
+        self._drain_aborted = False
         self.num_running = 0  # requests in the engine's batch after the last step
         self.num_in_flight = 0  # requests submitted and not finished
 
     # ------------------------------------------------------------ handlers' side
-    def submit(self, prompt, config, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue,
-               **request_kwargs) -> Subscription:
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted or reserved that are not in the batch."""
+        return max(0, len(self._subs) + self._reserved - self.num_running)
+
+    def reserve(self, count: int) -> None:
+        """Hold room in the queue for `count` requests about to be submitted (`submit` with
+        `reserved=True` takes one each; `release` gives back what was not). Raises `Draining`
+        while draining, `Overloaded` when the queue has no room."""
+        with self._lock:
+            if self.draining or self._stopping.is_set():
+                raise Draining()
+            waiting = self.num_waiting
+            if self.max_waiting is not None and waiting + count > self.max_waiting:
+                raise Overloaded(waiting)
+            self._reserved += count
+
+    def release(self, count: int) -> None:
+        """Give back reserved room that no request took."""
+        with self._lock:
+            self._reserved = max(0, self._reserved - count)
+
+    def submit(self, prompt, config, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, *,
+               reserved: bool = False, **request_kwargs) -> Subscription:
         """Queue a request whose deltas go to `queue` on `loop` (several requests may share
-        one); `request_kwargs` go to `add_request` (grammar, logits_processor). Blocking
-        (`add_request` tokenizes): call it from a worker thread. Raises what `add_request`
-        raises for a bad request (ValueError / TypeError)."""
-        if self._stopping.is_set():
-            raise RuntimeError("the server is shutting down")
+        one); `request_kwargs` go to `add_request` (grammar, logits_processor, deadline);
+        `reserved`: it takes room `reserve` held. Blocking (`add_request` tokenizes): call it
+        from a worker thread. Raises what `add_request` raises for a bad request (ValueError /
+        TypeError), and `Draining` while draining."""
+        if self.draining or self._stopping.is_set():
+            raise Draining()
         with self._lock:
             self._num_submitting += 1
         try:
@@ -89,6 +139,8 @@ class EngineLoop:
             with self._lock:
                 sub = Subscription(request_id, config.num_return_sequences or 1, queue, loop)
                 self._subs[request_id] = sub
+                if reserved:
+                    self._reserved = max(0, self._reserved - 1)
                 for items in self._early.pop(request_id, []):  # a step ran before it was subscribed
                     self._accept(sub, items)
                 self.num_in_flight = len(self._subs)
@@ -127,6 +179,32 @@ class EngineLoop:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
+    def drain(self, timeout: float) -> None:
+        """Take no new request; let those in flight finish for up to `timeout` seconds, then
+        abort the rest. The loop ends once none is left (`run` returns). Safe in a signal
+        handler: it takes no lock (the handler may run in the loop thread while it holds one);
+        the loop sees it at its next step, or within `idle_wait` when idle."""
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + timeout
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
+
+    def _drained(self) -> bool:
+        """While draining: whether nothing is left; past the deadline, abort what is."""
+        with self._lock:
+            if not self._subs and not self._num_submitting:
+                return True
+            subs = list(self._subs.values())
+            if self._drain_aborted or time.monotonic() < self._drain_deadline:
+                return False
+            self._drain_aborted = True
+        logger.warning("drain timeout: aborting %d requests still running", len(subs))
+        for sub in subs:  # their abort deltas reach their handlers as usual
+            self.engine.abort(sub.request_id)
+        return False
+
     @property
     def alive(self) -> bool:
         """Whether the loop runs (in its thread, or in the thread that called `run`)."""
@@ -144,6 +222,9 @@ class EngineLoop:
         engine = self.engine
         while not self._stopping.is_set():
             self._wake.clear()
+            if self.draining and self._drained():
+                logger.info("drained: no request left")
+                return
             if not engine.has_unfinished_requests():
                 self._wake.wait(self.idle_wait)
                 continue

@@ -1,17 +1,26 @@
-"""`serve`: configure logging, load a model, build the engine and the app, run uvicorn."""
+"""`serve`: configure logging, load a model, build the engine and the app, run uvicorn.
+
+Stopping: the first SIGTERM or SIGINT drains (`EngineLoop.drain`: new requests get 503,
+`/health` says `draining`, running ones finish within `--drain-timeout`, then the rest are
+aborted); the loop ends, uvicorn closes, and the process exits 0. A second SIGINT exits at
+once (code 130).
+"""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import signal
 import sys
 import threading
 
+from chunk_llama.server.options import DeployArgs
 from chunk_llama.settings import EngineArgs
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+SHUTDOWN_GRACE_S = 5  # uvicorn's wait for open connections once the engine loop has ended
 logger = logging.getLogger("chunk_llama.server")
 
 
@@ -46,17 +55,36 @@ def read_chat_template(value: str) -> str:
     return value
 
 
-def serve(engine_args: EngineArgs | None = None, serve_args=None) -> None:
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address (or `localhost`), reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def warn_if_exposed(host: str, keys: list[str]) -> None:
+    """Warn when binding to an address others may reach without an API key."""
+    if not keys and not is_loopback(host):
+        logger.warning("serving on %s without an API key: anyone who reaches this port can use the model; give "
+                       "--api-key or --api-key-file, or bind to 127.0.0.1 behind a proxy that authenticates", host)
+
+
+def serve(engine_args: EngineArgs | None = None, serve_args=None, deploy: DeployArgs | None = None) -> None:
     """Load the model `engine_args` name (None: the default model, its defaults) and serve it
-    as `serve_args` (`cli.ServeArgs`: host, port, names, loading and logging) says, until
-    interrupted."""
+    as `serve_args` (`cli.ServeArgs`: host, port, names, loading and logging) and `deploy`
+    (keys, limits, timeouts, drain) say, until a signal drains it (module doc)."""
     import uvicorn
 
     from chunk_llama.cli import ServeArgs
     from chunk_llama.server.app import create_app
+    from chunk_llama.server.http import uvicorn_config
 
-    engine_args, args = engine_args or EngineArgs(), serve_args or ServeArgs()
+    engine_args, args, deploy = engine_args or EngineArgs(), serve_args or ServeArgs(), deploy or DeployArgs()
     configure_logging(args.log_level)
+    warn_if_exposed(args.host, deploy.keys())
     model = engine_args.model
     names = args.served_model_name or [model_name_for(model)]
     loaded, tokenizer = engine_args.load(revision=args.revision, trust_remote_code=args.trust_remote_code)
@@ -73,14 +101,16 @@ def serve(engine_args: EngineArgs | None = None, serve_args=None) -> None:
             logger.warning("response_format and forced tool calls will be refused: %s", error)
     aliases = tuple(dict.fromkeys([*names[1:], *([model] if model is not None and model not in names else [])]))
     app = create_app(engine, names[0], aliases=aliases, loop_thread=False, allowed_origins=args.allowed_origins,
-                     stats_interval=args.stats_interval, worker_id=args.worker_id)
+                     stats_interval=args.stats_interval, worker_id=args.worker_id, deploy=deploy)
     logger.info(engine.describe())
     print(f"serving {names[0]!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     # The engine steps in this thread, which made the model's OpenMP teams (see
     # server/loop.py); uvicorn serves from another and ends the loop when it stops.
     loop = app.state.loop
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           log_config=None))
+    server = uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           header_timeout=deploy.header_timeout,
+                                           keep_alive_timeout=deploy.keep_alive_timeout, log_config=None,
+                                           timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
 
     def serve_http():
         try:
@@ -88,16 +118,21 @@ def serve(engine_args: EngineArgs | None = None, serve_args=None) -> None:
         finally:
             loop.stop()
 
+    def on_signal(signum, frame):
+        if not loop.draining:
+            logger.info("%s: draining; new requests get 503, running ones have %g s to finish",
+                        signal.Signals(signum).name, deploy.drain_timeout)
+            loop.drain(deploy.drain_timeout)
+        elif signum == signal.SIGINT:
+            print("second interrupt: exiting now", file=sys.stderr, flush=True)
+            os._exit(130)
+
     http = threading.Thread(target=serve_http, name="chunk-llama-http")
     http.start()
-    # Both end it gracefully. SIGINT's handler is set too: a process started in the background
-    # by a shell (or by a CI runner) inherits SIGINT ignored, and SIGTERM must stop it all the same.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
-        loop.run()
-    except KeyboardInterrupt:
-        pass
+        loop.run()  # until drained, or stopped because the HTTP server ended
     finally:
         server.should_exit = True
         loop.stop()

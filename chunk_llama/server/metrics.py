@@ -2,7 +2,9 @@
 
 Counters (since the server started):
   chunk_llama_requests_total{endpoint}            engine requests accepted (one per prompt)
-  chunk_llama_request_errors_total                requests refused with a 4xx error
+  chunk_llama_request_errors_total                requests refused as invalid (400, 413)
+  chunk_llama_requests_rejected_total{reason}     requests turned away: unauthorized (401), overloaded
+                                                  (429: the queue was full), draining (503: shutting down)
   chunk_llama_requests_finished_total{reason}     samples finished: stop, length or abort
   chunk_llama_prompt_tokens_total                 prompt tokens of requests (counted when one ends)
   chunk_llama_prefix_cache_hit_tokens_total       prompt tokens the prefix cache served (as `usage`'s
@@ -46,7 +48,9 @@ class Metrics:
         r = self.registry
         self.requests = Counter("chunk_llama_requests", "Engine requests accepted (one per prompt).",
                                 ["endpoint"], registry=r)
-        self.errors = Counter("chunk_llama_request_errors", "Requests refused with a 4xx error.", registry=r)
+        self.errors = Counter("chunk_llama_request_errors", "Requests refused as invalid (400, 413).", registry=r)
+        self.rejected = Counter("chunk_llama_requests_rejected", "Requests turned away: unauthorized, overloaded "
+                                "or draining.", ["reason"], registry=r)
         self.finished = Counter("chunk_llama_requests_finished", "Samples finished, by finish reason.", ["reason"],
                                 registry=r)
         self.prompt_tokens = Counter("chunk_llama_prompt_tokens", "Prompt tokens of requests, counted when one ends.",
@@ -81,6 +85,10 @@ class Metrics:
     def on_error(self) -> None:
         """A request was refused."""
         self.errors.inc()
+
+    def on_rejected(self, reason: str) -> None:
+        """A request was turned away (`unauthorized`, `overloaded`, `draining`)."""
+        self.rejected.labels(reason).inc()
 
     def on_admitted(self, arrival_times: list[float], step_start: float) -> None:
         """Requests admitted by the step that started at `step_start` (engine loop thread)."""
@@ -149,7 +157,7 @@ class _EngineCollector:
                                   value=stats["prefill_tokens_computed"])
         for name, help_text, value in [
             ("requests_running", "Requests in the running batch.", running),
-            ("requests_waiting", "Requests queued, not yet running.", max(0, self.loop.num_in_flight - running)),
+            ("requests_waiting", "Requests queued, not yet running.", self.loop.num_waiting),
             ("kv_cache_used_bytes", "K/V bytes held by running requests.",
              (stats["chunks_in_use"] - retained) * per_chunk),
             ("kv_cache_retained_bytes", "K/V bytes of finished prefixes kept as prefix cache.", retained * per_chunk),

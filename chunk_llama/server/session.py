@@ -21,9 +21,22 @@ except ImportError:  # without jinja2 no chat template renders at all (the engin
 
 from chunk_llama.engine.request import RequestDelta
 from chunk_llama.server.convert import OpenAIError, explain
-from chunk_llama.server.loop import EngineFailure, EngineLoop, Subscription
+from chunk_llama.server.loop import Draining, EngineFailure, EngineLoop, Overloaded, Subscription
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming handler checks that its client is still there
+OVERLOADED_RETRY_AFTER_S = 1  # a full queue turns over in about a request's time
+DRAINING_RETRY_AFTER_S = 5  # time for a replacement to start (or a balancer to notice)
+
+
+def refusal(error: Overloaded | Draining, metrics) -> OpenAIError:
+    """The 429 (full queue) or 503 (shutting down) for `error`, counted in the metrics."""
+    if isinstance(error, Overloaded):
+        metrics.on_rejected("overloaded")
+        return OpenAIError(str(error), status=429, type="rate_limit_exceeded", code="server_overloaded",
+                           headers={"Retry-After": str(OVERLOADED_RETRY_AFTER_S)})
+    metrics.on_rejected("draining")
+    return OpenAIError(str(error), status=503, type="server_error", code="shutting_down",
+                       headers={"Retry-After": str(DRAINING_RETRY_AFTER_S)})
 
 
 class ClientGone(Exception):
@@ -45,17 +58,27 @@ class Session:
         self._prompt_index: dict[int, int] = {}
         self.remaining = 0  # samples not finished
 
-    async def submit(self, requests, *, metrics, endpoint: str) -> None:
+    async def submit(self, requests, *, metrics, endpoint: str, deadline: float | None = None) -> None:
         """Queue every prompt of `requests` (`convert.EngineRequests`; the engine tokenizes and
-        checks each, in a worker thread). A bad one raises `OpenAIError` and none of them stays
-        queued."""
+        checks each, in a worker thread), to end by `deadline` (`time.perf_counter()`; None: no
+        limit). A bad one raises `OpenAIError` and none of them stays queued; so does a full
+        queue (429) or a server shutting down (503)."""
         event_loop = asyncio.get_running_loop()
         config = requests.config
+        count = len(requests.prompts)
+        try:
+            self.loop.reserve(count)  # before the tokenizing: refusing must cost nothing
+        except (Overloaded, Draining) as error:
+            raise refusal(error, metrics) from None
+        submitted = 0
 
         def work():
+            nonlocal submitted
             for prompt in requests.prompts:
                 try:
-                    sub = self.loop.submit(prompt, config, event_loop, self.queue, **requests.kwargs())
+                    sub = self.loop.submit(prompt, config, event_loop, self.queue, reserved=True, deadline=deadline,
+                                           **requests.kwargs())
+                    submitted += 1
                 except TemplateError as error:
                     raise OpenAIError(
                         f"the chat template cannot render these messages: {error}", param="messages"
@@ -70,9 +93,14 @@ class Session:
         except (ValueError, TypeError) as error:
             self.close()
             raise OpenAIError(explain(error, config)) from error
+        except Draining as error:
+            self.close()
+            raise refusal(error, metrics) from None
         except BaseException:
             self.close()
             raise
+        finally:
+            self.loop.release(count - submitted)
         metrics.on_request(endpoint, len(self.subs))
 
     async def deltas(self, request=None) -> AsyncIterator[tuple[int, RequestDelta]]:

@@ -36,7 +36,7 @@ class StatsLogger:
         hits = f"{delta['cache_hit'] / delta['prompt']:.1%}" if delta["prompt"] else "n/a (no request ended)"
         logger.info("engine: %.1f tokens/s generated, %d running, %d waiting, KV %.1f%% used (%.1f%% cached "
                     "prefixes), prefix-cache hits %s of prompt tokens", delta["generation"] / (now - self.last_time),
-                    running, max(0, self.loop.num_in_flight - running),
+                    running, self.loop.num_waiting,
                     100 * (stats["chunks_in_use"] - stats["retained_chunks"]) / capacity,
                     100 * stats["retained_chunks"] / capacity, hits)
         self.last_time, self.last_totals = now, totals
