@@ -5,8 +5,8 @@
 #pragma once
 
 #include <exception>
-#include <sstream>
 #include <string>
+#include <type_traits>
 
 namespace chunk_llama_api {
 
@@ -22,11 +22,20 @@ inline std::string& last_error() {
   return message;
 }
 
+// Text of a message part. Not std::ostringstream: its constructor needs a libstdc++ of
+// GCC 9 or newer, which would narrow the wheel to manylinux_2_31 (std::string: GCC 5).
+inline std::string text_of(const char* part) { return part; }
+inline std::string text_of(const std::string& part) { return part; }
+template <typename Number, typename = std::enable_if_t<std::is_arithmetic_v<Number>>>
+std::string text_of(Number part) {
+  return std::to_string(part);
+}
+
 template <typename... Parts>
 [[noreturn]] void fail(int kind, const Parts&... parts) {
-  std::ostringstream text;
-  (text << ... << parts);
-  throw ArgumentError{kind, text.str()};
+  std::string message;
+  ((message += text_of(parts)), ...);
+  throw ArgumentError{kind, message};
 }
 
 // Runs an entry point's body: 0, or the failed check's kind with its message kept.
