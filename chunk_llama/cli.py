@@ -46,6 +46,16 @@ class ServeArgs:
                             choices=("debug", "info", "warning", "error", "critical"))
     allowed_origins: list[str] | None = option(None, "browser origins allowed by CORS ('*': any; default: none)")
     stats_interval: float = option(10.0, "seconds between stats lines while busy (0: none)")
+    data_parallel: int = option(1, "engine workers on this machine, behind sglang-router's cache-aware router "
+                                   "(N > 1; each worker its own GPU, or its share of the CPU cores)")
+    worker_urls: list[str] | None = option(None, "`chunk-llama serve` workers on other machines the router also "
+                                                 "routes to (with --data-parallel: besides the local ones; 0 local)")
+    router_policy: str = option("cache_aware", "sglang-router's policy",
+                                choices=("cache_aware", "round_robin", "random", "power_of_two"))
+    router_metrics_port: int = option(0, "port of the router's own Prometheus metrics (0: a free one)")
+    worker_start_timeout: float = option(300.0, "seconds a worker may take to load and answer /health")
+    worker_id: str | None = option(None, "this server's name behind a router (the launcher sets it): in the "
+                                         "X-Chunk-Llama-Worker header and every metric's worker label")
 
 
 def read_prompts(path: str) -> list[str]:
@@ -136,7 +146,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """`chunk-llama serve`: the OpenAI-compatible server (chunk_llama.server)."""
     from chunk_llama.server import serve
 
-    serve(from_namespace(EngineArgs, args), from_namespace(ServeArgs, args))
+    engine_args, serve_args = from_namespace(EngineArgs, args), from_namespace(ServeArgs, args)
+    if serve_args.data_parallel > 1 or serve_args.worker_urls:
+        from chunk_llama.server.replicas import serve_replicas
+
+        serve_replicas(engine_args, serve_args)
+    else:
+        serve(engine_args, serve_args)
     return 0
 
 

@@ -246,11 +246,14 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 def load_model(name_or_path: str | None = None, *, device: str | torch.device | None = "auto",
                dtype: str | torch.dtype | None = "auto", revision: str | None = None,
-               trust_remote_code: bool = False):
+               trust_remote_code: bool = False, device_map=None, **from_pretrained_kwargs):
     """Load `(model, tokenizer)`: the default model, `"gemma3-270m"`, a `.gguf` file, a local
     folder or a hub id, on `device` in `dtype` (see `resolve_device`, `resolve_dtype`). The
     device, dtype and config are checked before any weights are read. `revision` (a hub
-    branch, tag or commit) and `trust_remote_code` go to every `from_pretrained`."""
+    branch, tag or commit) and `trust_remote_code` go to every `from_pretrained`;
+    `device_map` (accelerate's: `"auto"`, a dict, offload with `offload_folder=` among the
+    other `from_pretrained_kwargs`) places the layers instead of `device` (the engine then
+    keeps each layer's K/V on that layer's device)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(device)
@@ -263,9 +266,11 @@ def load_model(name_or_path: str | None = None, *, device: str | torch.device | 
         path, kwargs["gguf_file"] = os.path.split(os.path.abspath(path))
     check_supported(AutoConfig.from_pretrained(path, **kwargs))  # before any weights are read
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    if device.type == "cuda":
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    elif device.type == "cuda":
         kwargs["device_map"] = str(device)  # weights loaded straight onto the GPU
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs, **from_pretrained_kwargs)
     model.eval()
     return model, tokenizer
 

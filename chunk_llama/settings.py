@@ -134,6 +134,26 @@ def add_arguments(parser: argparse.ArgumentParser, *classes: type) -> None:
                                **meta)
 
 
+def to_argv(instance) -> list[str]:
+    """The flags that give `instance` (a dataclass of `add_arguments`) again: one per field
+    that differs from its default (for a command started from another)."""
+    argv = []
+    for f in dataclasses.fields(instance):
+        value = getattr(instance, f.name)
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if value == default:
+            continue
+        if isinstance(value, bool):
+            argv.append(_flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
+        elif value is None:
+            continue
+        elif isinstance(value, list):
+            argv += [_flag(f.name), *map(str, value)]
+        else:
+            argv += [_flag(f.name), str(value)]
+    return argv
+
+
 def from_namespace(cls, namespace: argparse.Namespace):
     """The dataclass `cls` from parsed arguments (its fields only)."""
     return cls(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)})

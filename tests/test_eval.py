@@ -245,3 +245,28 @@ def test_constrained_eval_writes_only_well_formed_calls_of_the_apps_tools(tmp_pa
         eval_main([a for a in argv if a != "--constrained"])
     with pytest.raises(ValueError, match="--check-parity compares with stock generate"):
         eval_main(argv + ["--check-parity", "2"])
+
+
+def test_two_machines_with_accelerate_equal_one(tiny_model_dir, tmp_path):
+    """The multi-node launch (two `accelerate launch` calls, one per machine, here both on
+    127.0.0.1 over gloo) writes what one process writes."""
+    import socket
+
+    common = ["--model", str(tiny_model_dir), "--data", str(tiny_model_dir / "set.jsonl"), "--max-new-tokens", "6",
+              "--chunk-size", "16", "--kv-cache-bytes", str(1 << 22)]
+    assert eval_main([*common, "--output", str(tmp_path / "one")]) == 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    machines = [subprocess.Popen(
+        [launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "2", "--machine_rank", str(rank),
+         "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--mixed_precision", "no",
+         "--dynamo_backend", "no", os.path.join(REPO, "scripts", "eval_toolqa.py"), *common,
+         "--output", str(tmp_path / "two")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for rank in (0, 1)]
+    outputs = [m.communicate(timeout=600)[0] for m in machines]
+    assert [m.returncode for m in machines] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    assert read_results(tmp_path / "two") == read_results(tmp_path / "one")
+    assert json.load(open(tmp_path / "two" / "summary.json"))["num_processes"] == 2

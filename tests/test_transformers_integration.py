@@ -199,3 +199,19 @@ def test_torchao_int8_weights_run_their_own_linear(saved):
     with torch.no_grad():
         want = [stock.generate(torch.tensor([p]), generation_config=GREEDY)[0, len(p):].tolist() for p in prompts]
     assert [out.token_ids for out in engine.generate(prompts, GREEDY)] == want
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_a_model_split_over_two_gpus_keeps_each_layers_kv_there(saved):
+    folder, _ = saved
+    split = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "model.norm": 1,
+             "model.rotary_emb": 1, "lm_head": 1}
+    model = AutoModelForCausalLM.from_pretrained(folder, device_map=split, dtype=torch.bfloat16,
+                                                 attn_implementation="chunk_llama")
+    stock = AutoModelForCausalLM.from_pretrained(folder, device_map=split, dtype=torch.bfloat16)
+    ids, mask = shared_batch(seed=7)
+    with torch.no_grad():
+        got = model.generate(ids.cuda(0), attention_mask=mask.cuda(0), generation_config=GREEDY)
+        want = stock.generate(ids.cuda(0), attention_mask=mask.cuda(0), generation_config=GREEDY)
+    assert [k.device.index for k in model.chunk_llama_cache.pool.k] == [0, 1]
+    assert torch.equal(got.cpu(), want.cpu())

@@ -28,6 +28,7 @@ from chunk_llama.server.schemas import ChatCompletionRequest, CompletionRequest
 from chunk_llama.server.session import ClientGone, Session
 from chunk_llama.server.stats_log import StatsLogger
 from chunk_llama.server.tools import ToolCallParser, template_writes_tool_calls
+from chunk_llama.server.worker_info import add_worker_routes
 
 
 def sse(obj) -> str:
@@ -55,13 +56,16 @@ def _validation_message(errors) -> tuple[str, str | None]:
 
 
 def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_thread: bool = True,
-               allowed_origins: list[str] | None = None, stats_interval: float = 0.0) -> FastAPI:
+               allowed_origins: list[str] | None = None, stats_interval: float = 0.0,
+               worker_id: str | None = None) -> FastAPI:
     """The server app for `engine`, serving it as `model_name` (requests may also name it by
     one of `aliases`, e.g. the path it was loaded from). The engine loop (`app.state.loop`)
     starts in a thread of its own with the app (its lifespan), or, with `loop_thread=False`,
     is the caller's to `run`; it stops with the app either way. `allowed_origins`: browser
     origins allowed by CORS (`["*"]`: any); `stats_interval`: seconds between stats lines
-    while busy (`stats_log.py`; 0: none)."""
+    while busy (`stats_log.py`; 0: none); `worker_id`: this server is one replica behind a
+    router (`worker_info.py`: the routes a router reads, the worker in every response and
+    every metric)."""
     metrics = Metrics()
     stats = None
 
@@ -92,6 +96,9 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
     app.state.engine, app.state.loop, app.state.metrics = engine, loop, metrics
+    if worker_id is not None:
+        add_worker_routes(app, engine, served, worker_id)
+        metrics.label_worker(worker_id)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, error: OpenAIError):

@@ -107,6 +107,8 @@ def generation_config(body: _Sampling, max_new_tokens: int | None, want_logprobs
         kwargs["stop_strings"] = stops
     if body.seed is not None:
         kwargs["seed"] = body.seed
+    if body.ignore_eos:  # generate to max_tokens: no id ends the text
+        kwargs["eos_token_id"] = []
     if want_logprobs:
         kwargs.update(output_logits=True, return_dict_in_generate=True)
     try:

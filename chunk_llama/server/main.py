@@ -73,7 +73,7 @@ def serve(engine_args: EngineArgs | None = None, serve_args=None) -> None:
             logger.warning("response_format and forced tool calls will be refused: %s", error)
     aliases = tuple(dict.fromkeys([*names[1:], *([model] if model is not None and model not in names else [])]))
     app = create_app(engine, names[0], aliases=aliases, loop_thread=False, allowed_origins=args.allowed_origins,
-                     stats_interval=args.stats_interval)
+                     stats_interval=args.stats_interval, worker_id=args.worker_id)
     logger.info(engine.describe())
     print(f"serving {names[0]!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     # The engine steps in this thread, which made the model's OpenMP teams (see

@@ -123,9 +123,16 @@ class Metrics:
             if output.finish_time is not None:
                 self.e2e.observe(output.finish_time - output.arrival_time)
 
+    def label_worker(self, worker_id: str) -> None:
+        """Every sample exposed from now on carries worker=<worker_id> (replicas behind a router)."""
+        from chunk_llama.server.worker_info import WorkerLabels
+
+        self._exposed = CollectorRegistry(auto_describe=True)
+        self._exposed.register(WorkerLabels(self.registry, worker_id))
+
     def render(self) -> bytes:
         """The exposition text."""
-        return prometheus_client.generate_latest(self.registry)
+        return prometheus_client.generate_latest(getattr(self, "_exposed", None) or self.registry)
 
 
 class _EngineCollector:

@@ -5,8 +5,9 @@ nothing here (`user`, `metadata`, `store`, `service_tier`) are accepted and
 ignored; any other unknown field is a 400 naming it, rather than a setting silently
 ignored. Field bounds follow OpenAI's API; what needs the model (the model name,
 prompt length, `n` against the batch size) is checked later, in `convert.py` and by
-the engine. `top_k`, `min_p` and `repetition_penalty` are transformers' (and vLLM's)
-extensions.
+the engine. `top_k`, `min_p`, `repetition_penalty` and `ignore_eos` are transformers' (and
+vLLM's) extensions; what sglang-router adds to every request it forwards is accepted at
+its defaults.
 """
 
 from __future__ import annotations
@@ -134,6 +135,12 @@ class _Sampling(_Strict):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    # vLLM's and SGLang's extensions, which sglang-router writes into every request it
+    # forwards (with these defaults): what chunk-llama does is accepted, the rest refused
+    ignore_eos: bool = False
+    skip_special_tokens: Literal[True] = True
+    no_stop_trim: Literal[False] = False
+    return_hidden_states: Literal[False] = False
 
     @field_validator("logit_bias")
     @classmethod
@@ -169,6 +176,10 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    continue_final_message: Literal[False] = False
+    # SGLang's reasoning parser: none here, the text stays in `content` (accepted and ignored)
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
 
 class CompletionRequest(_Sampling):

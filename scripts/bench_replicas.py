@@ -1,0 +1,127 @@
+"""Replicas behind the cache-aware router (`chunk-llama serve --data-parallel 2`) against
+round-robin routing, and what the router costs per request.
+
+    python scripts/bench_replicas.py --limit 10 --max-tokens 16
+    python scripts/bench_replicas.py --overhead-only --rounds 20
+
+Workload: the shipped ToolQA-style prompt set (4 applications, each a long system prompt
+with worked examples; `--limit` questions per application), the apps' questions
+interleaved as they would arrive (A1, B1, C1, D1, A2, ...), `--clients` at a time, greedy.
+For each policy (cache_aware, round_robin) one launch of 2 workers (the default model,
+each worker one of the 2 cores) and the router: prompt tokens, tokens the workers'
+prefills computed, tokens their prefix caches served (from each worker's /metrics), and
+the hit rate (served / prompt). Router overhead: a 1-token completion straight to a
+worker and through the router, interleaved, `--rounds` times each, medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from test_replicas import Replicas  # noqa: E402
+
+from bench_serve import toolqa_chats  # noqa: E402
+from chunk_llama.ops import isa  # noqa: E402
+from chunk_llama.server.main import model_name_for  # noqa: E402
+
+
+def interleave(chats_by_app: list[list]) -> list:
+    out = []
+    for i in range(max(map(len, chats_by_app))):
+        out += [chats[i] for chats in chats_by_app if i < len(chats)]
+    return out
+
+
+def worker_counter(worker: str, name: str) -> float:
+    port = int(worker.rsplit(":", 1)[1])
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return float(re.search(rf'^{name}{{[^}}]*worker="{re.escape(worker)}"[^}}]*}} (\S+)$', text, re.M).group(1))
+
+
+SERVER_ARGS = ("--kv-cache-bytes", str(2 << 30), "--max-batch-size", "16")
+
+
+def run_policy(path: str, policy: str, chats: list, max_tokens: int, clients: int) -> dict:
+    replicas = Replicas(path, model_name_for(path), policy, *SERVER_ARGS)
+    try:
+        def ask(messages):
+            body = {"model": replicas.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+            answer = httpx.post(replicas.url + "/v1/chat/completions", json=body, timeout=600)
+            answer.raise_for_status()
+            return answer.headers["X-Chunk-Llama-Worker"], answer.json()["usage"]
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(clients) as pool:
+            results = list(pool.map(ask, chats))
+        seconds = time.perf_counter() - start
+        workers = sorted({w for w, _ in results})
+        prompt = sum(u["prompt_tokens"] for _, u in results)
+        computed = sum(worker_counter(w, "chunk_llama_prefill_tokens_computed_total") for w in workers)
+        cached = sum(u["prompt_tokens_details"]["cached_tokens"] for _, u in results)
+        per_worker = {w: sum(1 for x, _ in results if x == w) for w in workers}
+        return dict(policy=policy, requests=len(chats), prompt=prompt, computed=computed, cached=cached,
+                    hit_rate=cached / prompt, seconds=seconds, per_worker=per_worker)
+    finally:
+        replicas.stop()
+
+
+def router_overhead(path: str, rounds: int) -> tuple[float, float]:
+    replicas = Replicas(path, model_name_for(path), "cache_aware", *SERVER_ARGS)
+    try:
+        body = {"model": replicas.model, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+        first = httpx.post(replicas.url + "/v1/completions", json=body, timeout=60)
+        worker_url = "http://127.0.0.1:" + first.headers["X-Chunk-Llama-Worker"].rsplit(":", 1)[1]
+        direct, routed = [], []
+        with httpx.Client() as client:
+            for _ in range(rounds):
+                for url, times in ((worker_url, direct), (replicas.url, routed)):
+                    start = time.perf_counter()
+                    client.post(url + "/v1/completions", json=body, timeout=60).raise_for_status()
+                    times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(direct), statistics.median(routed)
+    finally:
+        replicas.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--limit", type=int, default=10, help="questions per application")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--overhead-only", action="store_true")
+    args = parser.parse_args()
+    from chunk_llama.models import default_model_path
+
+    path = default_model_path()
+    print(f"# {isa.describe_host()}; 2 workers of the default model, one core each; {time.strftime('%Y-%m-%d')}")
+    if not args.overhead_only:
+        chats = toolqa_chats(args.limit)
+        by_app: dict[str, list] = {}
+        for chat in chats:
+            by_app.setdefault(chat[0]["content"], []).append(chat)
+        ordered = interleave(list(by_app.values()))
+        print("| policy | requests | prompt tokens | prefill computed | served from cache | hit rate | requests per "
+              "worker | seconds |")
+        print("|---|---|---|---|---|---|---|---|")
+        for policy in ("cache_aware", "round_robin"):
+            r = run_policy(path, policy, ordered, args.max_tokens, args.clients)
+            print(f"| {policy} | {r['requests']} | {r['prompt']} | {r['computed']:.0f} | {r['cached']} | "
+                  f"{r['hit_rate']:.1%} | {', '.join(map(str, r['per_worker'].values()))} | {r['seconds']:.1f} |",
+                  flush=True)
+    direct, routed = router_overhead(path, args.rounds)
+    print(f"router overhead: 1-token completion {direct:.1f} ms straight to a worker, {routed:.1f} ms through the "
+          f"router ({routed - direct:+.1f} ms; medians of {args.rounds}, interleaved)")
+
+
+if __name__ == "__main__":
+    main()

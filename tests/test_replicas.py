@@ -1,0 +1,162 @@
+"""`chunk-llama serve --data-parallel 2`: two engine workers behind sglang-router on
+127.0.0.1, as a user runs it (a subprocess), against `engine.generate` on the same model."""
+
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import psutil
+import pytest
+from helpers import tiny_llama, tiny_tokenizer
+from transformers import GenerationConfig
+
+pytest.importorskip("sglang_router", reason="the router of --data-parallel (pip install sglang-router)")
+
+from chunk_llama import ChunkLlamaEngine  # noqa: E402
+from chunk_llama.models import load_model  # noqa: E402
+
+SYSTEM_WORDS = 150
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-dp")
+    tiny_llama(max_position_embeddings=512, num_heads=4, num_kv_heads=2, head_dim=64).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """Two system prompts of 150 words, 8 questions each, interleaved (A1, B1, A2, B2, ...)."""
+    rng = random.Random(0)
+    systems = [" ".join(f"w{rng.randrange(6, 96)}" for _ in range(SYSTEM_WORDS)) for _ in range(2)]
+    questions = [" ".join(f"w{rng.randrange(6, 96)}" for _ in range(5)) for _ in range(16)]
+    return [systems[i % 2] + " " + q for i, q in enumerate(questions)]
+
+
+@pytest.fixture(scope="module")
+def expected(model_folder, prompts):
+    model, tokenizer = load_model(str(model_folder), device="cpu")
+    engine = ChunkLlamaEngine(model, tokenizer, max_batch_size=8)
+    config = GenerationConfig(max_new_tokens=MAX_TOKENS, do_sample=False)
+    return [out.text for out in engine.generate(prompts, config)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Replicas:
+    """The launcher as a subprocess, stopped (SIGTERM) at the end."""
+
+    def __init__(self, model: str, name: str, policy: str, *extra: str):
+        self.model = name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "chunk_llama.cli", "serve", "--model", model, "--data-parallel", "2",
+             "--port", str(self.port), "--router-policy", policy, "--stats-interval", "0", "--log-level", "warning",
+             *(extra or ("--kv-cache-bytes", str(16 << 20)))],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            self.stop()
+            raise AssertionError(f"the replicas did not start:\n{self.proc.communicate()[0][-3000:]}")
+        self.children = psutil.Process(self.proc.pid).children(recursive=True)
+
+    def complete(self, prompt: str) -> httpx.Response:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+        return httpx.post(self.url + "/v1/completions", json=body, timeout=120)
+
+    def stop(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.communicate(timeout=120)[0]
+
+
+def worker_metric(worker: str, name: str) -> float:
+    """A counter of one worker, read from its own /metrics (labelled with its id)."""
+    port = int(worker.rsplit(":", 1)[1])
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    match = re.search(rf'^{name}{{worker="{re.escape(worker)}"}} (\S+)$', text, re.M)
+    assert match, f"{name} of {worker} not in its /metrics"
+    return float(match.group(1))
+
+
+def serve_all(replicas: Replicas, prompts: list[str]) -> list[httpx.Response]:
+    """The prompts as they arrive (interleaved), two clients at a time."""
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(replicas.complete, prompts))
+
+
+def test_cache_aware_routing_computes_each_system_prompt_on_one_worker(model_folder, prompts, expected):
+    computed = {}
+    for policy in ("cache_aware", "round_robin"):
+        replicas = Replicas(str(model_folder), model_folder.name, policy)
+        try:
+            answers = serve_all(replicas, prompts)
+            assert all(a.status_code == 200 for a in answers), [a.text for a in answers if a.status_code != 200]
+            assert [a.json()["choices"][0]["text"] for a in answers] == expected
+            workers = sorted({a.headers["X-Chunk-Llama-Worker"] for a in answers})
+            computed[policy] = sum(worker_metric(w, "chunk_llama_prefill_tokens_computed_total") for w in workers)
+            if policy == "cache_aware":
+                # each system prompt on one worker: its 150 tokens once, then each question's own 5
+                assert len(workers) == 2 and computed[policy] <= 2 * SYSTEM_WORDS + 16 * 5 + 2 * 64
+        finally:
+            output = replicas.stop()
+        assert replicas.proc.returncode == 0, output[-2000:]
+        assert not [c for c in replicas.children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert computed["cache_aware"] < computed["round_robin"], computed
+
+
+def test_a_worker_killed_mid_run_and_the_rest_serves(model_folder, prompts, expected):
+    replicas = Replicas(str(model_folder), model_folder.name, "cache_aware")
+    try:
+        first = replicas.complete(prompts[0])
+        assert first.status_code == 200
+        victim = first.headers["X-Chunk-Llama-Worker"]
+        port = int(victim.rsplit(":", 1)[1])
+        process = next(c for c in replicas.children
+                       if any(conn.laddr.port == port for conn in c.net_connections(kind="tcp")))
+        with ThreadPoolExecutor(4) as pool:
+            in_flight = [pool.submit(replicas.complete, p) for p in prompts[:4]]
+            process.kill()
+            for future in in_flight:  # each ends, answered or refused, none hangs
+                assert future.result(timeout=120).status_code in (200, 500, 502, 503, 504)
+        time.sleep(5)  # the router's health checks (every 2 s) drop the dead worker
+        later = [replicas.complete(p) for p in prompts[4:8]]
+        assert all(a.status_code == 200 for a in later)
+        assert {a.headers["X-Chunk-Llama-Worker"] for a in later} != {victim}
+        assert [a.json()["choices"][0]["text"] for a in later] == expected[4:8]
+    finally:
+        replicas.stop()
+    assert not [c for c in replicas.children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_without_the_router_installed_it_says_so(monkeypatch):
+    """A missing sglang-router is a UsageError naming it (the command prints it as one line
+    and exits with code 2, as tests/test_settings.py checks for such errors)."""
+    from chunk_llama.cli import ServeArgs
+    from chunk_llama.server import replicas
+    from chunk_llama.settings import EngineArgs, UsageError
+
+    monkeypatch.setattr(replicas, "router_installed", lambda: False)
+    with pytest.raises(UsageError, match="need sglang-router: pip install sglang-router"):
+        replicas.serve_replicas(EngineArgs(), ServeArgs(data_parallel=2))
