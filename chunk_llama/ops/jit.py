@@ -23,7 +23,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from chunk_llama.ops.build import KernelBuild, compile_library, source_digest
+from chunk_llama.ops.build import KernelBuild, compile_library, find_compiler, source_digest
 
 
 def setting(name: str, default: str = "") -> str:
@@ -75,6 +75,7 @@ def build_library(spec: KernelBuild) -> Path:
     library = folder / spec.filename
     if library.exists():
         return library
+    find_compiler(spec)  # BuildError before the "building" line where there is no compiler
     folder.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(folder.parent / f"{folder.name}.lock")):
         if library.exists():  # another process built it while this one waited

@@ -1,0 +1,187 @@
+"""Cost of the CPU kernels' binding: the ctypes binding over the torch-free C interface
+(`ops/cpu_lib.py`, what chunk-llama ships) against the C++ torch op it replaced (the glue
+`csrc/cpu/tpp_cpu_torch.cpp` of commit 81a3301, JIT-built with torch.utils.cpp_extension),
+in one process, the two interleaved (A, B, A, B, ...), medians.
+
+    git archive 81a3301 csrc | tar -x -C /tmp/old
+    python scripts/bench_binding_overhead.py --torch-op-csrc /tmp/old/csrc
+
+1. Each op alone on a small input (the per-call cost, kernel work next to nothing): decode
+   attention of one sequence (9/3 heads of 64, two chunks of 16) and `small_linear` of one
+   row (576 -> 576), microseconds per call.
+2. A decode step of the default model (SmolLM2-135M, float32, 30 layers: one attention and
+   seven small linears per layer go through the binding at batch 1) at batch 1 and 32,
+   milliseconds per step, as `bench_host_overhead.py` times a step.
+
+Both bindings run the same kernels (the kernel sources did not change); the engine's
+backend objects call whichever `Switch.target` is at the time. One thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import chunk_llama
+from chunk_llama import ChunkCache
+from chunk_llama.ops import native
+from chunk_llama.ops.build import CPU_FLAGS, compiled_variants, cpu_build
+from chunk_llama.ops.cpu_lib import CpuLibrary
+
+
+def load_torch_op(csrc: Path, build_dir: Path):
+    """The old torch op library (`torch.ops.chunk_llama_cpu`) built from `csrc` (81a3301's)."""
+    from torch.utils import cpp_extension
+
+    sources = [csrc / "cpu" / "tpp_cpu_torch.cpp", *(csrc / "cpu" / f"kernel_{v}.cpp" for v in compiled_variants())]
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(name="chunk_llama_cpu_torch_op", sources=[str(s) for s in sources],
+                       extra_include_paths=[str(csrc / "include")], extra_cflags=[*CPU_FLAGS],
+                       extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False)
+    return torch.ops.chunk_llama_cpu
+
+
+class TorchOpBinding:
+    """The old op's calls behind the ctypes binding's methods (a plan's layout as the list
+    the old op took, converted once per plan as the old backend passed it)."""
+
+    def __init__(self, ops, ctypes_binding):
+        self.ops, self.helper = ops, ctypes_binding
+        self._lists: dict[int, tuple[object, list[int]]] = {}
+
+    def _layout(self, layout) -> list[int]:
+        entry = self._lists.get(id(layout))
+        if entry is None or entry[0] is not layout:
+            entry = self._lists[id(layout)] = (layout, list(layout))
+        return entry[1]
+
+    def tpp_decode(self, q, k, v, plan, layout, scratch, scale, window, items, isa):
+        return self.ops.tpp_decode(q, k, v, plan, self._layout(layout), scratch, scale, window, items, isa)
+
+    def tpp_prefill(self, q, k, v, plan, layout, scratch, scale, window, isa):
+        return self.ops.tpp_prefill(q, k, v, plan, self._layout(layout), scratch, scale, window, isa)
+
+    def small_linear(self, x, weight, bias, isa):
+        return self.ops.small_linear(x, weight, bias, isa)
+
+    def __getattr__(self, name):  # scratch sizes, layouts, variants: the same C++ either way
+        return getattr(self.helper, name)
+
+
+class Switch:
+    """What the engine's backends hold as their library: forwards each op to `target`."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def tpp_decode(self, *args):
+        return self.target.tpp_decode(*args)
+
+    def tpp_prefill(self, *args):
+        return self.target.tpp_prefill(*args)
+
+    def small_linear(self, x, weight, bias, isa):
+        return self.target.small_linear(x, weight, bias, isa)
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+
+def interleaved(fns: dict, rounds: int, calls: int) -> dict[str, float]:
+    """Median over `rounds` of the mean time of `calls` calls, per configuration, in
+    microseconds; the configurations alternate round by round."""
+    samples = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+@torch.no_grad()
+def decode_steps(model, switch: Switch, bindings: dict, batch: int, rounds: int) -> dict[str, float]:
+    """Microseconds per decode step at `batch` (36-token prompts, then one token per step)."""
+    cache = ChunkCache(model, kv_cache_bytes=1 << 28)
+    prompt = list(range(5, 41))
+    starts = [cache.add_sequence(i, prompt + [50 + i]) for i in range(batch)]
+    input_ids, position_ids, last = cache.begin_prefill(list(range(batch)), starts)
+    model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, logits_to_keep=last)
+    cache.end_step(completed=True)
+    lengths = [len(prompt) + 1] * batch
+
+    def step():
+        order = cache.begin_decode({i: 42 for i in range(batch)})
+        position = torch.tensor([[lengths[i]] for i in order])
+        for i in order:
+            lengths[i] += 1
+        model(input_ids=torch.full((batch, 1), 42), position_ids=position, past_key_values=cache, logits_to_keep=1)
+        cache.end_step(completed=True)
+
+    def under(binding):
+        def run():
+            switch.target = binding
+            step()
+        return run
+
+    return interleaved({name: under(b) for name, b in bindings.items()}, rounds, 4)
+
+
+class Recorder(Switch):
+    """A Switch that keeps the arguments of the last call of each op (to replay them alone)."""
+
+    last: dict[str, tuple] = {}
+
+    def tpp_decode(self, *args):
+        self.last["tpp_decode"] = args
+        return super().tpp_decode(*args)
+
+    def small_linear(self, x, weight, bias, isa):
+        self.last["small_linear"] = (x, weight, bias, isa)
+        return super().small_linear(x, weight, bias, isa)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--torch-op-csrc", type=Path, required=True, help="csrc/ of commit 81a3301")
+    parser.add_argument("--build-dir", type=Path, default=Path("/tmp/chunk_llama_torch_op_build"))
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    spec = cpu_build()
+    ctypes_binding = native.load(spec, CpuLibrary)
+    if ctypes_binding is None:
+        sys.exit(f"the CPU library is not available: {native.failure(spec.name)}")
+    bindings = {"ctypes": ctypes_binding, "torch op": TorchOpBinding(load_torch_op(args.torch_op_csrc, args.build_dir),
+                                                                     ctypes_binding)}
+    switch = native._loaded[spec.name] = Recorder(ctypes_binding)  # what every backend will hold
+
+    model, _ = chunk_llama.load_default_model(dtype=torch.float32, device="cpu")
+    chunk_llama.patch_model(model)
+    rows = []
+    for batch in args.batch:
+        step_us = decode_steps(model, switch, bindings, batch, args.rounds)
+        rows.append((f"decode step, default model, batch {batch} (ms)", {k: v / 1e3 for k, v in step_us.items()}))
+        if batch == 1:  # replay one call of each op from the batch-1 step, alone
+            for op, call_args in Recorder.last.items():
+                alone = interleaved({name: (lambda b=b, op=op, a=call_args: getattr(b, op)(*a))
+                                     for name, b in bindings.items()}, args.rounds, 2000)
+                rows.append((f"{op} alone, one call of a batch-1 step (us)", alone))
+    print(f"| measurement | ctypes binding | torch op | ctypes - torch op |  (torch {torch.__version__}, 1 thread, "
+          f"medians of {args.rounds} interleaved rounds)\n|---|---|---|---|")
+    for label, values in rows:
+        print(f"| {label} | {values['ctypes']:.3f} | {values['torch op']:.3f} | "
+              f"{values['ctypes'] - values['torch op']:+.3f} |")
+
+
+if __name__ == "__main__":
+    main()
