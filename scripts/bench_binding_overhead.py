@@ -47,24 +47,19 @@ def load_torch_op(csrc: Path, build_dir: Path):
 
 
 class TorchOpBinding:
-    """The old op's calls behind the ctypes binding's methods (a plan's layout as the list
-    the old op took, converted once per plan as the old backend passed it)."""
+    """The old op behind the ctypes binding's methods; a plan's call passes the plan's
+    layout as the list the old op took (the old backend passed `plan.layout` per layer)."""
 
     def __init__(self, ops, ctypes_binding):
         self.ops, self.helper = ops, ctypes_binding
-        self._lists: dict[int, tuple[object, list[int]]] = {}
 
-    def _layout(self, layout) -> list[int]:
-        entry = self._lists.get(id(layout))
-        if entry is None or entry[0] is not layout:
-            entry = self._lists[id(layout)] = (layout, list(layout))
-        return entry[1]
+    def decode_call(self, plan, layout, scratch, scale, window, items, isa):
+        layout, tpp_decode = list(layout), self.ops.tpp_decode
+        return lambda q, k, v: tpp_decode(q, k, v, plan, layout, scratch, float(scale), window, items, isa)
 
-    def tpp_decode(self, q, k, v, plan, layout, scratch, scale, window, items, isa):
-        return self.ops.tpp_decode(q, k, v, plan, self._layout(layout), scratch, scale, window, items, isa)
-
-    def tpp_prefill(self, q, k, v, plan, layout, scratch, scale, window, isa):
-        return self.ops.tpp_prefill(q, k, v, plan, self._layout(layout), scratch, scale, window, isa)
+    def prefill_call(self, plan, layout, scratch, scale, window, isa):
+        layout, tpp_prefill = list(layout), self.ops.tpp_prefill
+        return lambda q, k, v: tpp_prefill(q, k, v, plan, layout, scratch, float(scale), window, isa)
 
     def small_linear(self, x, weight, bias, isa):
         return self.ops.small_linear(x, weight, bias, isa)
@@ -74,18 +69,29 @@ class TorchOpBinding:
 
 
 class Switch:
-    """What the engine's backends hold as their library: forwards each op to `target`."""
+    """What the engine's backends hold as their library: each op goes to `target` (a plan's
+    call is made when a step plans, so a step runs under one binding), and the first call
+    of each op is kept, to replay it alone."""
 
     def __init__(self, target):
         self.target = target
+        self.first: dict[str, tuple] = {}
 
-    def tpp_decode(self, *args):
-        return self.target.tpp_decode(*args)
+    def decode_call(self, *args):
+        call = self.target.decode_call(*args)
+        if "tpp_decode" in self.first:
+            return call
 
-    def tpp_prefill(self, *args):
-        return self.target.tpp_prefill(*args)
+        def recorded(q, k, v):
+            self.first.setdefault("tpp_decode", (args, (q, k, v)))
+            return call(q, k, v)
+        return recorded
+
+    def prefill_call(self, *args):
+        return self.target.prefill_call(*args)
 
     def small_linear(self, x, weight, bias, isa):
+        self.first.setdefault("small_linear", (x, weight, bias, isa))
         return self.target.small_linear(x, weight, bias, isa)
 
     def __getattr__(self, name):
@@ -135,18 +141,19 @@ def decode_steps(model, switch: Switch, bindings: dict, batch: int, rounds: int)
     return interleaved({name: under(b) for name, b in bindings.items()}, rounds, 4)
 
 
-class Recorder(Switch):
-    """A Switch that keeps the arguments of the last call of each op (to replay them alone)."""
-
-    last: dict[str, tuple] = {}
-
-    def tpp_decode(self, *args):
-        self.last["tpp_decode"] = args
-        return super().tpp_decode(*args)
-
-    def small_linear(self, x, weight, bias, isa):
-        self.last["small_linear"] = (x, weight, bias, isa)
-        return super().small_linear(x, weight, bias, isa)
+def replay(bindings: dict, first: dict, rounds: int) -> list[tuple[str, dict]]:
+    """Per-call microseconds of each op's first call in a batch-1 step, replayed alone (a
+    decode plan's call made once, then called per layer, as a step does)."""
+    rows = []
+    plan_args, qkv = first["tpp_decode"]
+    calls = {name: b.decode_call(*plan_args) for name, b in bindings.items()}
+    rows.append(("decode attention, per layer (us)",
+                 interleaved({name: (lambda c=c: c(*qkv)) for name, c in calls.items()}, rounds, 2000)))
+    x, weight, bias, isa = first["small_linear"]
+    rows.append((f"small_linear {x.shape[0]}x{weight.shape[1]} -> {weight.shape[0]} (us)",
+                 interleaved({name: (lambda b=b: b.small_linear(x, weight, bias, isa)) for name, b in bindings.items()},
+                             rounds, 2000)))
+    return rows
 
 
 def main() -> None:
@@ -163,7 +170,7 @@ def main() -> None:
         sys.exit(f"the CPU library is not available: {native.failure(spec.name)}")
     bindings = {"ctypes": ctypes_binding, "torch op": TorchOpBinding(load_torch_op(args.torch_op_csrc, args.build_dir),
                                                                      ctypes_binding)}
-    switch = native._loaded[spec.name] = Recorder(ctypes_binding)  # what every backend will hold
+    switch = native._loaded[spec.name] = Switch(ctypes_binding)  # what every backend will hold
 
     model, _ = chunk_llama.load_default_model(dtype=torch.float32, device="cpu")
     chunk_llama.patch_model(model)
@@ -171,11 +178,8 @@ def main() -> None:
     for batch in args.batch:
         step_us = decode_steps(model, switch, bindings, batch, args.rounds)
         rows.append((f"decode step, default model, batch {batch} (ms)", {k: v / 1e3 for k, v in step_us.items()}))
-        if batch == 1:  # replay one call of each op from the batch-1 step, alone
-            for op, call_args in Recorder.last.items():
-                alone = interleaved({name: (lambda b=b, op=op, a=call_args: getattr(b, op)(*a))
-                                     for name, b in bindings.items()}, args.rounds, 2000)
-                rows.append((f"{op} alone, one call of a batch-1 step (us)", alone))
+        if batch == 1:
+            rows += replay(bindings, switch.first, args.rounds)
     print(f"| measurement | ctypes binding | torch op | ctypes - torch op |  (torch {torch.__version__}, 1 thread, "
           f"medians of {args.rounds} interleaved rounds)\n|---|---|---|---|")
     for label, values in rows:

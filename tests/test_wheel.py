@@ -180,6 +180,6 @@ def test_cuda_library_holds_the_architectures_it_claims(tmp_path):
     elves = _run([cuobjdump, "--list-elf", library]).stdout
     assert sorted(set(re.findall(r"\.sm_(\d+)\.cubin", elves))) == list(archs), elves
     ptx = _run([cuobjdump, "--list-ptx", library]).stdout
-    assert re.findall(r"\.sm_(\d+)\.ptx", ptx) == [archs[-1]], ptx  # the newest as PTX, for newer GPUs
+    assert set(re.findall(r"\.sm_(\d+)\.ptx", ptx)) == {archs[-1]}, ptx  # the newest as PTX (each .cu), for newer GPUs
     needed = _needed(library)
     assert not [n for n in needed if re.match(r"lib(torch|c10|python|cudart)", n)], needed  # runtime linked in

@@ -95,19 +95,20 @@ class CpuDecode:
         self._layout = int64_array(plan.layout)  # converted once per step, read by every layer
         self._scratch = self.workspace.scratch(self._ops.scratch_floats(
             plan.num_pairs, plan.num_seqs, num_heads, num_kv_heads, head_dim, chunk_size, torch.get_num_threads()))
-        self._items_for: dict[int, int] = {}
+        self._calls: dict[tuple, object] = {}  # (scale, window): the plan's call, arguments converted once
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int = 0,
             new_kv=None) -> torch.Tensor:
         """q: [num_seqs, num_heads, head_dim] in plan order; k_cache, v_cache: [capacity,
         num_kv_heads, chunk_size, head_dim] -> [num_seqs, num_heads, head_dim]"""
-        plan = self._plan
-        items = self._items_for.get(window)
-        if items is None:
-            items = self._items_for[window] = self.max_chunks_per_item or default_chunks_per_item(
-                plan.num_shared, plan.chunk_size, self.geometry[1], window)
-        return self._ops.tpp_decode(q.contiguous(), k_cache, v_cache, plan.index, self._layout, self._scratch,
-                                    float(scale), window, items, self.variant)
+        call = self._calls.get((scale, window))
+        if call is None:
+            plan = self._plan
+            items = self.max_chunks_per_item or default_chunks_per_item(plan.num_shared, plan.chunk_size,
+                                                                       self.geometry[1], window)
+            call = self._calls[scale, window] = self._ops.decode_call(plan.index, self._layout, self._scratch, scale,
+                                                                      window, items, self.variant)
+        return call(q.contiguous(), k_cache, v_cache)
 
 
 class CpuPrefill:
@@ -132,13 +133,16 @@ class CpuPrefill:
         self._layout = int64_array(self._arrays.layout)
         self._scratch = self.workspace.scratch(self._ops.prefill_scratch_floats(
             self._arrays.num_partial_rows, num_heads, chunk_size, head_dim, threads))
+        self._calls: dict[tuple, object] = {}  # (scale, window): the plan's call, arguments converted once
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int = 0,
             new_kv=None) -> torch.Tensor:
         """q: [num_q_tokens, num_heads, head_dim] -> the same shape (rows of no sequence unset)"""
-        arrays = self._arrays
-        return self._ops.tpp_prefill(q.contiguous(), k_cache, v_cache, arrays.index, self._layout, self._scratch,
-                                     float(scale), window, self.variant)
+        call = self._calls.get((scale, window))
+        if call is None:
+            call = self._calls[scale, window] = self._ops.prefill_call(self._arrays.index, self._layout, self._scratch,
+                                                                       scale, window, self.variant)
+        return call(q.contiguous(), k_cache, v_cache)
 
 
 def tpp_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan,

@@ -47,20 +47,17 @@ def _extent(cache: torch.Tensor) -> int:
     return cache.untyped_storage().nbytes() // cache.element_size() - cache.storage_offset()
 
 
-def _check_attention_tensors(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_shape: str) -> None:
-    if not (q.is_cpu and k_cache.is_cpu and v_cache.is_cpu):
-        raise TypeError(f"the CPU kernel takes CPU tensors, got q on {q.device}, k_cache on {k_cache.device}")
-    if q.dim() != 3:
-        raise ValueError(f"{q_shape}{list(q.shape)}")
+def _check_pool(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if not (k_cache.is_cpu and v_cache.is_cpu):
+        raise TypeError(f"the CPU kernel takes CPU tensors, got k_cache on {k_cache.device}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError("k_cache and v_cache must both be [capacity, num_kv_heads, chunk_size, head_dim], got "
                          f"{list(k_cache.shape)} and {list(v_cache.shape)}")
-    if not q.dtype == k_cache.dtype == v_cache.dtype:
-        raise TypeError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if q.dtype not in _DTYPE_CODES:
-        raise TypeError(f"the CPU kernel supports float32 and bfloat16, got {q.dtype}")
-    if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("q, k_cache and v_cache must be contiguous")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in _DTYPE_CODES:
+        raise TypeError(f"k_cache and v_cache must share a dtype the CPU kernel supports (float32, bfloat16), got "
+                        f"{k_cache.dtype} and {v_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
 
 
 def _check_plan(plan: torch.Tensor, what: str) -> None:
@@ -73,6 +70,52 @@ def _check_plan(plan: torch.Tensor, what: str) -> None:
 def _check_scratch(scratch: torch.Tensor) -> None:
     if not (scratch.is_cpu and scratch.dtype == torch.float32 and scratch.is_contiguous()):
         raise ValueError(f"scratch must be a contiguous float32 CPU tensor, got {scratch.dtype} on {scratch.device}")
+
+
+class AttentionCall:
+    """One plan's calls of an attention op, per layer: what the plan fixes (its arrays,
+    layout, scratch and scalars) is checked and converted once, and each layer's K/V pool
+    the first time it comes, so a call checks q, allocates the output and passes the
+    pointers (the per-call cost of ctypes grows with what Python converts; see BENCHMARKS).
+    Valid while the plan's tensors and the pools keep their memory (one step)."""
+
+    def __init__(self, library: "CpuLibrary", function, q_shape: str, plan: torch.Tensor, layout,
+                 scratch: torch.Tensor, tail: tuple):
+        _check_plan(plan, q_shape.split()[0])
+        _check_scratch(scratch)
+        layout = layout if isinstance(layout, ctypes.Array) else int64_array(layout)
+        self._library, self._function, self._q_shape = library, function, q_shape
+        self._tensors = (plan, layout, scratch)  # kept alive: the call holds their addresses
+        self._after_out = (plan.data_ptr(), plan.numel(), layout, len(layout), scratch.data_ptr(), scratch.numel(),
+                           *tail)
+        self._pools: dict[int, tuple] = {}
+
+    def _pool_args(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
+        entry = self._pools.get(id(k_cache))
+        if entry is None or entry[0] is not k_cache or entry[1] is not v_cache:
+            _check_pool(k_cache, v_cache)
+            entry = self._pools[id(k_cache)] = (
+                k_cache, v_cache, k_cache.dtype, (k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.shape,
+                                                  _extent(k_cache), _extent(v_cache), _DTYPE_CODES[k_cache.dtype]))
+        return entry
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """q: [num rows, num_heads, head_dim] (contiguous, the pool's dtype) -> the same shape"""
+        _, _, dtype, pool = self._pool_args(k_cache, v_cache)
+        if not (q.is_cpu and q.dim() == 3 and q.dtype == dtype and q.is_contiguous()):
+            self._reject(q, dtype)
+        out = torch.empty_like(q)
+        code = self._function(q.data_ptr(), *q.shape, *pool, out.data_ptr(), *self._after_out)
+        return out if code == 0 else self._library.raise_error(code)
+
+    def _reject(self, q: torch.Tensor, dtype: torch.dtype):
+        if not q.is_cpu:
+            raise TypeError(f"the CPU kernel takes CPU tensors, got q on {q.device}")
+        if q.dim() != 3:
+            raise ValueError(f"{self._q_shape}, got {list(q.shape)}")
+        if q.dtype != dtype:
+            raise TypeError(f"q, k_cache and v_cache must share a dtype, got {q.dtype} and the pool's {dtype}")
+        raise ValueError("q must be contiguous")
 
 
 class CpuLibrary:
@@ -90,43 +133,38 @@ class CpuLibrary:
                              f"chunk-llama needs {ABI_VERSION}")
         self._lib = lib
 
-    def _raise(self, code: int):
+    def raise_error(self, code: int):
+        """The library's last error as ValueError (code 1), TypeError (2) or RuntimeError."""
         raise _ERRORS.get(code, RuntimeError)(self._lib.chunk_llama_cpu_last_error().decode())
 
-    def _attention_args(self, q, k_cache, v_cache, out, plan, layout, scratch) -> tuple:
-        layout = layout if isinstance(layout, ctypes.Array) else int64_array(layout)
-        return (q.data_ptr(), *q.shape, k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.shape, _extent(k_cache),
-                _extent(v_cache), _DTYPE_CODES[q.dtype], out.data_ptr(), plan.data_ptr(), plan.numel(), layout,
-                len(layout), scratch.data_ptr(), scratch.numel())
+    def decode_call(self, plan: torch.Tensor, layout, scratch: torch.Tensor, scale: float, window: int,
+                    max_chunks_per_item: int, isa: str) -> AttentionCall:
+        """Decode attention for one plan (`DecodePlan.index`, `.layout`), called per layer as
+        (q [num_seqs, num_heads, head_dim] in plan order, k_cache, v_cache [capacity,
+        num_kv_heads, chunk_size, head_dim]) -> [num_seqs, num_heads, head_dim]"""
+        return AttentionCall(self, self._lib.chunk_llama_cpu_tpp_decode,
+                             "decode q must be [num_seqs, num_heads, head_dim]", plan, layout, scratch,
+                             (float(scale), window, max_chunks_per_item, isa.encode(), torch.get_num_threads()))
+
+    def prefill_call(self, plan: torch.Tensor, layout, scratch: torch.Tensor, scale: float, window: int,
+                     isa: str) -> AttentionCall:
+        """Packed prefill attention for one plan (`PrefillPlan.cpu()`'s index and layout), called
+        per layer as (q [num_q_tokens, num_heads, head_dim], k_cache, v_cache) -> the same
+        shape as q (rows of no sequence unset)"""
+        return AttentionCall(self, self._lib.chunk_llama_cpu_tpp_prefill,
+                             "prefill q must be [num_q_tokens, num_heads, head_dim]", plan, layout, scratch,
+                             (float(scale), window, isa.encode(), torch.get_num_threads()))
 
     def tpp_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: torch.Tensor,
                    layout, scratch: torch.Tensor, scale: float, window: int, max_chunks_per_item: int,
                    isa: str) -> torch.Tensor:
-        """Decode attention: q [num_seqs, num_heads, head_dim] in plan order; k_cache, v_cache
-        [capacity, num_kv_heads, chunk_size, head_dim]; plan and layout: `DecodePlan.index`,
-        `.layout` -> [num_seqs, num_heads, head_dim]"""
-        _check_attention_tensors(q, k_cache, v_cache, "q must be [num_seqs, num_heads, head_dim], got ")
-        _check_plan(plan, "decode")
-        _check_scratch(scratch)
-        out = torch.empty_like(q)
-        code = self._lib.chunk_llama_cpu_tpp_decode(*self._attention_args(q, k_cache, v_cache, out, plan, layout,
-                                                                          scratch),
-                                                    scale, window, max_chunks_per_item, isa.encode(),
-                                                    torch.get_num_threads())
-        return out if code == 0 else self._raise(code)
+        """One decode call (`decode_call` once, then per layer, is the cheap way)."""
+        return self.decode_call(plan, layout, scratch, scale, window, max_chunks_per_item, isa)(q, k_cache, v_cache)
 
     def tpp_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: torch.Tensor,
                     layout, scratch: torch.Tensor, scale: float, window: int, isa: str) -> torch.Tensor:
-        """Packed prefill attention: q [num_q_tokens, num_heads, head_dim]; plan and layout:
-        `PrefillPlan.cpu()`'s -> the same shape as q (rows of no sequence unset)"""
-        _check_attention_tensors(q, k_cache, v_cache, "q must be [num_q_tokens, num_heads, head_dim], got ")
-        _check_plan(plan, "prefill")
-        _check_scratch(scratch)
-        out = torch.empty_like(q)
-        code = self._lib.chunk_llama_cpu_tpp_prefill(*self._attention_args(q, k_cache, v_cache, out, plan, layout,
-                                                                           scratch),
-                                                     scale, window, isa.encode(), torch.get_num_threads())
-        return out if code == 0 else self._raise(code)
+        """One prefill call (`prefill_call` once, then per layer, is the cheap way)."""
+        return self.prefill_call(plan, layout, scratch, scale, window, isa)(q, k_cache, v_cache)
 
     def small_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, isa: str) -> torch.Tensor:
         """y = x W^T (+ bias): x [rows, in], weight [out, in] (an nn.Linear's, in place),
@@ -145,14 +183,14 @@ class CpuLibrary:
         code = self._lib.chunk_llama_cpu_small_linear(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(),
                                                       weight.shape[0], None if bias is None else bias.data_ptr(),
                                                       y.data_ptr(), isa.encode(), torch.get_num_threads())
-        return y if code == 0 else self._raise(code)
+        return y if code == 0 else self.raise_error(code)
 
     def scratch_floats(self, num_pairs: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                        chunk_size: int, num_threads: int) -> int:
         """Floats of scratch a decode call needs."""
         floats = self._lib.chunk_llama_cpu_scratch_floats(num_pairs, num_seqs, num_heads, num_kv_heads, head_dim,
                                                           chunk_size, num_threads)
-        return floats if floats >= 0 else self._raise(1)
+        return floats if floats >= 0 else self.raise_error(1)
 
     def prefill_scratch_floats(self, num_partial_rows: int, num_heads: int, chunk_size: int, head_dim: int,
                                num_threads: int) -> int:

@@ -24,11 +24,15 @@ inline std::string& last_error() {
 
 // Text of a message part. Not std::ostringstream: its constructor needs a libstdc++ of
 // GCC 9 or newer, which would narrow the wheel to manylinux_2_31 (std::string: GCC 5).
-inline std::string text_of(const char* part) { return part; }
-inline std::string text_of(const std::string& part) { return part; }
-template <typename Number, typename = std::enable_if_t<std::is_arithmetic_v<Number>>>
-std::string text_of(Number part) {
-  return std::to_string(part);
+template <typename Part>
+std::string text_of(const Part& part) {  // a number, an enum's value, or text (string, pointer, array)
+  if constexpr (std::is_arithmetic_v<Part>) {
+    return std::to_string(part);
+  } else if constexpr (std::is_enum_v<Part>) {
+    return std::to_string(static_cast<long long>(part));
+  } else {
+    return std::string(part);
+  }
 }
 
 template <typename... Parts>
