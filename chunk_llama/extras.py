@@ -16,7 +16,7 @@ EXTRAS = {
     "serve": ("fastapi", "uvicorn", "prometheus_client"),
     "router": ("sglang_router",),
     "eval": ("datasets", "accelerate"),
-    "gguf": ("gguf",),
+    "gguf": ("gguf", "accelerate"),  # transformers loads a GGUF file only with accelerate
 }
 
 

@@ -75,15 +75,16 @@ class Switch:
 
     def __init__(self, target):
         self.target = target
-        self.first: dict[str, tuple] = {}
+        self.record(0)
 
     def decode_call(self, *args):
         call = self.target.decode_call(*args)
         if "tpp_decode" in self.first:
             return call
 
-        def recorded(q, k, v):
-            self.first.setdefault("tpp_decode", (args, (q, k, v)))
+        def recorded(q, k, v):  # copies: the step's buffers hold the next step's plan later
+            plan, layout, scratch, *scalars = args
+            self.first.setdefault("tpp_decode", ((plan.clone(), layout, scratch.clone(), *scalars), (q.clone(), k, v)))
             return call(q, k, v)
         return recorded
 
@@ -91,11 +92,16 @@ class Switch:
         return self.target.prefill_call(*args)
 
     def small_linear(self, x, weight, bias, isa):
-        self.first.setdefault("small_linear", (x, weight, bias, isa))
+        if x.shape[0] == self.decode_rows:
+            self.first.setdefault("small_linear", (x, weight, bias, isa))
         return self.target.small_linear(x, weight, bias, isa)
 
     def __getattr__(self, name):
         return getattr(self.target, name)
+
+    def record(self, decode_rows: int) -> None:
+        """Keep the first calls of a decode step of `decode_rows` sequences from now on."""
+        self.first, self.decode_rows = {}, decode_rows
 
 
 def interleaved(fns: dict, rounds: int, calls: int) -> dict[str, float]:
@@ -141,14 +147,16 @@ def decode_steps(model, switch: Switch, bindings: dict, batch: int, rounds: int)
     return interleaved({name: under(b) for name, b in bindings.items()}, rounds, 4)
 
 
-def replay(bindings: dict, first: dict, rounds: int) -> list[tuple[str, dict]]:
-    """Per-call microseconds of each op's first call in a batch-1 step, replayed alone (a
+def replay(bindings: dict, first: dict, rounds: int, batch: int) -> list[tuple[str, dict]]:
+    """Per-call microseconds of each op's first call in a decode step, replayed alone (a
     decode plan's call made once, then called per layer, as a step does)."""
     rows = []
     plan_args, qkv = first["tpp_decode"]
     calls = {name: b.decode_call(*plan_args) for name, b in bindings.items()}
-    rows.append(("decode attention, per layer (us)",
+    rows.append((f"decode attention, per layer, batch {batch} (us)",
                  interleaved({name: (lambda c=c: c(*qkv)) for name, c in calls.items()}, rounds, 2000)))
+    if "small_linear" not in first:  # more rows than small_linear takes: oneDNN runs
+        return rows
     x, weight, bias, isa = first["small_linear"]
     rows.append((f"small_linear {x.shape[0]}x{weight.shape[1]} -> {weight.shape[0]} (us)",
                  interleaved({name: (lambda b=b: b.small_linear(x, weight, bias, isa)) for name, b in bindings.items()},
@@ -176,10 +184,10 @@ def main() -> None:
     chunk_llama.patch_model(model)
     rows = []
     for batch in args.batch:
+        switch.record(batch)
         step_us = decode_steps(model, switch, bindings, batch, args.rounds)
         rows.append((f"decode step, default model, batch {batch} (ms)", {k: v / 1e3 for k, v in step_us.items()}))
-        if batch == 1:
-            rows += replay(bindings, switch.first, args.rounds)
+        rows += replay(bindings, switch.first, args.rounds, batch)
     print(f"| measurement | ctypes binding | torch op | ctypes - torch op |  (torch {torch.__version__}, 1 thread, "
           f"medians of {args.rounds} interleaved rounds)\n|---|---|---|---|")
     for label, values in rows:

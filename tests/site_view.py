@@ -29,15 +29,16 @@ def make_venv(root: Path, exclude: list[str], add: dict[str, Path] | None = None
     site-packages are empty: the view is appended."""
     site = Path(sysconfig.get_path("purelib"))
     hidden = set().union(*(distribution_entries(name) for name in exclude))
-    view = root / "site-view"
-    view.mkdir(parents=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")], check=True, timeout=120)
+    python = root / "venv" / "bin" / "python"
+    # inside the venv: dill (datasets' hashing) pickles modules outside sys.prefix by value
+    view = root / "venv" / "site-view"
+    view.mkdir()
     for entry in site.iterdir():
         if entry.name not in hidden and not entry.name.endswith(".pth") and entry.name != "__pycache__":
             (view / entry.name).symlink_to(entry)
     for name, path in (add or {}).items():
         (view / name).symlink_to(path)
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")], check=True, timeout=120)
-    python = root / "venv" / "bin" / "python"
     purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                              capture_output=True, text=True, check=True, timeout=60).stdout.strip()
     (Path(purelib) / "zz_site_view.pth").write_text(f"{view}\n")

