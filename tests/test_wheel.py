@@ -183,3 +183,19 @@ def test_cuda_library_holds_the_architectures_it_claims(tmp_path):
     assert set(re.findall(r"\.sm_(\d+)\.ptx", ptx)) == {archs[-1]}, ptx  # the newest as PTX (each .cu), for newer GPUs
     needed = _needed(library)
     assert not [n for n in needed if re.match(r"lib(torch|c10|python|cudart)", n)], needed  # runtime linked in
+
+
+@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-g++") is None,
+                    reason="aarch64-linux-gnu-g++ is not installed (scripts/setup_env.sh installs g++-aarch64-linux-gnu)")
+def test_aarch64_cpu_library_cross_compiles(tmp_path, monkeypatch):
+    """What an aarch64 wheel carries (NEON and generic; their kernels run under qemu in
+    tests/test_cpu_kernel_arm.py) builds from the same declaration with a cross compiler."""
+    from elftools.elf.elffile import ELFFile
+
+    monkeypatch.setenv("CXX", "aarch64-linux-gnu-g++")
+    spec = build.cpu_build("aarch64")
+    assert spec.sources == ("cpu/c_api.cpp", "cpu/kernel_neon.cpp", "cpu/kernel_generic.cpp")
+    library = build.compile_library(spec, tmp_path)
+    with library.open("rb") as file:
+        assert ELFFile(file)["e_machine"] == "EM_AARCH64"
+    assert not [n for n in _needed(library) if re.match(r"lib(torch|c10|python)", n)]
