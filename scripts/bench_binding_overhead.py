@@ -6,12 +6,11 @@ in one process, the two interleaved (A, B, A, B, ...), medians.
     git archive 81a3301 csrc | tar -x -C /tmp/old
     python scripts/bench_binding_overhead.py --torch-op-csrc /tmp/old/csrc
 
-1. Each op alone on a small input (the per-call cost, kernel work next to nothing): decode
-   attention of one sequence (9/3 heads of 64, two chunks of 16) and `small_linear` of one
-   row (576 -> 576), microseconds per call.
-2. A decode step of the default model (SmolLM2-135M, float32, 30 layers: one attention and
-   seven small linears per layer go through the binding at batch 1) at batch 1 and 32,
-   milliseconds per step, as `bench_host_overhead.py` times a step.
+Measures a decode step of the default model (SmolLM2-135M, float32, 30 layers: an
+attention call per layer, and `small_linear` where the linear path takes it) at batch 1
+and 32, milliseconds per step, as `bench_host_overhead.py` times a step; then the step's
+first call of each op replayed alone, and `small_linear` on a 576 -> 576 weight (the
+per-call cost, microseconds).
 
 Both bindings run the same kernels (the kernel sources did not change); the engine's
 backend objects call whichever `Switch.target` is at the time. One thread.
@@ -147,20 +146,20 @@ def decode_steps(model, switch: Switch, bindings: dict, batch: int, rounds: int)
     return interleaved({name: under(b) for name, b in bindings.items()}, rounds, 4)
 
 
-def replay(bindings: dict, first: dict, rounds: int, batch: int) -> list[tuple[str, dict]]:
+def replay(bindings: dict, first: dict, rounds: int, batch: int, calls: int) -> list[tuple[str, dict]]:
     """Per-call microseconds of each op's first call in a decode step, replayed alone (a
     decode plan's call made once, then called per layer, as a step does)."""
     rows = []
     plan_args, qkv = first["tpp_decode"]
-    calls = {name: b.decode_call(*plan_args) for name, b in bindings.items()}
+    made = {name: b.decode_call(*plan_args) for name, b in bindings.items()}
     rows.append((f"decode attention, per layer, batch {batch} (us)",
-                 interleaved({name: (lambda c=c: c(*qkv)) for name, c in calls.items()}, rounds, 2000)))
-    if "small_linear" not in first:  # more rows than small_linear takes: oneDNN runs
-        return rows
-    x, weight, bias, isa = first["small_linear"]
-    rows.append((f"small_linear {x.shape[0]}x{weight.shape[1]} -> {weight.shape[0]} (us)",
-                 interleaved({name: (lambda b=b: b.small_linear(x, weight, bias, isa)) for name, b in bindings.items()},
-                             rounds, 2000)))
+                 interleaved({name: (lambda c=c: c(*qkv)) for name, c in made.items()}, rounds, calls)))
+    isa = plan_args[-1]
+    small = (torch.randn(batch, 576), torch.randn(576, 576), None, isa)  # a q_proj of the default model
+    for x, weight, bias, isa in ([first["small_linear"]] if "small_linear" in first else []) + [small]:
+        rows.append((f"small_linear {x.shape[0]}x{weight.shape[1]} -> {weight.shape[0]} (us)",
+                     interleaved({name: (lambda b=b: b.small_linear(x, weight, bias, isa))
+                                  for name, b in bindings.items()}, rounds, calls)))
     return rows
 
 
@@ -169,7 +168,8 @@ def main() -> None:
     parser.add_argument("--torch-op-csrc", type=Path, required=True, help="csrc/ of commit 81a3301")
     parser.add_argument("--build-dir", type=Path, default=Path("/tmp/chunk_llama_torch_op_build"))
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--calls", type=int, default=500, help="calls per round when an op is replayed alone")
     args = parser.parse_args()
     torch.set_num_threads(1)
     spec = cpu_build()
@@ -182,18 +182,15 @@ def main() -> None:
 
     model, _ = chunk_llama.load_default_model(dtype=torch.float32, device="cpu")
     chunk_llama.patch_model(model)
-    rows = []
+    print(f"| measurement | ctypes binding | torch op | ctypes - torch op |  (torch {torch.__version__}, 1 thread, "
+          f"medians of {args.rounds} interleaved rounds)\n|---|---|---|---|", flush=True)
     for batch in args.batch:
         switch.record(batch)
         step_us = decode_steps(model, switch, bindings, batch, args.rounds)
-        rows.append((f"decode step, default model, batch {batch} (ms)", {k: v / 1e3 for k, v in step_us.items()}))
-        rows += replay(bindings, switch.first, args.rounds, batch)
-    print(f"| measurement | ctypes binding | torch op | ctypes - torch op |  (torch {torch.__version__}, 1 thread, "
-          f"medians of {args.rounds} interleaved rounds)\n|---|---|---|---|")
-    for label, values in rows:
-        print(f"| {label} | {values['ctypes']:.3f} | {values['torch op']:.3f} | "
-              f"{values['ctypes'] - values['torch op']:+.3f} |")
-
+        rows = [(f"decode step, default model, batch {batch} (ms)", {k: v / 1e3 for k, v in step_us.items()})]
+        for label, values in rows + replay(bindings, switch.first, args.rounds, batch, args.calls):
+            print(f"| {label} | {values['ctypes']:.3f} | {values['torch op']:.3f} | "
+                  f"{values['ctypes'] - values['torch op']:+.3f} |", flush=True)
 
 if __name__ == "__main__":
     main()
