@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 from chunk_llama.eval.cli import add_eval_parser
+from chunk_llama.extras import MissingExtraError, require
 from chunk_llama.server.options import DeployArgs
 from chunk_llama.settings import (EngineArgs, HelpFormatter, UsageError, add_arguments, from_namespace, option,
                                   run_command)
@@ -146,11 +147,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """`chunk-llama serve`: the OpenAI-compatible server (chunk_llama.server)."""
+    require("serve", "chunk-llama serve")
     from chunk_llama.server import serve
 
     engine_args, serve_args = from_namespace(EngineArgs, args), from_namespace(ServeArgs, args)
     deploy = from_namespace(DeployArgs, args)
     if serve_args.data_parallel > 1 or serve_args.worker_urls:
+        require("router", "chunk-llama serve --data-parallel/--worker-urls")
         from chunk_llama.server.replicas import serve_replicas
 
         if deploy != DeployArgs():  # the router does not apply them: refusing beats serving unguarded
@@ -183,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv or ["generate"])
     if not hasattr(args, "func"):
         args = parser.parse_args(["generate", *argv])
-    return run_command(parser, args)
+    try:
+        return run_command(parser, args)
+    except MissingExtraError as error:  # one line naming the extra, not an import's traceback
+        parser.exit(1, f"{parser.prog} {args.command}: error: {error}\n")
 
 
 if __name__ == "__main__":

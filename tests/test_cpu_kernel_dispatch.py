@@ -1,6 +1,7 @@
 """Choosing the CPU kernel variant, reporting the backend, one-time fallback logs, the
 first-use build message and the build's separation of instruction sets."""
 
+import ctypes
 import logging
 import subprocess
 from pathlib import Path
@@ -10,7 +11,7 @@ import torch
 from helpers import make_tree
 
 from chunk_llama import ops
-from chunk_llama.ops import isa, jit
+from chunk_llama.ops import build, isa, jit, native
 from chunk_llama.ops.build import KernelBuild, cpu_build
 
 
@@ -86,23 +87,31 @@ def test_fallbacks_are_logged_once_per_reason(monkeypatch, caplog):
 def test_first_use_build_says_what_it_builds_once(tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("CHUNK_LLAMA_CACHE_DIR", str(tmp_path))
     source = tmp_path / "tiny.cpp"
-    source.write_text("#include <torch/library.h>\nstatic int64_t twice(int64_t x) { return 2 * x; }\n"
-                      "TORCH_LIBRARY(chunk_llama_jit_test, m) { m.def(\"twice(int x) -> int\", &twice); }\n")
-    monkeypatch.setattr(jit, "_modules", {})
-    spec = KernelBuild(name="chunk_llama_jit_test", sources=(str(source),), namespace="chunk_llama_jit_test",
-                       cflags=("-O0",), description="the tiny test op", estimate_seconds=7)
-    assert jit.load_extension(spec) is not None
-    assert torch.ops.chunk_llama_jit_test.twice(21) == 42
+    source.write_text('extern "C" __attribute__((visibility("default"))) long twice(long x) { return 2 * x; }\n')
+    spec = KernelBuild(name="chunk_llama_jit_test", sources=(str(source),), cflags=("-O0", "-fPIC"),
+                       description="the tiny test library", estimate_seconds=7)
+    library = ctypes.CDLL(str(jit.build_library(spec)))
+    assert library.twice(21) == 42
     first = capfd.readouterr().err
-    assert "chunk-llama: building the tiny test op (first use only, about 7 s)" in first
-    # built: a later process (here: a cleared in-process cache) loads it without the line,
-    # even where a killed build left torch's baton behind (it would wait for it forever)
-    [build_dir] = tmp_path.glob("chunk_llama_jit_test-*/")
-    (build_dir / "lock").touch()
-    monkeypatch.setattr(jit, "_modules", {})
-    assert jit.load_extension(spec) is not None
+    assert "chunk-llama: building the tiny test library (first use only, about 7 s)" in first
+    # built: a later process (here: a second call) finds it in the cache, without the line
+    assert jit.build_library(spec) == jit.build_dir(spec) / "libchunk_llama_jit_test.so"
     assert "building" not in capfd.readouterr().err
     assert "chunk_llama_jit_test" in (tmp_path / "build_seconds.json").read_text()
+
+
+def test_a_missing_compiler_is_named_and_the_reference_runs(tmp_path, monkeypatch):
+    """No packaged library and no compiler: the reason names what was looked for."""
+    monkeypatch.setenv("CHUNK_LLAMA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path))  # no c++, g++, clang++ there
+    monkeypatch.delenv("CXX", raising=False)
+    spec = KernelBuild(name="chunk_llama_no_compiler_test", sources=("cpu/c_api.cpp",), description="the test kernels")
+    with pytest.warns(UserWarning, match="the test kernels are not available, using the PyTorch reference"):
+        assert native.load(spec, lambda path, origin: path) is None
+    assert native.failure(spec.name) == ("this installation carries no prebuilt libchunk_llama_no_compiler_test.so, "
+                                         "and building it from source failed: no C++ compiler was found (looked for "
+                                         "c++, g++, clang++ on PATH)")
+    assert native.load(spec, lambda path, origin: path) is None  # not tried again
 
 
 def test_variant_objects_define_nothing_outside_their_namespace():
@@ -111,9 +120,9 @@ def test_variant_objects_define_nothing_outside_their_namespace():
     linker keeps for the baseline glue, and run on a CPU without those instructions."""
     from chunk_llama.ops import cpu
 
-    assert cpu.build() is not None
-    builds = sorted(jit.cache_dir().glob(f"{cpu_build().name}-torch*/"), key=lambda p: p.stat().st_mtime)
-    objects = {v: builds[-1] / f"kernel_{v}.o" for v in isa.compiled_variants()}
+    library = cpu.build()
+    assert library is not None and library.origin == "built", "this test reads the objects of a build from source"
+    objects = {v: jit.build_dir(cpu_build()) / f"kernel_{v}.o" for v in isa.compiled_variants()}
     for variant, obj in objects.items():
         assert obj.exists(), obj
         symbols = subprocess.run(["nm", "-C", "--defined-only", str(obj)], capture_output=True, text=True,
@@ -131,4 +140,4 @@ def test_build_holds_every_variant_of_the_architecture():
     assert list(module.variants()) == list(isa.compiled_variants())
     for name in isa.compiled_variants():
         assert module.host_runs(name) == (name in isa.host_variants()), name
-    assert Path(jit.CSRC / "cpu" / "kernel_generic.cpp").exists()
+    assert Path(build.CSRC / "cpu" / "kernel_generic.cpp").exists()

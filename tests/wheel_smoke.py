@@ -1,18 +1,18 @@
 """Smoke test of an installed chunk-llama (run by tests/test_wheel.py, not collected by pytest).
 
 Run with the interpreter of a virtual environment the wheel is installed in, from a
-folder outside the repository, with `CHUNK_LLAMA_CACHE_DIR` set:
+folder outside the repository, with `CHUNK_LLAMA_CACHE_DIR` set to an empty folder:
 
-    python wheel_smoke.py VENV native|missing
+    python wheel_smoke.py VENV prebuilt|fallback
 
 Checks that chunk_llama is imported from VENV (not the repository), runs greedy
-generation of a tiny random Llama through the engine (two requests sharing a
-prefix several chunks long) and compares the tokens with stock transformers
-`generate`, then prints one JSON line: the attention backend, the fallback reason,
-where the kernel sources were looked up and, for `native`, the build folder.
-`native` expects the C++ kernel built from the package's own `chunk_llama/csrc/`;
-`missing` expects the reference with a reason naming the missing sources (the caller
-removed them).
+generation of a tiny random Llama through the engine (two requests sharing a prefix
+several chunks long) and compares the tokens with stock transformers `generate`, then
+prints one JSON line: the attention backend, the fallback reason, the CPU library's
+origin and path, and whether a C++ compiler is reachable. `prebuilt` expects the native
+CPU kernel from the wheel's own `chunk_llama/_native/` and nothing built; `fallback`
+expects the PyTorch reference with the reason (the caller removed the prebuilt library
+and no compiler is reachable).
 """
 
 from __future__ import annotations
@@ -26,16 +26,18 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 import chunk_llama
-from chunk_llama.ops import cpu, jit
-from chunk_llama.ops.build import cpu_build
+from chunk_llama.ops import build, cpu
 
 
 def main() -> None:
     venv, expect = Path(sys.argv[1]).resolve(), sys.argv[2]
     package = Path(chunk_llama.__file__).resolve().parent
     assert venv in package.parents, f"chunk_llama was imported from {package}, not from the wheel in {venv}"
-    assert Path(jit.__file__).resolve().parent.parent == package
     cache = Path(os.environ["CHUNK_LLAMA_CACHE_DIR"])
+    try:
+        compiler = build.find_compiler(build.cpu_build())
+    except build.BuildError:
+        compiler = None
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=96, hidden_size=128, head_dim=64, intermediate_size=128,
@@ -51,26 +53,20 @@ def main() -> None:
                  for p in prompts]
 
     engine = chunk_llama.ChunkLlamaEngine(model, max_batch_size=2, chunk_size=16)
-    outputs = engine.generate(prompts, options)
-    ours = [out.token_ids for out in outputs]
+    ours = [out.token_ids for out in engine.generate(prompts, options)]
     assert ours == stock, f"engine tokens {ours} != stock generate {stock}"
     stats = engine.stats
+    library = cpu.build()
     report = {"backend": stats["attention_backend"], "reason": stats["attention_fallback_reason"],
-              "csrc": str(jit.CSRC), "package_csrc": str(jit.PACKAGE_CSRC), "tokens": ours}
-    if expect == "native":
-        assert jit.CSRC == jit.PACKAGE_CSRC == package / "csrc", (jit.CSRC, jit.PACKAGE_CSRC)
-        assert cpu.build() is not None, f"the CPU kernel did not build: {cpu.build_failed()}"
+              "origin": library and library.origin, "library": library and str(library.path),
+              "compiler": compiler, "built": sorted(p.name for p in cache.glob("*") if p.is_dir()), "tokens": ours}
+    if expect == "prebuilt":
+        assert library is not None, f"the CPU kernel did not load: {cpu.build_failed()}"
+        assert library.origin == "prebuilt" and library.path.parent == package / "_native", report
         assert stats["attention_backend"].startswith("cpu:"), stats
-        builds = sorted(cache.glob(f"{cpu_build().name}-torch*/build.ninja"))
-        assert len(builds) == 1, f"expected one build of the CPU kernel in {cache}, found {builds}"
-        ninja = builds[0].read_text()
-        glue = package / "csrc" / "cpu" / "tpp_cpu_torch.cpp"
-        assert str(glue) in ninja, f"not built from the package's sources ({glue} not in {builds[0]})"
-        report["build"] = str(builds[0].parent)
+        assert report["built"] == [], f"nothing should have been built, found {report['built']} in {cache}"
     else:
-        assert not jit.PACKAGE_CSRC.exists()
-        assert stats["attention_backend"] == "reference", stats
-        assert not list(cache.glob("*/build.ninja")), "nothing should have been built"
+        assert library is None and stats["attention_backend"] == "reference", stats
     print(json.dumps(report))
 
 

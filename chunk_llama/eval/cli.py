@@ -14,6 +14,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+from chunk_llama.extras import require
 from chunk_llama.settings import EngineArgs, HelpFormatter, add_arguments, from_namespace, option, run_command
 
 
@@ -39,6 +40,7 @@ def add_eval_parser(sub) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    require("eval", "chunk-llama eval")
     import torch
     from accelerate import PartialState
 

@@ -1,10 +1,11 @@
-"""CPU attention (csrc/cpu, C++ with OpenMP), built on first use: two-phase-partition decode
-and packed prefill, each as a plan-once, run-per-layer object.
+"""CPU attention (csrc/cpu, C++ with OpenMP): two-phase-partition decode and packed prefill,
+each as a plan-once, run-per-layer object.
 
+The library comes prebuilt in the platform wheel or is built on first use (`native.py`).
 One build holds every kernel variant of this architecture (see `isa.py`, `build.py`):
-the torch glue is compiled once with baseline flags and each variant in its own small
-translation unit for its own instruction set, and the glue dispatches at run time.
-So the build does not depend on the CPU's features and is cached once per
+the C interface is compiled once with baseline flags and each variant in its own small
+translation unit for its own instruction set, and the interface dispatches at run time.
+So the build does not depend on the CPU's features and is made once per
 architecture; `CHUNK_LLAMA_CPU_ISA` picks the variant without rebuilding.
 
 Both ops take the same arguments: q, the layer's K/V pool, the step's plan (one int64
@@ -16,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from chunk_llama.ops import isa
+from chunk_llama.ops import isa, native
 from chunk_llama.ops.build import cpu_build
-from chunk_llama.ops.jit import build_failure, load_extension
+from chunk_llama.ops.cpu_lib import CpuLibrary, int64_array
 from chunk_llama.step.buffers import StaticBuffers
 from chunk_llama.step.decode_plan import DecodePlan
 from chunk_llama.step.prefill_plan import PrefillPlan
@@ -27,14 +28,14 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # csrc/cpu/params.h; chunk sizes: any multiple of 16
 
 
-def build():
-    """The ops of the built library (`torch.ops.chunk_llama_cpu`), building it on first use, or None."""
-    return load_extension(cpu_build())
+def build() -> CpuLibrary | None:
+    """The CPU kernels' library (`cpu_lib.CpuLibrary`): the wheel's, else built on first use; or None."""
+    return native.load(cpu_build(), CpuLibrary)
 
 
 def build_failed() -> str | None:
-    """Why the build failed in this process, or None."""
-    return build_failure(cpu_build().name)
+    """Why the library is not available in this process, or None."""
+    return native.failure(cpu_build().name)
 
 
 def unsupported_reason(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, chunk_size: int) -> str | None:
@@ -91,21 +92,23 @@ class CpuDecode:
     def plan(self, plan: DecodePlan) -> None:
         num_heads, num_kv_heads, head_dim, chunk_size = self.geometry
         self._plan = plan
+        self._layout = int64_array(plan.layout)  # converted once per step, read by every layer
         self._scratch = self.workspace.scratch(self._ops.scratch_floats(
             plan.num_pairs, plan.num_seqs, num_heads, num_kv_heads, head_dim, chunk_size, torch.get_num_threads()))
-        self._items_for: dict[int, int] = {}
+        self._calls: dict[tuple, object] = {}  # (scale, window): the plan's call, arguments converted once
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int = 0,
             new_kv=None) -> torch.Tensor:
         """q: [num_seqs, num_heads, head_dim] in plan order; k_cache, v_cache: [capacity,
         num_kv_heads, chunk_size, head_dim] -> [num_seqs, num_heads, head_dim]"""
-        plan = self._plan
-        items = self._items_for.get(window)
-        if items is None:
-            items = self._items_for[window] = self.max_chunks_per_item or default_chunks_per_item(
-                plan.num_shared, plan.chunk_size, self.geometry[1], window)
-        return self._ops.tpp_decode(q.contiguous(), k_cache, v_cache, plan.index, plan.layout, self._scratch,
-                                    float(scale), window, items, self.variant)
+        call = self._calls.get((scale, window))
+        if call is None:
+            plan = self._plan
+            items = self.max_chunks_per_item or default_chunks_per_item(plan.num_shared, plan.chunk_size,
+                                                                       self.geometry[1], window)
+            call = self._calls[scale, window] = self._ops.decode_call(plan.index, self._layout, self._scratch, scale,
+                                                                      window, items, self.variant)
+        return call(q.contiguous(), k_cache, v_cache)
 
 
 class CpuPrefill:
@@ -127,15 +130,19 @@ class CpuPrefill:
                              f"{num_heads} / {num_kv_heads} heads")
         threads = torch.get_num_threads()
         self._arrays = plan.cpu(threads)
+        self._layout = int64_array(self._arrays.layout)
         self._scratch = self.workspace.scratch(self._ops.prefill_scratch_floats(
             self._arrays.num_partial_rows, num_heads, chunk_size, head_dim, threads))
+        self._calls: dict[tuple, object] = {}  # (scale, window): the plan's call, arguments converted once
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int = 0,
             new_kv=None) -> torch.Tensor:
         """q: [num_q_tokens, num_heads, head_dim] -> the same shape (rows of no sequence unset)"""
-        arrays = self._arrays
-        return self._ops.tpp_prefill(q.contiguous(), k_cache, v_cache, arrays.index, arrays.layout, self._scratch,
-                                     float(scale), window, self.variant)
+        call = self._calls.get((scale, window))
+        if call is None:
+            call = self._calls[scale, window] = self._ops.prefill_call(self._arrays.index, self._layout, self._scratch,
+                                                                       scale, window, self.variant)
+        return call(q.contiguous(), k_cache, v_cache)
 
 
 def tpp_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan,

@@ -1,4 +1,6 @@
-"""CUDA two-phase-partition decode attention (csrc/cuda), built for the GPU at hand.
+"""CUDA two-phase-partition decode attention (csrc/cuda): the wheel's library (a cubin per
+architecture family and PTX, the CUDA runtime linked in), else one built on first use for
+the GPU at hand with the local nvcc (`native.py`).
 
 Same call convention as the CPU ops: q, the layer's K/V pool, the step's plan (the
 decode plan's int32 arrays in one device tensor, `DecodePlan.cuda_index`, and its
@@ -9,8 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from chunk_llama.ops import native
 from chunk_llama.ops.build import cuda_build
-from chunk_llama.ops.jit import build_failure, load_extension
+from chunk_llama.ops.cpu_lib import int64_array
+from chunk_llama.ops.cuda_lib import CudaLibrary
 from chunk_llama.step.buffers import StaticBuffers
 from chunk_llama.step.decode_plan import CUDA_COUNTS, DecodePlan
 
@@ -24,14 +28,22 @@ def _arch(device_index: int | None = None) -> str:
     return f"{major}{minor}"
 
 
-def build(device_index: int | None = None):
-    """The ops of the library built for the GPU (`torch.ops.chunk_llama_cuda`), building it on first use, or None."""
-    return load_extension(cuda_build(_arch(device_index)))
+def _device(device_index: int | None) -> int:
+    return torch.cuda.current_device() if device_index is None else device_index
+
+
+def build(device_index: int | None = None) -> CudaLibrary | None:
+    """The CUDA kernels' library for the GPU (`cuda_lib.CudaLibrary`): the wheel's if it runs
+    there, else built on first use for its architecture; or None."""
+    device = _device(device_index)
+    archs = native.prebuilt_cuda_archs()
+    return native.load(cuda_build((_arch(device),)), lambda path, origin: CudaLibrary(path, origin, device),
+                       packaged=cuda_build(archs) if archs else None)
 
 
 def build_failed(device_index: int | None = None) -> str | None:
-    """Why the build for this GPU failed in this process, or None."""
-    return build_failure(cuda_build(_arch(device_index)).name)
+    """Why the library is not available for this GPU in this process, or None."""
+    return native.failure(cuda_build((_arch(_device(device_index)),)).name)
 
 
 def unsupported_reason(device_index, dtype, cache_dtype, head_dim: int, chunk_size: int) -> str | None:
@@ -68,6 +80,7 @@ class CudaDecode:
             raise ValueError("the plan holds no CUDA arrays: build it on the GPU from a chunk-aligned tree")
         num_heads, num_kv_heads, head_dim, _ = self.geometry
         self._plan = plan
+        self._layout = int64_array(plan.cuda_layout)  # converted once per step, read by every layer
         num_partial_rows = plan.cuda_layout[CUDA_COUNTS.index("num_partial_rows")]
         self._scratch = self.workspace.scratch(self._ops.workspace_floats(plan.num_seqs, num_heads, num_kv_heads,
                                                                           head_dim, num_partial_rows))
@@ -76,5 +89,5 @@ class CudaDecode:
             new_kv=None) -> torch.Tensor:
         """q: [num_seqs, num_heads, head_dim] in plan order -> [num_seqs, num_heads, head_dim]"""
         plan = self._plan
-        return self._ops.tpp_decode(q.contiguous(), k_cache, v_cache, plan.cuda_index, plan.cuda_layout,
-                                    self._scratch, float(scale), window)
+        return self._ops.tpp_decode(q.contiguous(), k_cache, v_cache, plan.cuda_index, self._layout, self._scratch,
+                                    float(scale), window)

@@ -17,26 +17,12 @@ import platform
 
 import torch
 
+from chunk_llama.ops.build import compiled_variants, host_arch
+
 ENV = "CHUNK_LLAMA_CPU_ISA"
 VARIANTS = ("avx512", "avx2", "neon", "generic")
 # The instruction-set flags (as /proc/cpuinfo names them) each x86 variant is compiled for.
 X86_NEEDS = {"avx512": ("avx512f", "avx2", "fma"), "avx2": ("avx2", "fma")}
-
-
-def host_arch() -> str:
-    """'x86_64', 'aarch64' or what `platform.machine()` says."""
-    machine = platform.machine().lower()
-    return {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
-
-
-def compiled_variants(arch: str | None = None) -> tuple[str, ...]:
-    """The variants a build for `arch` (default: this machine's) holds, best first."""
-    arch = arch or host_arch()
-    if arch == "x86_64":
-        return ("avx512", "avx2", "generic")
-    if arch == "aarch64":
-        return ("neon", "generic")
-    return ("generic",)
 
 
 @functools.cache

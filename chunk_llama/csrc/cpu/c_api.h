@@ -1,0 +1,81 @@
+/* The C interface of the CPU kernel library (libchunk_llama_cpu): plain C types, no torch,
+ * so one compiled library serves every torch release and any caller that can pass raw
+ * pointers (chunk_llama/ops/cpu_lib.py binds it with ctypes; keep its argument lists the
+ * same as these). One entry point per op. Each takes raw pointers and the sizes the
+ * caller read off its tensors, checks everything that could make it read or write out of
+ * bounds (shapes, the plan's arrays against the pool, the scratch's size), then runs the
+ * variant named by `isa`. The caller checks what only it can see: devices, dtypes being
+ * the same, contiguity. 0 is success; otherwise the error's kind (CHUNK_LLAMA_VALUE_ERROR,
+ * CHUNK_LLAMA_TYPE_ERROR) and chunk_llama_cpu_last_error() its message (per thread). */
+#ifndef CHUNK_LLAMA_CPU_C_API_H
+#define CHUNK_LLAMA_CPU_C_API_H
+
+#include <stdint.h>
+
+#if defined(_WIN32)
+#define CHUNK_LLAMA_API __declspec(dllexport)
+#else
+#define CHUNK_LLAMA_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Bumped whenever an entry point's arguments change: a loader refuses a library whose
+ * version differs from the one its binding was written for. */
+#define CHUNK_LLAMA_CPU_ABI_VERSION 1
+
+enum { CHUNK_LLAMA_OK = 0, CHUNK_LLAMA_VALUE_ERROR = 1, CHUNK_LLAMA_TYPE_ERROR = 2 };
+/* Element types of q and the pool (params.h DType). */
+enum { CHUNK_LLAMA_FLOAT32 = 0, CHUNK_LLAMA_BFLOAT16 = 1 };
+
+CHUNK_LLAMA_API int chunk_llama_cpu_abi_version(void);
+/* The message of this thread's last failed call. */
+CHUNK_LLAMA_API const char* chunk_llama_cpu_last_error(void);
+/* The variants in this build, best first, comma-separated ("avx512,avx2,generic"). */
+CHUNK_LLAMA_API const char* chunk_llama_cpu_variants(void);
+/* 1 if this CPU runs the variant, 0 if not or if the build has no such variant. */
+CHUNK_LLAMA_API int chunk_llama_cpu_host_runs(const char* isa);
+/* The names of the plan arrays in layout order, comma-separated (plan_layout.h). */
+CHUNK_LLAMA_API const char* chunk_llama_cpu_decode_layout(void);
+CHUNK_LLAMA_API const char* chunk_llama_cpu_prefill_layout(void);
+
+/* Floats of scratch one call needs; -1 (and an error) for a bad geometry. */
+CHUNK_LLAMA_API int64_t chunk_llama_cpu_scratch_floats(int64_t num_pairs, int64_t num_seqs, int64_t num_heads,
+                                                       int64_t num_kv_heads, int64_t head_dim, int64_t chunk_size,
+                                                       int64_t num_threads);
+CHUNK_LLAMA_API int64_t chunk_llama_cpu_prefill_scratch_floats(int64_t num_partial_rows, int64_t num_heads,
+                                                               int64_t chunk_size, int64_t head_dim,
+                                                               int64_t num_threads);
+
+/* Both attention ops take: q [q_rows, num_heads, head_dim]; the layer's K and V pools
+ * [capacity, num_kv_heads, chunk_size, kv_head_dim] with, for each, the elements its
+ * memory holds from its first element on (the guard chunk behind the last must be there);
+ * out, shaped like q; the step's plan (plan_numel int64s) and its layout (layout_size
+ * host integers, plan_layout.h); the caller's float32 scratch; then the scalars. */
+CHUNK_LLAMA_API int chunk_llama_cpu_tpp_decode(
+    const void* q, int64_t q_rows, int64_t num_heads, int64_t head_dim, const void* k_cache, const void* v_cache,
+    int64_t capacity, int64_t num_kv_heads, int64_t chunk_size, int64_t kv_head_dim, int64_t k_extent,
+    int64_t v_extent, int dtype, void* out, const int64_t* plan, int64_t plan_numel, const int64_t* layout,
+    int64_t layout_size, float* scratch, int64_t scratch_numel, double scale, int64_t window,
+    int64_t max_chunks_per_item, const char* isa, int num_threads);
+
+CHUNK_LLAMA_API int chunk_llama_cpu_tpp_prefill(
+    const void* q, int64_t q_rows, int64_t num_heads, int64_t head_dim, const void* k_cache, const void* v_cache,
+    int64_t capacity, int64_t num_kv_heads, int64_t chunk_size, int64_t kv_head_dim, int64_t k_extent,
+    int64_t v_extent, int dtype, void* out, const int64_t* plan, int64_t plan_numel, const int64_t* layout,
+    int64_t layout_size, float* scratch, int64_t scratch_numel, double scale, int64_t window, const char* isa,
+    int num_threads);
+
+/* y [rows, out_features] = x [rows, in_features] W^T (+ bias), float32, W an nn.Linear's
+ * weight [out_features, in_features] in place; bias may be NULL. */
+CHUNK_LLAMA_API int chunk_llama_cpu_small_linear(const float* x, int64_t rows, int64_t in_features, const float* weight,
+                                                 int64_t out_features, const float* bias, float* y, const char* isa,
+                                                 int num_threads);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,214 @@
+"""The CPU kernel library's C interface (`csrc/cpu/c_api.h`) bound with ctypes: one short
+method per op, with the torch ops' old signatures (q, the layer's K/V pool, the plan as one
+int64 tensor and its layout, the caller's scratch, then scalars).
+
+Each method checks what only the tensors say (device, dtype, dimensions, contiguity), reads
+their pointers and sizes, allocates the output and calls the library, which checks the rest
+(geometry, the plan against the pool, the scratch's size) before it makes any pointer from
+them; a failed check is a ValueError or TypeError with the library's message. A new op is
+one declaration in `_SIGNATURES` and one method here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+P, I64, I32, F64, STR = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_char_p
+ABI_VERSION = 1  # CHUNK_LLAMA_CPU_ABI_VERSION in c_api.h
+_ATTENTION = [P, I64, I64, I64, P, P, I64, I64, I64, I64, I64, I64, I32, P, P, I64, P, I64, P, I64, F64, I64]
+_SIGNATURES = {  # name: (argument types, result type), as c_api.h declares them
+    "abi_version": ([], I32),
+    "last_error": ([], STR),
+    "variants": ([], STR),
+    "host_runs": ([STR], I32),
+    "decode_layout": ([], STR),
+    "prefill_layout": ([], STR),
+    "scratch_floats": ([I64] * 7, I64),
+    "prefill_scratch_floats": ([I64] * 5, I64),
+    "tpp_decode": ([*_ATTENTION, I64, STR, I32], I32),
+    "tpp_prefill": ([*_ATTENTION, STR, I32], I32),
+    "small_linear": ([P, I64, I64, P, I64, P, P, STR, I32], I32),
+}
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # CHUNK_LLAMA_FLOAT32, CHUNK_LLAMA_BFLOAT16
+_ERRORS = {1: ValueError, 2: TypeError}
+
+
+def int64_array(values: Sequence[int]) -> ctypes.Array:
+    """A plan's layout as the C interface reads it (made once per plan by the backends)."""
+    return (I64 * len(values))(*values)
+
+
+def _extent(cache: torch.Tensor) -> int:
+    """Elements of `cache`'s memory from its first element on (the pool's guard chunk included)."""
+    return cache.untyped_storage().nbytes() // cache.element_size() - cache.storage_offset()
+
+
+def _check_pool(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if not (k_cache.is_cpu and v_cache.is_cpu):
+        raise TypeError(f"the CPU kernel takes CPU tensors, got k_cache on {k_cache.device}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError("k_cache and v_cache must both be [capacity, num_kv_heads, chunk_size, head_dim], got "
+                         f"{list(k_cache.shape)} and {list(v_cache.shape)}")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in _DTYPE_CODES:
+        raise TypeError(f"k_cache and v_cache must share a dtype the CPU kernel supports (float32, bfloat16), got "
+                        f"{k_cache.dtype} and {v_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+
+
+def _check_plan(plan: torch.Tensor, what: str) -> None:
+    if not (plan.is_cpu and plan.dtype == torch.int64):
+        raise TypeError(f"the {what} plan must be an int64 CPU tensor, got {plan.dtype} on {plan.device}")
+    if not plan.is_contiguous():
+        raise ValueError(f"the {what} plan must be contiguous")
+
+
+def _check_scratch(scratch: torch.Tensor) -> None:
+    if not (scratch.is_cpu and scratch.dtype == torch.float32 and scratch.is_contiguous()):
+        raise ValueError(f"scratch must be a contiguous float32 CPU tensor, got {scratch.dtype} on {scratch.device}")
+
+
+class AttentionCall:
+    """One plan's calls of an attention op, per layer: what the plan fixes (its arrays,
+    layout, scratch and scalars) is checked and converted once, and each layer's K/V pool
+    the first time it comes, so a call checks q, allocates the output and passes the
+    pointers (the per-call cost of ctypes grows with what Python converts; see BENCHMARKS).
+    Valid while the plan's tensors and the pools keep their memory (one step)."""
+
+    def __init__(self, library: "CpuLibrary", function, q_shape: str, plan: torch.Tensor, layout,
+                 scratch: torch.Tensor, tail: tuple):
+        _check_plan(plan, q_shape.split()[0])
+        _check_scratch(scratch)
+        layout = layout if isinstance(layout, ctypes.Array) else int64_array(layout)
+        self._library, self._function, self._q_shape = library, function, q_shape
+        self._tensors = (plan, layout, scratch)  # kept alive: the call holds their addresses
+        self._after_out = (plan.data_ptr(), plan.numel(), layout, len(layout), scratch.data_ptr(), scratch.numel(),
+                           *tail)
+        self._pools: dict[int, tuple] = {}
+
+    def _pool_args(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
+        entry = self._pools.get(id(k_cache))
+        if entry is None or entry[0] is not k_cache or entry[1] is not v_cache:
+            _check_pool(k_cache, v_cache)
+            entry = self._pools[id(k_cache)] = (
+                k_cache, v_cache, k_cache.dtype, (k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.shape,
+                                                  _extent(k_cache), _extent(v_cache), _DTYPE_CODES[k_cache.dtype]))
+        return entry
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """q: [num rows, num_heads, head_dim] (contiguous, the pool's dtype) -> the same shape"""
+        _, _, dtype, pool = self._pool_args(k_cache, v_cache)
+        if not (q.is_cpu and q.dim() == 3 and q.dtype == dtype and q.is_contiguous()):
+            self._reject(q, dtype)
+        out = torch.empty_like(q)
+        code = self._function(q.data_ptr(), *q.shape, *pool, out.data_ptr(), *self._after_out)
+        return out if code == 0 else self._library.raise_error(code)
+
+    def _reject(self, q: torch.Tensor, dtype: torch.dtype):
+        if not q.is_cpu:
+            raise TypeError(f"the CPU kernel takes CPU tensors, got q on {q.device}")
+        if q.dim() != 3:
+            raise ValueError(f"{self._q_shape}, got {list(q.shape)}")
+        if q.dtype != dtype:
+            raise TypeError(f"q, k_cache and v_cache must share a dtype, got {q.dtype} and the pool's {dtype}")
+        raise ValueError("q must be contiguous")
+
+
+class CpuLibrary:
+    """The CPU kernels of one loaded library (`path`; `origin`: "prebuilt" from the wheel or
+    "built" on first use). ValueError if the library's C interface is another version."""
+
+    def __init__(self, path: Path, origin: str):
+        self.path, self.origin = Path(path), origin
+        lib = ctypes.CDLL(str(path))
+        for name, (argtypes, restype) in _SIGNATURES.items():
+            function = getattr(lib, f"chunk_llama_cpu_{name}")
+            function.argtypes, function.restype = argtypes, restype
+        if lib.chunk_llama_cpu_abi_version() != ABI_VERSION:
+            raise ValueError(f"{path.name} has C interface version {lib.chunk_llama_cpu_abi_version()}, this "
+                             f"chunk-llama needs {ABI_VERSION}")
+        self._lib = lib
+
+    def raise_error(self, code: int):
+        """The library's last error as ValueError (code 1), TypeError (2) or RuntimeError."""
+        raise _ERRORS.get(code, RuntimeError)(self._lib.chunk_llama_cpu_last_error().decode())
+
+    def decode_call(self, plan: torch.Tensor, layout, scratch: torch.Tensor, scale: float, window: int,
+                    max_chunks_per_item: int, isa: str) -> AttentionCall:
+        """Decode attention for one plan (`DecodePlan.index`, `.layout`), called per layer as
+        (q [num_seqs, num_heads, head_dim] in plan order, k_cache, v_cache [capacity,
+        num_kv_heads, chunk_size, head_dim]) -> [num_seqs, num_heads, head_dim]"""
+        return AttentionCall(self, self._lib.chunk_llama_cpu_tpp_decode,
+                             "decode q must be [num_seqs, num_heads, head_dim]", plan, layout, scratch,
+                             (float(scale), window, max_chunks_per_item, isa.encode(), torch.get_num_threads()))
+
+    def prefill_call(self, plan: torch.Tensor, layout, scratch: torch.Tensor, scale: float, window: int,
+                     isa: str) -> AttentionCall:
+        """Packed prefill attention for one plan (`PrefillPlan.cpu()`'s index and layout), called
+        per layer as (q [num_q_tokens, num_heads, head_dim], k_cache, v_cache) -> the same
+        shape as q (rows of no sequence unset)"""
+        return AttentionCall(self, self._lib.chunk_llama_cpu_tpp_prefill,
+                             "prefill q must be [num_q_tokens, num_heads, head_dim]", plan, layout, scratch,
+                             (float(scale), window, isa.encode(), torch.get_num_threads()))
+
+    def tpp_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: torch.Tensor,
+                   layout, scratch: torch.Tensor, scale: float, window: int, max_chunks_per_item: int,
+                   isa: str) -> torch.Tensor:
+        """One decode call (`decode_call` once, then per layer, is the cheap way)."""
+        return self.decode_call(plan, layout, scratch, scale, window, max_chunks_per_item, isa)(q, k_cache, v_cache)
+
+    def tpp_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: torch.Tensor,
+                    layout, scratch: torch.Tensor, scale: float, window: int, isa: str) -> torch.Tensor:
+        """One prefill call (`prefill_call` once, then per layer, is the cheap way)."""
+        return self.prefill_call(plan, layout, scratch, scale, window, isa)(q, k_cache, v_cache)
+
+    def small_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, isa: str) -> torch.Tensor:
+        """y = x W^T (+ bias): x [rows, in], weight [out, in] (an nn.Linear's, in place),
+        float32 CPU tensors -> [rows, out]"""
+        if not (x.is_cpu and weight.is_cpu and x.dtype == torch.float32 and weight.dtype == torch.float32):
+            raise TypeError(f"small_linear takes float32 CPU tensors, got x {x.dtype} on {x.device}, weight "
+                            f"{weight.dtype} on {weight.device}")
+        if not (x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1] and x.is_contiguous()
+                and weight.is_contiguous()):
+            raise ValueError(f"small_linear needs contiguous x [rows, in] and weight [out, in], got "
+                             f"{list(x.shape)} and {list(weight.shape)}")
+        if bias is not None and not (bias.is_cpu and bias.dtype == torch.float32 and bias.dim() == 1
+                                     and bias.shape[0] == weight.shape[0] and bias.is_contiguous()):
+            raise ValueError(f"small_linear's bias must be a contiguous float32 CPU vector of {weight.shape[0]}")
+        y = x.new_empty((x.shape[0], weight.shape[0]))
+        code = self._lib.chunk_llama_cpu_small_linear(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(),
+                                                      weight.shape[0], None if bias is None else bias.data_ptr(),
+                                                      y.data_ptr(), isa.encode(), torch.get_num_threads())
+        return y if code == 0 else self.raise_error(code)
+
+    def scratch_floats(self, num_pairs: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                       chunk_size: int, num_threads: int) -> int:
+        """Floats of scratch a decode call needs."""
+        floats = self._lib.chunk_llama_cpu_scratch_floats(num_pairs, num_seqs, num_heads, num_kv_heads, head_dim,
+                                                          chunk_size, num_threads)
+        return floats if floats >= 0 else self.raise_error(1)
+
+    def prefill_scratch_floats(self, num_partial_rows: int, num_heads: int, chunk_size: int, head_dim: int,
+                               num_threads: int) -> int:
+        """Floats of scratch a prefill call needs."""
+        return self._lib.chunk_llama_cpu_prefill_scratch_floats(num_partial_rows, num_heads, chunk_size, head_dim,
+                                                                num_threads)
+
+    def decode_layout(self) -> list[str]:
+        """The decode plan's array names in layout order (the Python side checks its own)."""
+        return self._lib.chunk_llama_cpu_decode_layout().decode().split(",")
+
+    def prefill_layout(self) -> list[str]:
+        return self._lib.chunk_llama_cpu_prefill_layout().decode().split(",")
+
+    def variants(self) -> list[str]:
+        """The variants in this build, best first."""
+        return self._lib.chunk_llama_cpu_variants().decode().split(",")
+
+    def host_runs(self, isa: str) -> bool:
+        """Whether this CPU runs the variant (False for one not in this build)."""
+        return bool(self._lib.chunk_llama_cpu_host_runs(isa.encode()))
