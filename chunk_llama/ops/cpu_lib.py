@@ -185,6 +185,28 @@ class CpuLibrary:
                                                       y.data_ptr(), isa.encode(), torch.get_num_threads())
         return y if code == 0 else self.raise_error(code)
 
+    def small_linear_call(self, isa: str):
+        """`small_linear` for `ops/linear.py`'s hot path, which has already checked that x,
+        weight and bias are float32, on the CPU and contiguous: per call only the shapes that
+        guard memory are checked (a decode step makes about 7 calls per layer, so each
+        microsecond of checks and conversions is a few hundred per step)."""
+        function, variant, threads, raise_error = (self._lib.chunk_llama_cpu_small_linear, isa.encode(),
+                                                   torch.get_num_threads, self.raise_error)
+
+        def call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            # x [rows, in], weight [out, in], bias [out] -> [rows, out]
+            rows, features = x.shape
+            out_features, weight_features = weight.shape
+            if weight_features != features or (bias is not None and bias.shape != (out_features,)):
+                raise ValueError(f"small_linear: x {list(x.shape)}, weight {list(weight.shape)} and bias "
+                                 f"{None if bias is None else list(bias.shape)} do not fit")
+            y = x.new_empty((rows, out_features))
+            code = function(x.data_ptr(), rows, features, weight.data_ptr(), out_features,
+                            None if bias is None else bias.data_ptr(), y.data_ptr(), variant, threads())
+            return y if code == 0 else raise_error(code)
+
+        return call
+
     def scratch_floats(self, num_pairs: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                        chunk_size: int, num_threads: int) -> int:
         """Floats of scratch a decode call needs."""

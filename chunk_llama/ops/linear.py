@@ -70,7 +70,7 @@ def _onednn(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 @functools.cache
 def _small_linear_of(variant: str):
     module = build()  # None for good: a build that failed is not retried in this process
-    return None if module is None else functools.partial(module.small_linear, isa=variant)
+    return None if module is None else module.small_linear_call(variant)
 
 
 def _paths(dtype: torch.dtype, device: torch.device | str):
