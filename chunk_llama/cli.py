@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from chunk_llama.eval.cli import add_eval_parser
 from chunk_llama.extras import MissingExtraError, require
 from chunk_llama.server.options import DeployArgs
-from chunk_llama.settings import (EngineArgs, HelpFormatter, UsageError, add_arguments, from_namespace, option,
+from chunk_llama.settings import (EngineArgs, HelpFormatter, add_arguments, from_namespace, option,
                                   run_command)
 from chunk_llama.version import __version__
 
@@ -156,11 +156,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         require("router", "chunk-llama serve --data-parallel/--worker-urls")
         from chunk_llama.server.replicas import serve_replicas
 
-        if deploy != DeployArgs():  # the router does not apply them: refusing beats serving unguarded
-            raise UsageError("API keys, limits, timeouts and drain options (or their CHUNK_LLAMA_* variables) "
-                             "apply to one server, not to --data-parallel or --worker-urls: put keys and limits "
-                             "on a reverse proxy in front of the router")
-        serve_replicas(engine_args, serve_args)
+        serve_replicas(engine_args, serve_args, deploy)
     else:
         serve(engine_args, serve_args, deploy)
     return 0

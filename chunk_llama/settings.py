@@ -146,6 +146,9 @@ def to_argv(instance) -> list[str]:
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if value == default:
             continue
+        if f.metadata.get("secret"):  # a command line is readable by every user of the machine (ps)
+            raise ValueError(f"{f.name} is secret: give it to the other command in its environment "
+                             f"({ENV_PREFIX}{f.name.upper()}), not on its command line")
         if isinstance(value, bool):
             argv.append(_flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
         elif value is None:

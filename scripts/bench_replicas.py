@@ -6,7 +6,7 @@ round-robin routing, and what the router costs per request.
 
 Workload: the shipped ToolQA-style prompt set (4 applications, each a long system prompt
 with worked examples; `--limit` questions per application), the apps' questions
-interleaved as they would arrive (A1, B1, C1, D1, A2, ...), `--clients` at a time, greedy.
+in a random order (`--seed`; each app's questions in order), `--clients` at a time, greedy.
 For each policy (cache_aware, round_robin) one launch of 2 workers (the default model,
 each worker one of the 2 cores) and the router: prompt tokens, tokens the workers'
 prefills computed, tokens their prefix caches served (from each worker's /metrics), and
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import re
 import statistics
 import sys
@@ -34,10 +35,14 @@ from chunk_llama.ops import isa  # noqa: E402
 from chunk_llama.server.main import model_name_for  # noqa: E402
 
 
-def interleave(chats_by_app: list[list]) -> list:
+def arrivals(chats_by_app: list[list], seed: int) -> list:
+    """The apps' chats in a random order (seeded), each app's own in order: strict A, B, C, D
+    alternation would let round-robin over two workers keep each app on one worker by accident."""
+    rng = random.Random(seed)
+    queues = [list(chats) for chats in chats_by_app]
     out = []
-    for i in range(max(map(len, chats_by_app))):
-        out += [chats[i] for chats in chats_by_app if i < len(chats)]
+    while any(queues):
+        out.append(rng.choice([q for q in queues if q]).pop(0))
     return out
 
 
@@ -99,6 +104,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--overhead-only", action="store_true")
+    parser.add_argument("--seed", type=int, default=0, help="of the arrival order")
     args = parser.parse_args()
     from chunk_llama.models import default_model_path
 
@@ -109,7 +115,7 @@ def main() -> None:
         by_app: dict[str, list] = {}
         for chat in chats:
             by_app.setdefault(chat[0]["content"], []).append(chat)
-        ordered = interleave(list(by_app.values()))
+        ordered = arrivals(list(by_app.values()), args.seed)
         print("| policy | requests | prompt tokens | prefill computed | served from cache | hit rate | requests per "
               "worker | seconds |")
         print("|---|---|---|---|---|---|---|---|")

@@ -1,6 +1,7 @@
 """`chunk-llama serve --data-parallel 2`: two engine workers behind sglang-router on
 127.0.0.1, as a user runs it (a subprocess), against `engine.generate` on the same model."""
 
+import os
 import random
 import re
 import signal
@@ -22,6 +23,7 @@ from chunk_llama import ChunkLlamaEngine  # noqa: E402
 from chunk_llama.models import load_model  # noqa: E402
 
 SYSTEM_WORDS = 150
+NUM_SYSTEMS = 3
 MAX_TOKENS = 6
 
 
@@ -35,11 +37,13 @@ def model_folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts():
-    """Two system prompts of 150 words, 8 questions each, interleaved (A1, B1, A2, B2, ...)."""
+    """Three system prompts of 150 words, 16 questions in all, interleaved (A1, B1, C1, A2, ...:
+    with two prompts, strict alternation would let round-robin over two workers keep each
+    prompt on one worker by accident)."""
     rng = random.Random(0)
-    systems = [" ".join(f"w{rng.randrange(6, 96)}" for _ in range(SYSTEM_WORDS)) for _ in range(2)]
+    systems = [" ".join(f"w{rng.randrange(6, 96)}" for _ in range(SYSTEM_WORDS)) for _ in range(NUM_SYSTEMS)]
     questions = [" ".join(f"w{rng.randrange(6, 96)}" for _ in range(5)) for _ in range(16)]
-    return [systems[i % 2] + " " + q for i, q in enumerate(questions)]
+    return [systems[i % NUM_SYSTEMS] + " " + q for i, q in enumerate(questions)]
 
 
 @pytest.fixture(scope="module")
@@ -59,15 +63,17 @@ def free_port() -> int:
 class Replicas:
     """The launcher as a subprocess, stopped (SIGTERM) at the end."""
 
-    def __init__(self, model: str, name: str, policy: str, *extra: str):
+    def __init__(self, model: str, name: str, policy: str, *extra: str, env: dict | None = None,
+                 key: str | None = None):
         self.model = name
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "chunk_llama.cli", "serve", "--model", model, "--data-parallel", "2",
              "--port", str(self.port), "--router-policy", policy, "--stats-interval", "0", "--log-level", "warning",
              *(extra or ("--kv-cache-bytes", str(16 << 20)))],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and self.proc.poll() is None:
             try:
@@ -83,7 +89,7 @@ class Replicas:
 
     def complete(self, prompt: str) -> httpx.Response:
         body = {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
-        return httpx.post(self.url + "/v1/completions", json=body, timeout=120)
+        return httpx.post(self.url + "/v1/completions", json=body, headers=self.headers, timeout=120)
 
     def stop(self) -> str:
         if self.proc.poll() is None:
@@ -117,8 +123,9 @@ def test_cache_aware_routing_computes_each_system_prompt_on_one_worker(model_fol
             workers = sorted({a.headers["X-Chunk-Llama-Worker"] for a in answers})
             computed[policy] = sum(worker_metric(w, "chunk_llama_prefill_tokens_computed_total") for w in workers)
             if policy == "cache_aware":
-                # each system prompt on one worker: its 150 tokens once, then each question's own 5
-                assert len(workers) == 2 and computed[policy] <= 2 * SYSTEM_WORDS + 16 * 5 + 2 * 64
+                # each system prompt on one worker: its 150 tokens once, then each question's own 5 (and
+                # what its partial last chunk recomputes)
+                assert len(workers) == 2 and computed[policy] <= NUM_SYSTEMS * SYSTEM_WORDS + 16 * 5 + 3 * 64
         finally:
             output = replicas.stop()
         assert replicas.proc.returncode == 0, output[-2000:]
@@ -127,8 +134,22 @@ def test_cache_aware_routing_computes_each_system_prompt_on_one_worker(model_fol
 
 
 def test_a_worker_killed_mid_run_and_the_rest_serves(model_folder, prompts, expected):
-    replicas = Replicas(str(model_folder), model_folder.name, "cache_aware")
+    """With an API key and a body limit, which each worker applies behind the router (the key
+    in the workers' environment, not on their command lines)."""
+    replicas = Replicas(str(model_folder), model_folder.name, "cache_aware", "--kv-cache-bytes", str(16 << 20),
+                        "--max-request-bytes", "4000", env={"CHUNK_LLAMA_API_KEY": "k-replicas"}, key="k-replicas")
     try:
+        assert all("k-replicas" not in " ".join(c.cmdline()) for c in replicas.children)
+        body = {"model": replicas.model, "prompt": prompts[0], "max_tokens": 2}
+        keyless = httpx.post(replicas.url + "/v1/completions", json=body, timeout=60)
+        assert keyless.status_code == 401, keyless.text
+        wrong = httpx.post(replicas.url + "/v1/completions", json=body, timeout=60,
+                           headers={"Authorization": "Bearer k-other"})
+        assert wrong.status_code == 401, wrong.text
+        too_big = httpx.post(replicas.url + "/v1/completions", json={**body, "prompt": "w7 " * 2000},
+                             headers=replicas.headers, timeout=60)
+        assert too_big.status_code == 413, too_big.text
+        assert httpx.get(replicas.url + "/health", timeout=10).status_code == 200
         first = replicas.complete(prompts[0])
         assert first.status_code == 200
         victim = first.headers["X-Chunk-Llama-Worker"]

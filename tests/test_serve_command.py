@@ -225,21 +225,3 @@ def test_a_second_sigint_exits_at_once(model_folder):
     output = "".join(lines)
     assert proc.returncode == 130 and "second interrupt: exiting now" in output, output[-3000:]
     assert any(isinstance(f.exception(timeout=60), httpx.HTTPError) for f in pending), "no request was cut"
-
-
-def test_guards_with_replicas_are_refused_not_ignored(monkeypatch, capsys):
-    """The router in front of --data-parallel workers applies no key or limit: asking for them
-    there is an error (exit 2), not a server that silently runs unguarded."""
-    from chunk_llama.cli import build_parser, main
-    from chunk_llama.server import replicas
-
-    def launched(*args):
-        raise AssertionError("replicas launched with a key nobody checks")
-
-    monkeypatch.setattr(replicas, "serve_replicas", launched)
-    monkeypatch.setenv("CHUNK_LLAMA_API_KEY", "k1")
-    with pytest.raises(SystemExit) as exit_info:
-        main(["serve", "--data-parallel", "2"])
-    assert exit_info.value.code == 2 and "apply to one server" in capsys.readouterr().err
-    monkeypatch.delenv("CHUNK_LLAMA_API_KEY")
-    assert build_parser().parse_args(["serve", "--data-parallel", "2"]).api_key is None

@@ -103,8 +103,15 @@ def router_installed() -> bool:
     return importlib.util.find_spec(ROUTER_PACKAGE) is not None
 
 
-def serve_replicas(engine_args: EngineArgs, serve_args) -> None:
-    """Start the workers and the router, and stop them all on SIGTERM/SIGINT (see the module doc)."""
+def serve_replicas(engine_args: EngineArgs, serve_args, deploy=None) -> None:
+    """Start the workers and the router, and stop them all on SIGTERM/SIGINT (see the module doc).
+    `deploy` (`server.options.DeployArgs`: keys, limits, timeouts, drain) goes to every local
+    worker, which applies it as a single server does: the router forwards each request with its
+    headers, so a worker answers 401, 413 or 429 itself; the keys in the workers' environment,
+    never on a command line."""
+    from chunk_llama.server.options import DeployArgs
+
+    deploy = deploy or DeployArgs()
     if not router_installed():
         raise UsageError("--data-parallel and --worker-urls need sglang-router: pip install sglang-router "
                          "(or chunk-llama[router])")
@@ -125,8 +132,12 @@ def serve_replicas(engine_args: EngineArgs, serve_args) -> None:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             argv = [sys.executable, "-m", "chunk_llama.cli", "serve", *to_argv(engine_args),
-                    *to_argv(dataclasses.replace(worker_args, port=port, worker_id=f"{socket.gethostname()}:{port}"))]
+                    *to_argv(dataclasses.replace(worker_args, port=port, worker_id=f"{socket.gethostname()}:{port}")),
+                    *to_argv(dataclasses.replace(deploy, api_key=None))]
             env = worker_environment(index, num_local, engine_args.device, cores)
+            env.pop("CHUNK_LLAMA_API_KEY", None)
+            if deploy.api_key:
+                env["CHUNK_LLAMA_API_KEY"] = ",".join(deploy.api_key)
             pinned = "OMP_NUM_THREADS" in env
             procs.append((url, subprocess.Popen(argv, env=env, preexec_fn=functools.partial(
                 _worker_start, cores if pinned else None))))
@@ -153,6 +164,6 @@ def serve_replicas(engine_args: EngineArgs, serve_args) -> None:
                 proc.send_signal(signal.SIGTERM)
         for _, proc in reversed(procs):
             try:
-                proc.wait(timeout=60)
+                proc.wait(timeout=60 + deploy.drain_timeout)  # a worker drains its running requests first
             except subprocess.TimeoutExpired:
                 proc.kill()
