@@ -75,3 +75,18 @@ def test_device_and_dtype_resolution():
         resolve_dtype("float64", torch.device("cpu"))
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("int8", torch.device("cpu"))
+
+
+def test_to_argv_gives_the_settings_again_and_keeps_secrets_off_command_lines():
+    """What a launcher passes to the commands it starts (`--data-parallel` workers): the flags
+    that parse back to the same settings; an API key is refused (ps shows command lines)."""
+    from chunk_llama.server.options import DeployArgs
+    from chunk_llama.settings import to_argv
+
+    engine = EngineArgs(max_batch_size=7, prefix_caching=False, kv_cache_bytes=1 << 20)
+    deploy = DeployArgs(max_request_bytes=4000, request_timeout=2.5, metrics_need_key=True)
+    args = build_parser().parse_args(["serve", *to_argv(engine), *to_argv(deploy)])
+    assert from_namespace(EngineArgs, args) == engine and from_namespace(DeployArgs, args) == deploy
+    assert to_argv(EngineArgs()) == []
+    with pytest.raises(ValueError, match="api_key is secret: give it to the other command in its environment"):
+        to_argv(DeployArgs(api_key=["k1"]))
