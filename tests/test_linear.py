@@ -83,6 +83,16 @@ def test_linear_takes_small_linear_up_to_its_rows_then_onednn(rows, monkeypatch)
     assert linear.linear(x.bfloat16(), weight.bfloat16()).dtype == torch.bfloat16  # F.linear: oneDNN already
 
 
+def test_a_weight_or_bias_the_kernels_cannot_read_goes_to_f_linear():
+    """The kernels read raw float32 pointers: a bias of another dtype must reach F.linear, which
+    says what is wrong, never the kernel, which would read past its end."""
+    step_linear = linear.resolve(torch.float32, "cpu")
+    x, weight, b = random_layer(3, 64, 40, True)
+    check_against_float64(step_linear(x, weight, b), x, weight, b)
+    with pytest.raises(RuntimeError, match="dtype"):
+        step_linear(x, weight, b.bfloat16())
+
+
 @x86_only
 def test_only_forwards_on_a_chunk_cache_take_them(monkeypatch):
     stock = tiny_llama()

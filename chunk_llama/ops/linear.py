@@ -84,8 +84,11 @@ def _paths(dtype: torch.dtype, device: torch.device | str):
 
 
 def _run(small, onednn: bool, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if x.dtype is not torch.float32 or weight.dtype is not torch.float32 or x.device.type != "cpu" or not (
-            weight.is_contiguous() and (bias is None or bias.is_contiguous())):
+    # The kernels read raw pointers: x, weight and bias float32 CPU tensors, weight and bias
+    # contiguous (small_linear_call checks only the shapes); anything else is F.linear's.
+    if not (x.dtype is torch.float32 and x.is_cpu and weight.dtype is torch.float32 and weight.is_cpu
+            and weight.is_contiguous() and (bias is None or (bias.dtype is torch.float32 and bias.is_cpu
+                                                             and bias.is_contiguous()))):
         return F.linear(x, weight, bias)
     flat = x.reshape(-1, x.shape[-1])
     if small is not None and flat.shape[0] <= SMALL_ROWS:
