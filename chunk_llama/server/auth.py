@@ -16,6 +16,8 @@ import hmac
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from chunk_llama.server.convert import OpenAIError
+
 
 def read_key_file(path: str) -> list[str]:
     """The keys in `path`: one a line; blank lines and lines starting with `#` are skipped."""
@@ -62,9 +64,9 @@ class ApiKeyMiddleware:
         if scope["type"] == "http" and self._protected(scope) and not self._authorized(scope):
             if self.on_refused is not None:
                 self.on_refused()
-            body = {"error": {"message": "a valid API key is required: send it as 'Authorization: Bearer <key>'",
-                              "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
-            response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            error = OpenAIError("a valid API key is required: send it as 'Authorization: Bearer <key>'", status=401,
+                                code="invalid_api_key")
+            response = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)

@@ -53,9 +53,7 @@ class BodyLimitMiddleware:
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             if self.on_refused is not None:
                 self.on_refused()
-            error = self._too_large()
-            body = {"error": {"message": error.detail, "type": "invalid_request_error", "param": None,
-                              "code": None}}
+            body = OpenAIError(self._too_large().detail, status=413).body()
             await JSONResponse(body, status_code=413, headers={"Connection": "close"})(scope, receive, send)
             return
         received = 0

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import logging
 import os
 import signal
@@ -32,10 +31,11 @@ import time
 
 import httpx
 
+from chunk_llama.extras import missing
+from chunk_llama.server.options import DeployArgs
 from chunk_llama.settings import EngineArgs, UsageError, to_argv
 
 logger = logging.getLogger(__name__)
-ROUTER_PACKAGE = "sglang_router"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -100,17 +100,15 @@ def router_command(args, worker_urls: list[str]) -> list[str]:
 
 
 def router_installed() -> bool:
-    return importlib.util.find_spec(ROUTER_PACKAGE) is not None
+    return not missing("router")
 
 
-def serve_replicas(engine_args: EngineArgs, serve_args, deploy=None) -> None:
+def serve_replicas(engine_args: EngineArgs, serve_args, deploy: DeployArgs | None = None) -> None:
     """Start the workers and the router, and stop them all on SIGTERM/SIGINT (see the module doc).
     `deploy` (`server.options.DeployArgs`: keys, limits, timeouts, drain) goes to every local
     worker, which applies it as a single server does: the router forwards each request with its
     headers, so a worker answers 401, 413 or 429 itself; the keys in the workers' environment,
     never on a command line."""
-    from chunk_llama.server.options import DeployArgs
-
     deploy = deploy or DeployArgs()
     if not router_installed():
         raise UsageError("--data-parallel and --worker-urls need sglang-router: pip install sglang-router "
