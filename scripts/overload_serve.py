@@ -19,7 +19,6 @@ import asyncio
 import json
 import random
 import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -27,7 +26,7 @@ import time
 
 import httpx
 
-from soak_serve import save_tiny_model, start_server, words
+from soak_serve import free_port, save_tiny_model, start_server, words
 
 
 async def one(client: httpx.AsyncClient, model: str, rng: random.Random, max_tokens: int) -> dict:
@@ -122,9 +121,7 @@ def main() -> int:
     parser.add_argument("--factor", type=float, default=3.0)
     parser.add_argument("--seconds", type=float, default=30.0)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     flags = ["--max-batch-size", str(args.max_batch_size), "--max-waiting-requests", str(args.max_waiting_requests)]
     with tempfile.TemporaryDirectory() as folder:

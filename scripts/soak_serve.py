@@ -20,7 +20,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
+
+from chunk_llama.server.replicas import free_port
 
 KINDS = {  # kind of client -> weight
     "complete": 4,     # /v1/completions, n 1 or 2, maybe stop strings and logprobs, read whole
@@ -261,9 +262,7 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of the default model")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as folder:
         if args.tiny:
