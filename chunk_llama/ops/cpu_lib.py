@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 P, I64, I32, F64, STR = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_char_p
-ABI_VERSION = 1  # CHUNK_LLAMA_CPU_ABI_VERSION in c_api.h
+ABI_VERSION = 2  # CHUNK_LLAMA_CPU_ABI_VERSION in c_api.h
 _ATTENTION = [P, I64, I64, I64, P, P, I64, I64, I64, I64, I64, I64, I32, P, P, I64, P, I64, P, I64, F64, I64]
 _SIGNATURES = {  # name: (argument types, result type), as c_api.h declares them
     "abi_version": ([], I32),
@@ -32,6 +32,9 @@ _SIGNATURES = {  # name: (argument types, result type), as c_api.h declares them
     "tpp_decode": ([*_ATTENTION, I64, STR, I32], I32),
     "tpp_prefill": ([*_ATTENTION, STR, I32], I32),
     "small_linear": ([P, I64, I64, P, I64, P, P, STR, I32], I32),
+    "quant_linear": ([P, I64, I64, P, I64, I32, I64, P, P, STR, I32], I32),
+    "dequantize": ([P, I64, I32, I64, I64, P, STR, I32], I32),
+    "quant_row_bytes": ([I32, I64], I64),
 }
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # CHUNK_LLAMA_FLOAT32, CHUNK_LLAMA_BFLOAT16
 _ERRORS = {1: ValueError, 2: TypeError}
@@ -206,6 +209,44 @@ class CpuLibrary:
             return y if code == 0 else raise_error(code)
 
         return call
+
+    def quant_row_bytes(self, ggml_type: int, in_features: int) -> int:
+        """Bytes of one row of `in_features` weights in a GGML block format (ValueError for a
+        type the kernels do not decode or a row that is not whole blocks)."""
+        row_bytes = self._lib.chunk_llama_cpu_quant_row_bytes(ggml_type, in_features)
+        return row_bytes if row_bytes >= 0 else self.raise_error(1)
+
+    def quant_linear_call(self, ggml_type: int, in_features: int, isa: str):
+        """y = x W^T (+ bias) on a weight kept in GGML blocks, for `ops/quant_linear.py`,
+        which has checked dtypes, devices and contiguity: (x [rows, in_features] float32,
+        weight [out_features, row_bytes] uint8, bias [out_features] float32 or None) ->
+        [rows, out_features]. The library checks the weight's size against the shapes."""
+        function, variant, threads, raise_error = (self._lib.chunk_llama_cpu_quant_linear, isa.encode(),
+                                                   torch.get_num_threads, self.raise_error)
+
+        def call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            rows, features = x.shape
+            out_features = weight.shape[0]
+            if features != in_features or (bias is not None and bias.shape != (out_features,)):
+                raise ValueError(f"quant_linear: x {list(x.shape)} and bias {None if bias is None else list(bias.shape)}"
+                                 f" do not fit a weight of {out_features} rows of {in_features}")
+            y = x.new_empty((rows, out_features))
+            code = function(x.data_ptr(), rows, features, weight.data_ptr(), weight.numel(), ggml_type, out_features,
+                            None if bias is None else bias.data_ptr(), y.data_ptr(), variant, threads())
+            return y if code == 0 else raise_error(code)
+
+        return call
+
+    def dequantize(self, weight: torch.Tensor, ggml_type: int, in_features: int, isa: str) -> torch.Tensor:
+        """weight [num_rows, row_bytes] uint8 (contiguous, on the CPU) in a GGML block format ->
+        float32 [num_rows, in_features]."""
+        if not (weight.is_cpu and weight.dtype == torch.uint8 and weight.dim() == 2 and weight.is_contiguous()):
+            raise TypeError(f"dequantize takes a contiguous uint8 CPU matrix of blocks, got {weight.dtype} "
+                            f"{list(weight.shape)} on {weight.device}")
+        out = torch.empty((weight.shape[0], in_features))
+        code = self._lib.chunk_llama_cpu_dequantize(weight.data_ptr(), weight.numel(), ggml_type, weight.shape[0],
+                                                    in_features, out.data_ptr(), isa.encode(), torch.get_num_threads())
+        return out if code == 0 else self.raise_error(code)
 
     def scratch_floats(self, num_pairs: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                        chunk_size: int, num_threads: int) -> int:

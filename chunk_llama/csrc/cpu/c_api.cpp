@@ -16,6 +16,7 @@
 #include "params.h"
 #include "plan_layout.h"
 #include "prefill_params.h"
+#include "quant_params.h"
 #include "schedule.h"
 #include "variants.h"
 
@@ -406,6 +407,57 @@ int chunk_llama_cpu_small_linear(const float* x, int64_t rows, int64_t in_featur
     CHECK_VALUE(rows >= 0 && in_features >= 0 && out_features >= 0 && num_threads >= 1,
                 "small_linear: bad sizes (", rows, " rows, ", in_features, " in, ", out_features, " out)");
     variant.linear(chunk_attn_cpu::LinearParams{x, weight, bias, y, rows, out_features, in_features, num_threads});
+  });
+}
+
+}  // extern "C"
+
+namespace {
+
+// The bytes of one row of in_features weights of `type`, or the error why not.
+int64_t row_bytes_of(const char* op, int type, int64_t in_features) {
+  const chunk_attn_cpu::QuantFormat f = chunk_attn_cpu::quant_format(type);
+  CHECK_VALUE(f.block_elems > 0, op, ": GGML type ", type, " is not one the kernels decode (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
+              "Q4_K, Q5_K, Q6_K)");
+  CHECK_VALUE(in_features > 0 && in_features % f.block_elems == 0, op, ": ", in_features,
+              " weights a row is not a whole number of blocks of ", f.block_elems);
+  return in_features / f.block_elems * f.block_bytes;
+}
+
+}  // namespace
+
+extern "C" {
+
+int64_t chunk_llama_cpu_quant_row_bytes(int type, int64_t in_features) {
+  int64_t bytes = -1;
+  if (guarded([&] { bytes = row_bytes_of("quant_row_bytes", type, in_features); }) != CHUNK_LLAMA_OK) return -1;
+  return bytes;
+}
+
+int chunk_llama_cpu_quant_linear(const float* x, int64_t rows, int64_t in_features, const uint8_t* weight,
+                                 int64_t weight_bytes, int type, int64_t out_features, const float* bias, float* y,
+                                 const char* isa, int num_threads) {
+  return guarded([&] {
+    const Variant& variant = variant_for(isa);
+    CHECK_VALUE(rows >= 0 && out_features >= 0 && num_threads >= 1, "quant_linear: bad sizes (", rows, " rows, ",
+                out_features, " out)");
+    const int64_t row_bytes = row_bytes_of("quant_linear", type, in_features);
+    CHECK_VALUE(weight_bytes == row_bytes * out_features, "quant_linear: the weight holds ", weight_bytes,
+                " bytes, not ", out_features, " rows of ", row_bytes);
+    variant.quant_linear(chunk_attn_cpu::QuantLinearParams{x, weight, type, bias, y, rows, out_features, in_features,
+                                                           num_threads});
+  });
+}
+
+int chunk_llama_cpu_dequantize(const uint8_t* weight, int64_t weight_bytes, int type, int64_t num_rows,
+                               int64_t in_features, float* out, const char* isa, int num_threads) {
+  return guarded([&] {
+    const Variant& variant = variant_for(isa);
+    CHECK_VALUE(num_rows >= 0 && num_threads >= 1, "dequantize: bad sizes (", num_rows, " rows)");
+    const int64_t row_bytes = row_bytes_of("dequantize", type, in_features);
+    CHECK_VALUE(weight_bytes == row_bytes * num_rows, "dequantize: the weight holds ", weight_bytes, " bytes, not ",
+                num_rows, " rows of ", row_bytes);
+    variant.dequantize(chunk_attn_cpu::DequantizeParams{weight, type, out, num_rows, in_features, num_threads});
   });
 }
 

@@ -46,6 +46,7 @@ struct Prefetch {
 #include "seq_first.h"
 #include "prefill.h"
 #include "linear.h"
+#include "quant.h"
 
 namespace chunk_attn_cpu {
 namespace CHUNK_ATTN_ISA {

@@ -37,6 +37,19 @@ inline void vstore(uint16_t* p, Vec a) {  // round to nearest even, keep the hig
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
 inline Vec vadd(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline Vec vbyte_field(const uint8_t* p, int shift, int mask) {
+  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return {_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(bytes, _mm_cvtsi32_si128(shift)),
+                                              _mm256_set1_epi32(mask)))};
+}
+inline Vec vint8(const int8_t* p) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
+}
+inline Vec vbit_field(uint32_t bits, int first) {
+  const __m256i shifts = _mm256_add_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0), _mm256_set1_epi32(first));
+  return {_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(bits)), shifts),
+                                              _mm256_set1_epi32(1)))};
+}
 inline Vec vsub(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
 inline Vec vmul(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
 inline Vec vmax(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }

@@ -10,6 +10,9 @@
 //   vzero, vset1(x)          all lanes 0 / x
 //   vload(p), vstore(p, a)   kLanes consecutive fp32, or bf16 (uint16_t) converted in registers
 //                            (stores round to nearest even)
+//   vbyte_field(p, shift, mask)  lane i = (p[i] >> shift) & mask, p: kLanes bytes (quant.h's
+//   vint8(p)                     lane i = p[i], p: kLanes int8                  quantized
+//   vbit_field(bits, first)      lane i = (bits >> (first + i)) & 1              weights)
 //   vadd, vsub, vmul, vmax   lane-wise; vfma(a, b, c) = a * b + c
 //   vreduce_add, vreduce_max one float from all lanes
 //   vsum_lanes(x)            x[kLanes] -> lane j = sum of x[j]'s lanes (x may be overwritten)
@@ -61,6 +64,21 @@ inline void vstore(uint16_t* p, Vec a) {  // round to nearest even, keep the hig
   std::memcpy(p, &narrow, sizeof(narrow));
 }
 inline Vec vadd(Vec a, Vec b) { return {a.v + b.v}; }
+inline Vec vbyte_field(const uint8_t* p, int shift, int mask) {
+  alignas(64) float lanes[kLanes];
+  for (int i = 0; i < kLanes; ++i) lanes[i] = static_cast<float>((p[i] >> shift) & mask);
+  return vload(lanes);
+}
+inline Vec vint8(const int8_t* p) {
+  alignas(64) float lanes[kLanes];
+  for (int i = 0; i < kLanes; ++i) lanes[i] = static_cast<float>(p[i]);
+  return vload(lanes);
+}
+inline Vec vbit_field(uint32_t bits, int first) {
+  alignas(64) float lanes[kLanes];
+  for (int i = 0; i < kLanes; ++i) lanes[i] = static_cast<float>((bits >> (first + i)) & 1u);
+  return vload(lanes);
+}
 inline Vec vsub(Vec a, Vec b) { return {a.v - b.v}; }
 inline Vec vmul(Vec a, Vec b) { return {a.v * b.v}; }
 inline Vec vmax(Vec a, Vec b) {

@@ -16,4 +16,5 @@
 #include "linear_params.h"
 #include "params.h"
 #include "prefill_params.h"
+#include "quant_params.h"
 #include "scalar.h"

@@ -7,6 +7,7 @@
 #include "linear_params.h"
 #include "params.h"
 #include "prefill_params.h"
+#include "quant_params.h"
 
 namespace chunk_attn_cpu {
 
@@ -15,6 +16,8 @@ struct Variant {
   void (*run)(const Params&);                  // decode
   void (*prefill)(const PrefillParams&);
   void (*linear)(const LinearParams&);        // a linear layer of few rows
+  void (*quant_linear)(const QuantLinearParams&);  // a linear layer on GGML blocks
+  void (*dequantize)(const DequantizeParams&);
   bool (*host_runs)();
 };
 
@@ -30,12 +33,16 @@ static inline bool host_runs_always() { return true; }
 // Best first; the last one (generic) runs everywhere.
 static const Variant kVariants[] = {
 #if defined(__x86_64__) || defined(_M_X64)
-    {"avx512", avx512::tpp_decode, avx512::tpp_prefill, avx512::small_linear, host_runs_avx512},
-    {"avx2", avx2::tpp_decode, avx2::tpp_prefill, avx2::small_linear, host_runs_avx2},
+    {"avx512", avx512::tpp_decode, avx512::tpp_prefill, avx512::small_linear, avx512::quant_linear, avx512::dequantize,
+     host_runs_avx512},
+    {"avx2", avx2::tpp_decode, avx2::tpp_prefill, avx2::small_linear, avx2::quant_linear, avx2::dequantize,
+     host_runs_avx2},
 #elif defined(__aarch64__)
-    {"neon", neon::tpp_decode, neon::tpp_prefill, neon::small_linear, host_runs_always},  // Advanced SIMD is part of ARMv8-A
+    {"neon", neon::tpp_decode, neon::tpp_prefill, neon::small_linear, neon::quant_linear, neon::dequantize,
+     host_runs_always},  // Advanced SIMD is part of ARMv8-A
 #endif
-    {"generic", generic::tpp_decode, generic::tpp_prefill, generic::small_linear, host_runs_always},
+    {"generic", generic::tpp_decode, generic::tpp_prefill, generic::small_linear, generic::quant_linear, generic::dequantize,
+     host_runs_always},
 };
 constexpr int kNumVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 

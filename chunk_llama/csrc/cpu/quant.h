@@ -1,0 +1,220 @@
+// Linear layers on weights in GGML's block formats (quant_params.h), written once for every
+// variant against the lane API: included by kernel.h in namespace
+// chunk_attn_cpu::CHUNK_ATTN_ISA, after linear.h.
+//
+// Every format decodes in groups of 32 weights (a block of the 32-weight formats, a
+// sub-block of the K-quants), kLanes at a time in registers (vbyte_field and friends),
+// with the operations, in the order, of gguf-py's numpy dequantizers (what transformers
+// loads a GGUF file with): the weights are the float32-dequantized model's, up to the
+// compiler fusing a multiply-add (1 ulp).
+//
+// quant_linear, few rows (a decode step, up to kLinRows): small_linear's tile (kLinRows
+// rows of x against kLinCols weight rows, kLanes accumulators, one vsum_lanes), each
+// weight group decoded in registers just before its FMAs: the weights are read once, in
+// their compact form, and never stored as float32. More rows: each work item's kLinCols
+// weight rows decoded once into a per-thread buffer that stays in L1 while every tile
+// of x passes it (small_linear's loop on that buffer). dequantize: whole rows to float32
+// (the embedding's lookups; layers of many rows, which then run oneDNN's GEMM).
+#pragma once
+
+#include <vector>
+
+namespace chunk_attn_cpu {
+namespace CHUNK_ATTN_ISA {
+
+constexpr int kGroup = 32;
+constexpr int kGroupVecs = kGroup / kLanes;
+static_assert(kLanes <= 16 && 16 % kLanes == 0, "a vector of a 32-weight group must not straddle its halves");
+
+inline uint32_t load_u32(const uint8_t* p) { return p[0] | (p[1] << 8) | (p[2] << 16) | (uint32_t(p[3]) << 24); }
+
+// The K-quants' 6-bit scale and min of sub-block j (0..7) from their 12 packed bytes.
+inline void k_scale_min(const uint8_t* s, int j, float* scale, float* min) {
+  if (j < 4) {
+    *scale = static_cast<float>(s[j] & 63);
+    *min = static_cast<float>(s[j + 4] & 63);
+  } else {
+    *scale = static_cast<float>((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4));
+    *min = static_cast<float>((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+  }
+}
+
+// Weights [32 * group, 32 * group + 32) of one row (`row`: its first block) into g.
+template <int Type>
+inline void decode_group(const uint8_t* row, int64_t group, Vec* g) {
+  if constexpr (Type == kQ4_0 || Type == kQ4_1 || Type == kQ5_0 || Type == kQ5_1) {
+    // 16 bytes of nibbles: weight i < 16 is byte i's low nibble, weight i + 16 its high one;
+    // Q5's fifth bits: bit i of 32.
+    constexpr bool kMin = Type == kQ4_1 || Type == kQ5_1, kFifth = Type == kQ5_0 || Type == kQ5_1;
+    const uint8_t* b = row + group * quant_format(Type).block_bytes;
+    const float d = fp16_to_float(b), m = kMin ? fp16_to_float(b + 2) : 0.f;
+    const uint32_t qh = kFifth ? load_u32(b + (kMin ? 4 : 2)) : 0;
+    const uint8_t* qs = b + (kMin ? 4 : 2) + (kFifth ? 4 : 0);
+#pragma GCC unroll 8
+    for (int v = 0; v < kGroupVecs; ++v) {
+      const int i = v * kLanes;
+      Vec q = vbyte_field(qs + i % 16, i < 16 ? 0 : 4, 0xF);
+      if constexpr (kFifth) q = vadd(q, vmul(vbit_field(qh, i), vset1(16.f)));
+      if constexpr (kMin)
+        g[v] = vfma(vset1(d), q, vset1(m));
+      else
+        g[v] = vmul(vset1(d), vsub(q, vset1(kFifth ? 16.f : 8.f)));
+    }
+  } else if constexpr (Type == kQ8_0) {
+    const uint8_t* b = row + group * 34;
+    const float d = fp16_to_float(b);
+#pragma GCC unroll 8
+    for (int v = 0; v < kGroupVecs; ++v) g[v] = vmul(vint8(reinterpret_cast<const int8_t*>(b + 2) + v * kLanes), vset1(d));
+  } else if constexpr (Type == kQ4_K || Type == kQ5_K) {
+    // 8 sub-blocks of 32; sub-blocks 2k and 2k+1 share 32 bytes of nibbles (low, high);
+    // Q5_K's fifth bits: bit j of byte l is sub-block j's weight l.
+    constexpr bool kFifth = Type == kQ5_K;
+    const uint8_t* b = row + (group / 8) * quant_format(Type).block_bytes;
+    const int j = static_cast<int>(group % 8);
+    float scale, min;
+    k_scale_min(b + 4, j, &scale, &min);
+    const float dj = fp16_to_float(b) * scale, mj = fp16_to_float(b + 2) * min;
+    const uint8_t* qs = b + (kFifth ? 48 : 16) + 32 * (j / 2);
+#pragma GCC unroll 8
+    for (int v = 0; v < kGroupVecs; ++v) {
+      Vec q = vbyte_field(qs + v * kLanes, 4 * (j % 2), 0xF);
+      if constexpr (kFifth) q = vadd(q, vmul(vbyte_field(b + 16 + v * kLanes, j, 1), vset1(16.f)));
+      g[v] = vsub(vmul(vset1(dj), q), vset1(mj));
+    }
+  } else if constexpr (Type == kQ6_K) {
+    // Group t of half h (group % 8 = 4h + t): low 4 bits from ql[64h + 32(t%2) + l] >> 4(t/2),
+    // high 2 bits from qh[32h + l] >> 2t; weights l < 16 scale by scales[2(group%8)], the
+    // rest by the next.
+    const uint8_t* b = row + (group / 8) * 210;
+    const int k = static_cast<int>(group % 8), h = k / 4, t = k % 4;
+    const uint8_t* low = b + 64 * h + 32 * (t % 2);
+    const uint8_t* high = b + 128 + 32 * h;
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = fp16_to_float(b + 208);
+#pragma GCC unroll 8
+    for (int v = 0; v < kGroupVecs; ++v) {
+      const int i = v * kLanes;
+      const Vec q = vadd(vbyte_field(low + i, 4 * (t / 2), 0xF), vmul(vbyte_field(high + i, 2 * t, 3), vset1(16.f)));
+      g[v] = vmul(vset1(d * static_cast<float>(scales[2 * k + i / 16])), vsub(q, vset1(32.f)));
+    }
+  }
+}
+
+// One row of in_features weights (whole groups) to float32.
+template <int Type>
+inline void decode_row(const uint8_t* row, int64_t in_features, float* y) {
+  for (int64_t group = 0; group < in_features / kGroup; ++group) {
+    Vec g[kGroupVecs];
+    decode_group<Type>(row, group, g);
+    for (int v = 0; v < kGroupVecs; ++v) vstore(y + group * kGroup + v * kLanes, g[v]);
+  }
+}
+
+// The MR x kLinCols tile's dot products into out[r * kLinCols + c], each weight group
+// decoded in registers before its FMAs.
+template <int Type, int MR>
+__attribute__((nothrow)) inline void quant_tile(const float* x, const uint8_t* w, int64_t row_bytes,
+                                                int64_t in_features, float* out) {
+  Vec acc[kLanes];
+#pragma GCC unroll 16
+  for (int i = 0; i < kLanes; ++i) acc[i] = vzero();
+  for (int64_t group = 0; group < in_features / kGroup; ++group) {
+#pragma GCC unroll 4
+    for (int c = 0; c < kLinCols; ++c) {
+      Vec g[kGroupVecs];
+      decode_group<Type>(w + c * row_bytes, group, g);
+#pragma GCC unroll 8
+      for (int v = 0; v < kGroupVecs; ++v)
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r)
+          acc[r * kLinCols + c] = vfma(vload(x + r * in_features + group * kGroup + v * kLanes), g[v],
+                                       acc[r * kLinCols + c]);
+    }
+  }
+  alignas(64) float sums[kLanes];
+  vstore(sums, vsum_lanes(acc));  // the unused accumulators of a shorter tile add up to 0
+  for (int t = 0; t < MR * kLinCols; ++t) out[t] = sums[t];
+}
+
+template <int Type, int MR = kLinRows>
+__attribute__((nothrow)) inline void any_quant_tile(int mr, const float* x, const uint8_t* w, int64_t row_bytes,
+                                                    int64_t in_features, float* out) {
+  if constexpr (MR >= 1) {
+    if (mr < MR) return any_quant_tile<Type, MR - 1>(mr, x, w, row_bytes, in_features, out);
+    quant_tile<Type, MR>(x, w, row_bytes, in_features, out);
+  }
+}
+
+template <int Type>
+void quant_linear_of(const QuantLinearParams& p) {
+  const QuantFormat f = quant_format(Type);
+  const int64_t row_bytes = p.in_features / f.block_elems * f.block_bytes;
+  const int64_t num_items = (p.out_features + kLinCols - 1) / kLinCols;
+  const bool fused = p.rows <= kLinRows;
+  // Buffered items (many rows, or the last item's fewer than kLinCols weight rows).
+  std::vector<float> buffers(static_cast<size_t>(kLinCols * p.in_features) * p.num_threads);
+#ifdef _OPENMP
+#pragma omp parallel num_threads(p.num_threads)
+#endif
+  {
+#ifdef _OPENMP
+    float* w = buffers.data() + omp_get_thread_num() * kLinCols * p.in_features;
+#else
+    float* w = buffers.data();
+#endif
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (int64_t item = 0; item < num_items; ++item) {
+      const int64_t col = item * kLinCols;
+      const int nr = static_cast<int>(p.out_features - col < kLinCols ? p.out_features - col : kLinCols);
+      const bool in_registers = fused && nr == kLinCols;
+      if (!in_registers)
+        for (int c = 0; c < nr; ++c) decode_row<Type>(p.w + (col + c) * row_bytes, p.in_features, w + c * p.in_features);
+      for (int64_t row = 0; row < p.rows; row += kLinRows) {
+        const int mr = static_cast<int>(p.rows - row < kLinRows ? p.rows - row : kLinRows);
+        float out[kLanes];
+        if (in_registers)
+          any_quant_tile<Type>(mr, p.x + row * p.in_features, p.w + col * row_bytes, row_bytes, p.in_features, out);
+        else
+          any_tile(mr, nr, p.x + row * p.in_features, w, p.in_features, out);
+        const int stride = in_registers ? kLinCols : nr;
+        for (int r = 0; r < mr; ++r)
+          for (int c = 0; c < nr; ++c)
+            p.y[(row + r) * p.out_features + col + c] = out[r * stride + c] + (p.bias ? p.bias[col + c] : 0.f);
+      }
+    }
+  }
+}
+
+template <int Type>
+void dequantize_of(const DequantizeParams& p) {
+  const QuantFormat f = quant_format(Type);
+  const int64_t row_bytes = p.in_features / f.block_elems * f.block_bytes;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(p.num_threads) schedule(static)
+#endif
+  for (int64_t row = 0; row < p.num_rows; ++row)
+    decode_row<Type>(p.w + row * row_bytes, p.in_features, p.out + row * p.in_features);
+}
+
+// The C interface admits only the types below (quant_format's).
+#define CHUNK_ATTN_FOR_QUANT_TYPE(call, params)                  \
+  switch (params.type) {                                         \
+    case kQ4_0: return call<kQ4_0>(params);                      \
+    case kQ4_1: return call<kQ4_1>(params);                      \
+    case kQ5_0: return call<kQ5_0>(params);                      \
+    case kQ5_1: return call<kQ5_1>(params);                      \
+    case kQ8_0: return call<kQ8_0>(params);                      \
+    case kQ4_K: return call<kQ4_K>(params);                      \
+    case kQ5_K: return call<kQ5_K>(params);                      \
+    case kQ6_K: return call<kQ6_K>(params);                      \
+    default: return;                                             \
+  }
+
+void quant_linear(const QuantLinearParams& p) { CHUNK_ATTN_FOR_QUANT_TYPE(quant_linear_of, p) }
+void dequantize(const DequantizeParams& p) { CHUNK_ATTN_FOR_QUANT_TYPE(dequantize_of, p) }
+#undef CHUNK_ATTN_FOR_QUANT_TYPE
+
+}  // namespace CHUNK_ATTN_ISA
+}  // namespace chunk_attn_cpu

@@ -1,0 +1,190 @@
+"""A GGUF model's quantized weights kept in their blocks: `keep_gguf_quantized`.
+
+transformers loads a GGUF file by dequantizing every tensor to float32: the default model's
+98 MB file becomes 540 MB of weights, and a decode step, which reads every weight once,
+reads those. This module gives the quantized tensors back their blocks: each `nn.Linear`
+(and the token embedding, and a tied LM head) whose GGUF tensor is in a format the CPU
+kernel decodes (`ops/quant_linear.py`) is replaced by a `GGUFLinear` (`GGUFEmbedding`)
+holding that tensor's bytes, and the float32 copy is dropped.
+
+Nothing is trusted to a name alone: each kept tensor is decoded and compared with the
+float32 weight transformers loaded for that module (after the same row permutation
+transformers applies, e.g. Llama's query and key rows), and a tensor that does not match
+stays float32, with a warning. So the model computes with the weights stock transformers
+computes with, up to summation order.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+from chunk_llama.ops import quant_linear as ops
+
+logger = logging.getLogger(__name__)
+# How far a decoded weight may be from transformers' (relative to the tensor's largest):
+# gguf-py's numpy decoding rounds a multiply-add twice, the kernel may fuse it (1 ulp).
+MATCH_TOLERANCE = 1e-6
+
+
+class GGUFLinear(nn.Module):
+    """`nn.Linear` whose weight stays in GGML blocks: `blocks` [out_features, row_bytes]
+    uint8 of format `ggml_type` (gguf-py's name); x [..., in_features] -> [..., out_features].
+    `weight` decodes a float32 copy on each access (for code that reads it; not the forward's
+    path)."""
+
+    def __init__(self, blocks: torch.Tensor, ggml_type: str, in_features: int, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.in_features, self.out_features, self.ggml_type = in_features, blocks.shape[0], ggml_type
+        self.register_buffer("blocks", blocks)
+        self.bias = bias
+        self._op = ops.QuantLinear(ops.GGML_TYPES[ggml_type], in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._op(x, self.blocks, self.bias)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return ops.dequantize(self.blocks, ops.GGML_TYPES[self.ggml_type], self.in_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"ggml_type={self.ggml_type}")
+
+
+class GGUFEmbedding(nn.Module):
+    """`nn.Embedding` whose table stays in GGML blocks: ids [...] -> [..., embedding_dim],
+    each looked-up row decoded to float32 (times `scale` where the model scales its
+    embeddings, as Gemma's do)."""
+
+    def __init__(self, blocks: torch.Tensor, ggml_type: str, embedding_dim: int, scale: torch.Tensor | None = None,
+                 padding_idx: int | None = None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.ggml_type = blocks.shape[0], embedding_dim, ggml_type
+        self.padding_idx = padding_idx
+        self.register_buffer("blocks", blocks)
+        self.scale = scale
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.blocks.index_select(0, input_ids.reshape(-1).to(self.blocks.device))  # [n, row_bytes]
+        out = ops.dequantize(rows, ops.GGML_TYPES[self.ggml_type], self.embedding_dim)
+        if self.scale is not None:
+            out = out * self.scale.to(out.dtype)
+        return out.view(*input_ids.shape, self.embedding_dim)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return ops.dequantize(self.blocks, ops.GGML_TYPES[self.ggml_type], self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, ggml_type={self.ggml_type}"
+
+
+def _embedding_scale(module: nn.Module) -> tuple[bool, torch.Tensor | None]:
+    """(whether the embedding's forward is one GGUFEmbedding reproduces, its scale)."""
+    if type(module) is nn.Embedding:
+        return True, None
+    # Gemma's: nn.Embedding's lookup times embed_scale (a buffer); checked against it below.
+    if isinstance(module, nn.Embedding) and type(module).__name__.endswith("ScaledWordEmbedding"):
+        return True, module.embed_scale
+    return False, None
+
+
+def _row_permutation(processor, gguf_name: str, num_rows: int) -> np.ndarray | None:
+    """The rows transformers reorders a tensor's by on loading (Llama's q/k heads), found by
+    running its own processor on the row numbers; None if it does more than reorder rows."""
+    rows = np.arange(num_rows, dtype=np.float32).reshape(num_rows, 1)
+    processed = np.asarray(processor.process(rows, gguf_name).weights)
+    if processed.shape != rows.shape or not np.array_equal(np.sort(processed[:, 0]), rows[:, 0]):
+        return None
+    return processed[:, 0].astype(np.int64)
+
+
+def _close(value: torch.Tensor, truth: torch.Tensor) -> bool:
+    if value.shape != truth.shape:
+        return False
+    scale = truth.abs().max().item() or 1.0
+    return (value - truth.float()).abs().max().item() <= MATCH_TOLERANCE * scale
+
+
+def _matches(blocks: torch.Tensor, ggml_type: str, weight: torch.Tensor) -> bool:
+    if blocks.shape[0] != weight.shape[0] or weight.dim() != 2:
+        return False
+    try:
+        decoded = ops.dequantize(blocks, ops.GGML_TYPES[ggml_type], weight.shape[1])
+    except ValueError:  # the row is not whole blocks of this format at this width
+        return False
+    return _close(decoded, weight)
+
+
+def keep_gguf_quantized(model: nn.Module, gguf_path: str) -> dict[str, int]:
+    """Replace the float32 weights transformers loaded from `gguf_path` by the file's blocks
+    wherever the CPU kernel decodes them (module doc). The model must be on the CPU in
+    float32 (ValueError otherwise). Returns how many tensors of each GGML type were kept;
+    empty, with a warning, where the kernels are not available."""
+    from gguf import GGUFReader
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                          get_gguf_hf_weights_map)
+
+    parameter = next(model.parameters())
+    if parameter.device.type != "cpu" or parameter.dtype != torch.float32:
+        raise ValueError(f"GGUF weights stay quantized only on a float32 CPU model, not {parameter.dtype} on "
+                         f"{parameter.device}")
+    reason = ops.unavailable_reason()
+    if reason is not None:
+        logger.warning("chunk-llama: the GGUF weights are dequantized to float32: %s", reason)
+        return {}
+    reader = GGUFReader(gguf_path)
+    architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
+    names = get_gguf_hf_weights_map(model, processor)
+    kept: collections.Counter[str] = collections.Counter()
+    refused: list[str] = []
+    output = model.get_output_embeddings()
+    for tensor in reader.tensors:
+        ggml_type, hf_name = tensor.tensor_type.name, names.get(tensor.name, "")
+        if ggml_type not in ops.GGML_TYPES or not hf_name.endswith(".weight"):
+            continue
+        module_name = hf_name.removesuffix(".weight")
+        module = model.get_submodule(module_name)
+        reproducible, scale = _embedding_scale(module)
+        if not (type(module) is nn.Linear or reproducible):
+            continue
+        permutation = _row_permutation(processor, tensor.name, tensor.data.shape[0])
+        blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))  # [rows, row_bytes], a copy
+        if permutation is not None:
+            blocks = blocks[torch.from_numpy(permutation)].contiguous()
+        if permutation is None or not _matches(blocks, ggml_type, module.weight):
+            refused.append(tensor.name)
+            continue
+        if type(module) is nn.Linear:
+            replacement = GGUFLinear(blocks, ggml_type, module.in_features, module.bias)
+        else:
+            replacement = GGUFEmbedding(blocks, ggml_type, module.embedding_dim, scale, module.padding_idx)
+            ids = torch.randint(0, module.num_embeddings, (64,), generator=torch.Generator().manual_seed(0))
+            if not _close(replacement(ids), module(ids)):  # the lookup, and the scale, as the module's own
+                refused.append(tensor.name)
+                continue
+            if isinstance(output, nn.Linear) and output.weight is module.weight:  # a tied LM head: the same blocks
+                _replace(model, _name_of(model, output), GGUFLinear(blocks, ggml_type, output.in_features,
+                                                                    output.bias))
+                kept[ggml_type] += 1
+        _replace(model, module_name, replacement)
+        kept[ggml_type] += 1
+    if refused:
+        logger.warning("chunk-llama: %d GGUF tensors stay float32: their decoded blocks differ from the weights "
+                       "transformers loaded (%s)", len(refused), ", ".join(refused[:5]))
+    return dict(kept)
+
+
+def _name_of(model: nn.Module, target: nn.Module) -> str:
+    return next(name for name, module in model.named_modules() if module is target)
+
+
+def _replace(model: nn.Module, name: str, replacement: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, replacement)

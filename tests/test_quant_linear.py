@@ -1,0 +1,113 @@
+"""Weights kept in GGML blocks (`ops/quant_linear.py`, `csrc/cpu/quant.h`): every format
+decodes as gguf-py decodes it (what transformers loads a GGUF file with), in every variant,
+on random bytes (so every bit pattern of the packed weights and scales); the linear layer
+on the blocks is the float64 product with the decoded weight to float32 rounding, on odd
+shapes; bad input is a ValueError or TypeError naming it."""
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+from test_cpu_kernel import _variant_params
+from test_linear import check_against_float64
+
+from chunk_llama.ops import quant_linear as ops
+from chunk_llama.ops.cpu import build
+from chunk_llama.ops.linear import SMALL_ROWS
+
+FORMATS = tuple(ops.GGML_TYPES)
+# Where each format's fp16 scales sit in a block (the rest are packed weights, scales and
+# minimums of any value): set to finite halves, one of them subnormal.
+HALF_SCALES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
+               "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(ggml_type: str, num_rows: int, in_features: int, seed: int = 0) -> np.ndarray:
+    """[num_rows, row_bytes] uint8: random blocks of the format."""
+    block_elems, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type]]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (num_rows, in_features // block_elems, block_bytes), dtype=np.uint8)
+    for offset in HALF_SCALES[ggml_type]:
+        halves = rng.uniform(-0.05, 0.05, blocks.shape[:2]).astype(np.float16)
+        halves.flat[0] = np.float16(3e-6)  # subnormal in fp16
+        blocks[..., offset:offset + 2] = halves.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return blocks.reshape(num_rows, -1)
+
+
+def gguf_py_decoded(blocks: np.ndarray, ggml_type: str) -> torch.Tensor:
+    return torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType[ggml_type]).copy())
+
+
+def block_width(ggml_type: str) -> int:
+    return GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type]][0]
+
+
+@pytest.mark.parametrize("variant", _variant_params())
+@pytest.mark.parametrize("ggml_type", FORMATS)
+def test_every_format_decodes_as_gguf_py(variant, ggml_type):
+    in_features = 3 * block_width(ggml_type)
+    blocks = random_blocks(ggml_type, 37, in_features, seed=ops.GGML_TYPES[ggml_type])
+    truth = gguf_py_decoded(blocks, ggml_type)
+    decoded = build().dequantize(torch.from_numpy(blocks), ops.GGML_TYPES[ggml_type], in_features, variant)
+    # gguf-py rounds a multiply-add twice where the kernel may fuse it: 1 ulp of the terms
+    error = (decoded - truth).abs().max().item()
+    assert error <= 2 ** -22 * truth.abs().max().item(), f"{ggml_type} ({variant}) decodes {error:.3g} from gguf-py"
+
+
+@pytest.mark.parametrize("variant", _variant_params())
+@pytest.mark.parametrize("ggml_type", FORMATS)
+@pytest.mark.parametrize("rows", [1, 5, 17, 133])
+@pytest.mark.parametrize("out_features", [1, 7, 37])
+def test_linear_on_blocks_every_variant(variant, ggml_type, rows, out_features):
+    """Tiles narrower than the register tile in rows and columns; the kernel itself at every
+    row count (the layer sends many rows to oneDNN instead, tested below)."""
+    in_features = (5 if block_width(ggml_type) == 32 else 2) * block_width(ggml_type)
+    blocks = random_blocks(ggml_type, out_features, in_features, seed=rows)
+    weight = gguf_py_decoded(blocks, ggml_type)
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator) if rows % 2 else None
+    call = build().quant_linear_call(ops.GGML_TYPES[ggml_type], in_features, variant)
+    check_against_float64(call(x, torch.from_numpy(blocks), bias), x, weight, bias)
+
+
+@pytest.mark.parametrize("rows", [1, SMALL_ROWS, SMALL_ROWS + 45])
+def test_the_layer_on_few_and_many_rows(rows):
+    """Up to SMALL_ROWS through the kernel, beyond through the decoded weight and oneDNN;
+    a 3-d input keeps its leading dimensions."""
+    blocks = random_blocks("Q4_K", 70, 512, seed=rows)
+    weight = gguf_py_decoded(blocks, "Q4_K")
+    x = torch.randn(1, rows, 512, generator=torch.Generator().manual_seed(1))
+    out = ops.QuantLinear(ops.GGML_TYPES["Q4_K"], 512)(x, torch.from_numpy(blocks), None)
+    assert out.shape == (1, rows, 70)
+    check_against_float64(out[0], x[0], weight, None)
+
+
+def test_an_input_of_another_dtype_multiplies_the_decoded_weight(caplog):
+    blocks = random_blocks("Q8_0", 9, 64)
+    x = torch.randn(3, 64).bfloat16()
+    ops._log_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="chunk_llama.ops.quant_linear"):
+        out = ops.QuantLinear(ops.GGML_TYPES["Q8_0"], 64)(x, torch.from_numpy(blocks), None)
+    expected = torch.nn.functional.linear(x, gguf_py_decoded(blocks, "Q8_0").bfloat16())
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    assert "bfloat16 input" in caplog.text
+
+
+def test_bad_blocks_are_refused_with_the_reason():
+    library = build()
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="GGML type 1 is not one the kernels decode"):
+        library.quant_linear_call(1, 64, "generic")(x, torch.zeros(3, 128, dtype=torch.uint8), None)
+    with pytest.raises(ValueError, match="not a whole number of blocks of 256"):
+        library.quant_row_bytes(ops.GGML_TYPES["Q6_K"], 300)
+    with pytest.raises(ValueError, match="holds 72 bytes, not 3 rows of 36"):  # a row of 64 Q4_0 weights is 36 bytes
+        library.quant_linear_call(ops.GGML_TYPES["Q4_0"], 64, "generic")(x, torch.zeros(3, 24, dtype=torch.uint8),
+                                                                          None)
+    with pytest.raises(ValueError, match="do not fit"):
+        library.quant_linear_call(ops.GGML_TYPES["Q4_0"], 64, "generic")(torch.randn(2, 32),
+                                                                          torch.zeros(3, 36, dtype=torch.uint8), None)
+    with pytest.raises(TypeError, match="uint8"):
+        library.dequantize(torch.zeros(3, 36), ops.GGML_TYPES["Q4_0"], 64, "generic")
