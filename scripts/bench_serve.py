@@ -5,6 +5,8 @@
     python scripts/bench_serve.py --workload toolqa --limit 8 --rps 2 --num-clients 16
     python scripts/bench_serve.py --workload shared --num-requests 4 --n-shared 200 --max-new-tokens 8
     python scripts/bench_serve.py --json-schema-ab 3       # constrained decoding's cost (below)
+    python scripts/bench_serve.py --workload shared --num-clients 16 --max-new-tokens 32 \
+        --ignore-eos --systems generate http llama.cpp      # against llama.cpp on the same GGUF
 
 Workloads (chat requests, greedy):
   shared   `--num-requests` chats whose system prompt is `--n-shared` tokens of the shipped tool
@@ -22,6 +24,17 @@ Systems:
              arrival times (rps inf: one `generate` call; else the online API)
   hf-serve   `transformers serve --continuous-batching` on the same model saved to a local
              folder (no download); skipped with the reason when it cannot start
+  llama.cpp  `llama-server -np <num-clients>` (built by scripts/build_llama_cpp.sh, or with
+             `--build-llama-cpp`) on the same GGUF file, `--threads` threads, each slot's context
+             the longest prompt plus the new tokens; every chat goes as the token ids our
+             tokenizer's chat template gives (so the prompts are the same tokens), streamed from
+             its `/completion` with the same greedy settings (temperature 0, top-k 1, no
+             penalties; see scripts/llama_cpp_peer.py). Skipped with the reason when not built or
+             it cannot start. On the shared workload a second line gives llama.cpp's best case,
+             `llama-batched-bench -pps -kvu`: the prompt (random tokens of the mean prompt length)
+             computed once, its K/V shared by `--num-clients` sequences, their decode tokens/s.
+`--ignore-eos` makes every request generate exactly `--max-new-tokens` (generate, http and
+llama.cpp; `transformers serve` refuses the field, so hf-serve's requests may end early).
 The server is idle while `generate` runs and the other way round; each system gets the
 same warm-up request (the first chat, 2 tokens), so every system starts with the shared
 prefix of the first request cached the same way.
@@ -44,7 +57,7 @@ import asyncio
 import json
 import math
 import os
-import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -56,11 +69,14 @@ from transformers import GenerationConfig
 
 import chunk_llama
 from chunk_llama.cli import DEFAULT_PROMPTS, DEFAULT_SYSTEM, read_prompts
+from chunk_llama.models import default_model_path
+from chunk_llama.server.replicas import free_port
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import llama_cpp_peer as peer  # noqa: E402
 from bench_e2e import poisson_arrivals  # noqa: E402  (the same arrivals as the e2e benchmark)
 
-SYSTEMS = ("http", "generate", "hf-serve")
+SYSTEMS = ("http", "generate", "hf-serve", "llama.cpp")
 ANSWER_SCHEMA = {  # an answer to a tool-manual question
     "type": "object",
     "properties": {"tool": {"type": "string"}, "arguments": {"type": "array", "items": {"type": "string"}},
@@ -110,16 +126,10 @@ def toolqa_chats(limit: int | None) -> list[list[dict]]:
 
 
 # ------------------------------------------------------------------ servers
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(command: list[str], url: str, timeout: float, log_path: str) -> subprocess.Popen:
+def start_server(command: list[str], url: str, timeout: float, log_path: str, env=None) -> subprocess.Popen:
     """Start a server and wait for GET /health; raises RuntimeError with its log's tail if it dies."""
     log = open(log_path, "w")
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -145,28 +155,60 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait(10)
 
 
-async def run_clients(
-    url: str, model: str, chats, arrivals, max_new_tokens: int, num_clients: int, tokenizer
-):
-    """Stream every chat at its arrival time, at most `num_clients` at once; one record each."""
+def chat_requests(model: str, chats, ignore_eos: bool = False):
+    """Request i as a streamed OpenAI chat completion: (path, body)."""
+
+    def build(i: int, max_new_tokens: int) -> tuple[str, dict]:
+        body = {
+            "model": model,
+            "messages": chats[i],
+            "max_tokens": max_new_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if ignore_eos:
+            body["ignore_eos"] = True
+        return "/v1/chat/completions", body
+
+    return build
+
+
+def llama_requests(prompt_ids: list[list[int]], ignore_eos: bool):
+    """Request i as a streamed llama-server /completion of our chat's token ids, greedy."""
+
+    def build(i: int, max_new_tokens: int) -> tuple[str, dict]:
+        body = peer.greedy_body(prompt_ids[i], max_new_tokens, ignore_eos=ignore_eos, stream=True)
+        return "/completion", body
+
+    return build
+
+
+def _event_delta(event: dict) -> tuple[list[str], dict | None]:
+    """(texts, usage) of one streamed event: OpenAI's chunks, or llama-server's /completion ones
+    (`content` per token; the last, `stop: true`, counts the tokens)."""
+    if "choices" in event or "usage" in event:
+        texts = [(c.get("delta") or {}).get("content") for c in event.get("choices", [])]
+        return [t for t in texts if t], event.get("usage")
+    usage = {"completion_tokens": event["tokens_predicted"]} if event.get("stop") else None
+    return ([event["content"]] if event.get("content") else []), usage
+
+
+async def run_clients(url: str, request_of, num_requests: int, arrivals, max_new_tokens: int,
+                      num_clients: int, tokenizer):
+    """Stream requests 0..num_requests-1 (`request_of(i, max_new_tokens)` gives the path and
+    body) at their arrival times, at most `num_clients` at once; one record each."""
     limit = asyncio.Semaphore(num_clients)
     start = time.perf_counter()
-    records = [None] * len(chats)
+    records = [None] * num_requests
 
     async def one(i, client):
         await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
         arrival = time.perf_counter()
         async with limit:
-            body = {
-                "model": model,
-                "messages": chats[i],
-                "max_tokens": max_new_tokens,
-                "temperature": 0,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
+            path, body = request_of(i, max_new_tokens)
             chunks, text, usage = [], [], None
-            async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+            async with client.stream("POST", url + path, json=body) as response:
                 if response.status_code != 200:
                     raise RuntimeError(f"request {i}: HTTP {response.status_code}: {await response.aread()}")
                 async for line in response.aiter_lines():
@@ -175,13 +217,11 @@ async def run_clients(
                     event = json.loads(line[6:])
                     if "error" in event:
                         raise RuntimeError(f"request {i}: {event['error']}")
-                    if event.get("usage"):
-                        usage = event["usage"]
-                    for choice in event.get("choices", []):
-                        content = (choice.get("delta") or {}).get("content")
-                        if content:
-                            chunks.append(time.perf_counter())
-                            text.append(content)
+                    contents, event_usage = _event_delta(event)
+                    usage = event_usage or usage
+                    for content in contents:
+                        chunks.append(time.perf_counter())
+                        text.append(content)
             finish = time.perf_counter()
         text = "".join(text)
         n = (
@@ -199,21 +239,23 @@ async def run_clients(
         )
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0)) as client:
-        await asyncio.gather(*(one(i, client) for i in range(len(chats))))
+        await asyncio.gather(*(one(i, client) for i in range(num_requests)))
     return records
 
 
-def http_run(url, model, chats, arrivals, args, tokenizer):
-    asyncio.run(run_clients(url, model, chats[:1], [0.0], 2, 1, tokenizer))  # warm-up
+def http_run(url, request_of, num_requests, arrivals, args, tokenizer):
+    asyncio.run(run_clients(url, request_of, 1, [0.0], 2, 1, tokenizer))  # warm-up
     return asyncio.run(
-        run_clients(url, model, chats, arrivals, args.max_new_tokens, args.num_clients, tokenizer)
+        run_clients(url, request_of, num_requests, arrivals, args.max_new_tokens, args.num_clients, tokenizer)
     )
 
 
 # ------------------------------------------------------------------ in-process reference
-def generate_run(engine, chats, arrivals, max_new_tokens: int):
+def generate_run(engine, chats, arrivals, max_new_tokens: int, ignore_eos: bool = False):
     """`engine.generate` (rps inf) or the online API at the same arrival times; one record each."""
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False)
+    # ignore_eos as `chunk-llama serve` does it: no id ends the text
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False,
+                              **({"eos_token_id": []} if ignore_eos else {}))
     engine.generate(chats[:1], GenerationConfig(max_new_tokens=2, do_sample=False))  # warm-up
     start = time.perf_counter()
     if all(a == 0 for a in arrivals):
@@ -356,10 +398,18 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server-timeout", type=float, default=600, help="seconds for a server to start")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                        help="threads of torch (here and in `chunk-llama serve`) and llama.cpp "
+                             "(default: torch's)")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="every request generates exactly --max-new-tokens (not hf-serve: see above)")
+    parser.add_argument("--build-llama-cpp", action="store_true",
+                        help="build llama.cpp (scripts/build_llama_cpp.sh, minutes) if it is not cached")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--json-schema-ab", type=int, default=0, metavar="ROUNDS",
                         help="measure structured output's cost instead (see above)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
 
     model, tokenizer = chunk_llama.load_default_model(getattr(torch, args.dtype))
     chats = (
@@ -378,12 +428,13 @@ def main() -> None:
         model, tokenizer, max_batch_size=args.max_batch_size, kv_cache_bytes=args.kv_cache_bytes
     )
     if "generate" in args.systems or "http" in args.systems:
-        records = generate_run(engine, chats, arrivals, args.max_new_tokens)
+        records = generate_run(engine, chats, arrivals, args.max_new_tokens, args.ignore_eos)
         reference = [r["text"] for r in records]
         if "generate" in args.systems:
             rows.append(summarize("generate", records, reference))
             print(json.dumps(rows[-1]), flush=True)
-    lengths = [len(engine.tokenize(c)) for c in chats]
+    prompt_ids = [engine.tokenize(c) for c in chats]
+    lengths = [len(p) for p in prompt_ids]
     engine.close()
     if "http" in args.systems:
         port = free_port()
@@ -402,25 +453,83 @@ def main() -> None:
             "--kv-cache-bytes",
             str(args.kv_cache_bytes),
         ]
-        proc = start_server(command, url, args.server_timeout, os.path.join(logs, "chunk_llama_serve.log"))
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))  # torch's intra-op threads there
+        log_path = os.path.join(logs, "chunk_llama_serve.log")
+        proc = start_server(command, url, args.server_timeout, log_path, env)
         try:
             name = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-            rows.append(summarize("http", http_run(url, name, chats, arrivals, args, tokenizer), reference))
+            requests = chat_requests(name, chats, args.ignore_eos)
+            records = http_run(url, requests, len(chats), arrivals, args, tokenizer)
+            rows.append(summarize("http", records, reference))
         finally:
             stop_server(proc)
         print(json.dumps(rows[-1]), flush=True)
     if "hf-serve" in args.systems:
         rows.append(hf_serve_row(chats, arrivals, args, tokenizer, reference, logs))
         print(json.dumps(rows[-1]), flush=True)
+    best_case, llama_desc = None, ""
+    if "llama.cpp" in args.systems:
+        row, best_case, llama_desc = llama_cpp_rows(prompt_ids, arrivals, args, tokenizer, reference, logs)
+        rows.append(row)
+        print(json.dumps(rows[-1]), flush=True)
     header = (
         f"{args.workload}: {len(chats)} chat requests (prompts {min(lengths)}-{max(lengths)} tokens), "
-        f"{args.max_new_tokens} new tokens, greedy, rps {args.rps:g}, {args.num_clients} clients, "
-        f"{args.dtype}, SmolLM2-135M-Instruct, torch {torch.__version__}, {os.cpu_count()} CPUs"
+        f"{args.max_new_tokens} new tokens{' (EOS ignored)' if args.ignore_eos else ''}, greedy, "
+        f"rps {args.rps:g}, "
+        f"{args.num_clients} clients, {args.dtype}, SmolLM2-135M-Instruct, torch {torch.__version__}, "
+        f"{args.threads} threads; {peer.cpu_summary()}{'; ' + llama_desc if llama_desc else ''}"
     )
     print("\n" + table(rows, header))
+    if best_case is not None:
+        print("\n" + best_case_line(best_case))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(header=header, rows=rows), f, indent=2)
+            json.dump({"header": header, "rows": rows, "llama_cpp_shared_prompt_best_case": best_case}, f,
+                      indent=2)
+
+
+def llama_cpp_rows(prompt_ids, arrivals, args, tokenizer, reference, logs) -> tuple[dict, dict | None, str]:
+    """`llama-server -np <num-clients>` on the default model's GGUF file, the chats as our token ids;
+    then (shared workload) `llama-batched-bench -pps` at the mean prompt length. Returns the row,
+    the best case (None if not run; {"error": ...} if it failed) and a description of the build."""
+    try:
+        bin_dir = peer.find_bin(build=args.build_llama_cpp)
+    except peer.Unavailable as error:
+        return dict(system="llama.cpp", error=str(error)), None, ""
+    gguf = default_model_path()
+    slots = min(args.num_clients, len(prompt_ids))
+    name = f"llama.cpp -np {slots}"
+    server = peer.LlamaServer(bin_dir, gguf, slots=slots, threads=args.threads,
+                              ctx_per_slot=max(len(p) for p in prompt_ids) + args.max_new_tokens + 16,
+                              log_path=os.path.join(logs, "llama_server.log"), timeout=args.server_timeout)
+    try:
+        with server:
+            requests = llama_requests(prompt_ids, args.ignore_eos)
+            records = http_run(server.url, requests, len(prompt_ids), arrivals, args, tokenizer)
+            row = summarize(name, records, reference)
+    except (peer.Unavailable, RuntimeError, OSError) as error:
+        row = dict(system=name, error=str(error)[:300])
+    best_case = None
+    if args.workload == "shared":
+        prompt = round(statistics.mean(len(p) for p in prompt_ids))
+        try:
+            best_case = peer.batched_bench(bin_dir, gguf, prompt_tokens=prompt,
+                                           new_tokens=args.max_new_tokens, parallel=slots,
+                                           threads=args.threads)
+        except (peer.Unavailable, subprocess.TimeoutExpired, OSError) as error:
+            best_case = dict(error=str(error)[:300])
+    return row, best_case, peer.describe(bin_dir)
+
+
+def best_case_line(best: dict) -> str:
+    if "error" in best:
+        return f"llama.cpp shared-prompt best case (llama-batched-bench -pps): not run: {best['error']}"
+    return (f"llama.cpp shared-prompt best case (llama-batched-bench -pps -kvu, the prompt computed once and "
+            f"its K/V shared): {best['pl']} sequences x {best['tg']} new tokens after a {best['pp']}-token "
+            f"prompt: "
+            f"decode {best['speed_tg']:.1f} tokens/s, prompt {best['t_pp'] * 1e3:.0f} ms "
+            f"({best['speed_pp']:.0f} tokens/s), overall {best['speed']:.1f} tokens/s "
+            f"(prompt and generated tokens over {best['t']:.2f} s)")
 
 
 def save_local_copy(model, tokenizer, folder: str) -> None:
@@ -472,7 +581,9 @@ def hf_serve_row(chats, arrivals, args, tokenizer, reference, logs) -> dict:
         return dict(system="hf-serve", error=str(error).splitlines()[-1][:300])
     try:
         # the folder is the model's name (its /v1/models scans the hub cache, absent here)
-        return summarize("hf-serve", http_run(url, folder, chats, arrivals, args, tokenizer), reference)
+        requests = chat_requests(folder, chats)  # `transformers serve` refuses ignore_eos (422)
+        records = http_run(url, requests, len(chats), arrivals, args, tokenizer)
+        return summarize("hf-serve", records, reference)
     except Exception as error:  # noqa: BLE001 - reported in the table
         return dict(system="hf-serve", error=f"{type(error).__name__}: {str(error)[:300]}")
     finally:

@@ -1,0 +1,315 @@
+"""One request alone on the CPU: prefill and decode speed of stock transformers, chunk-llama and
+llama.cpp on the same GGUF file, the same prompt tokens and the same greedy settings.
+
+    python scripts/bench_single.py                           # 300-token prompt, 64 new tokens, 5 repeats
+    python scripts/bench_single.py --gguf-weights quantized dequantized   # both chunk-llama weight forms
+    python scripts/bench_single.py --prompt-tokens 32 --new-tokens 4 --repeat 1   # a smoke run
+
+The prompt is a chat (the shipped tool manual as the system prompt, cut so that the templated
+prompt is `--prompt-tokens` tokens by the model's tokenizer, then the first shipped question);
+every system gets exactly these token ids and generates exactly `--new-tokens` tokens greedily
+(EOS masked: `min_new_tokens` in transformers, `ignore_eos` in llama.cpp, both a -inf bias).
+
+Systems (one process, one after the other, each warmed up once, then `--repeat` runs):
+  stock        transformers `generate` on the GGUF dequantized to float32 by transformers (SDPA)
+  chunk-llama  `ChunkLlamaEngine` (one request, prefix retention off so each run computes the
+               prompt) on the model `chunk_llama.models.load_model` gives; `--gguf-weights X`
+               forwards `gguf_weights=X` to it (one system per value, named after it), and
+               `--chunk-llama-arg KEY=VALUE` any other keyword (VALUE read as JSON, else a string)
+  llama.cpp    `llama-server -np 1` built by scripts/build_llama_cpp.sh; the figures are the ones
+               its response reports (`timings.prompt_ms`, `timings.predicted_per_second`), so its
+               HTTP is not counted, as none is for the in-process systems. Skipped with the reason
+               when not built (`--build-llama-cpp` builds it first).
+Figures, medians of the runs, defined as llama-server defines them: prefill = time from the start
+to the first new token (the prompt's forward and the first sampling); decode = tokens after the
+first over the time from the first token to the last. `--llama-bench` adds llama-bench's own
+pp/tg figures (random tokens, no server) as a cross-check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.streamers import BaseStreamer
+
+import chunk_llama
+from chunk_llama.cli import DEFAULT_PROMPTS, DEFAULT_SYSTEM, read_prompts
+from chunk_llama.models import default_model_path, load_model
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import llama_cpp_peer as peer  # noqa: E402
+
+
+# ------------------------------------------------------------------ the prompt
+def chat_prompt_ids(tokenizer, target: int) -> list[int]:
+    """A chat of `target` tokens (at most): the tool manual cut to fit, then the first question."""
+    with open(DEFAULT_SYSTEM, encoding="utf-8") as f:
+        manual = tokenizer(f.read(), add_special_tokens=False)["input_ids"]
+    while len(manual) < target:
+        manual = manual + manual
+    question = read_prompts(DEFAULT_PROMPTS)[0]
+
+    def ids(k: int) -> list[int]:
+        chat = [{"role": "system", "content": tokenizer.decode(manual[:k])},
+                {"role": "user", "content": question}]
+        text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    low, high = 0, target  # the largest cut whose chat fits
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if len(ids(mid)) <= target else (low, mid - 1)
+    return ids(low)
+
+
+# ------------------------------------------------------------------ systems
+class _Clock(BaseStreamer):
+    """Times `generate`'s new tokens: its first put() is the prompt, each later one a token."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.calls = 0
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls > 1:
+            self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def _figures(start: float, token_times: list[float]) -> tuple[float, float]:
+    """(prefill ms, decode tokens/s) from the start time and each new token's time."""
+    prefill_ms = (token_times[0] - start) * 1e3
+    if len(token_times) < 2:
+        return prefill_ms, float("nan")
+    decode = (len(token_times) - 1) / (token_times[-1] - token_times[0])
+    return prefill_ms, decode
+
+
+@torch.no_grad()
+def run_stock(model, prompt: list[int], new_tokens: int, runs: int):
+    input_ids = torch.tensor([prompt])
+    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              pad_token_id=model.generation_config.eos_token_id)
+    results = []
+    for _ in range(runs):
+        clock = _Clock()
+        start = time.perf_counter()
+        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                             generation_config=config, streamer=clock)
+        results.append((*_figures(start, clock.times), out[0, len(prompt):].tolist()))
+    return results
+
+
+def run_chunk_llama(model, tokenizer, prompt: list[int], new_tokens: int, runs: int):
+    engine = chunk_llama.ChunkLlamaEngine(model, tokenizer, max_batch_size=1, kv_cache_bytes=1 << 28,
+                                          retain_prefixes=False)
+    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    results = []
+    try:
+        for _ in range(runs):
+            engine.add_request(list(prompt), config)
+            times, tokens, output = [], [], None
+            start = time.perf_counter()
+            while engine.has_unfinished_requests():
+                for delta in engine.step():
+                    now = time.perf_counter()
+                    times += [now] * len(delta.token_ids)
+                    tokens += delta.token_ids
+                    output = delta.output or output
+            assert output is not None and output.num_cached_tokens == 0, "the prompt came from the cache"
+            results.append((*_figures(start, times), tokens))
+    finally:
+        engine.close()
+    return results
+
+
+def run_llama_cpp(bin_dir: str, gguf: str, prompt: list[int], new_tokens: int, runs: int, threads: int,
+                  logs: str):
+    import httpx
+
+    body = peer.greedy_body(prompt, new_tokens, cache_prompt=False)  # every run computes the prompt
+    results = []
+    with peer.LlamaServer(bin_dir, gguf, slots=1, ctx_per_slot=len(prompt) + new_tokens + 16, threads=threads,
+                          log_path=os.path.join(logs, "llama_server.log")) as server:
+        for _ in range(runs):
+            reply = httpx.post(server.url + "/completion", json=body, timeout=3600).json()
+            timings = reply["timings"]
+            if timings["prompt_n"] != len(prompt) or timings["predicted_n"] != new_tokens:
+                raise RuntimeError(f"llama-server computed {timings['prompt_n']} of {len(prompt)} prompt "
+                                   f"tokens and generated {timings['predicted_n']} of {new_tokens}")
+            results.append((timings["prompt_ms"], timings["predicted_per_second"], reply.get("tokens", [])))
+    return results
+
+
+def llama_bench_line(bin_dir: str, gguf: str, prompt_tokens: int, new_tokens: int, repeat: int,
+                     threads: int) -> str:
+    import subprocess
+
+    exe = os.path.join(bin_dir, peer.BENCH)
+    if not os.access(exe, os.X_OK):
+        return f"llama-bench: not built in {bin_dir}"
+    command = [exe, "-m", gguf, "-p", str(prompt_tokens), "-n", str(new_tokens), "-r", str(max(repeat, 1)),
+               "-t", str(threads), "-o", "json"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    try:
+        rows = json.loads(result.stdout)
+    except json.JSONDecodeError:
+        return f"llama-bench failed (exit {result.returncode}): {result.stderr.strip()[-300:]}"
+    parts = []
+    for row in rows:
+        kind = f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}"
+        parts.append(f"{kind} {row['avg_ts']:.1f} tokens/s (+/- {row['stddev_ts']:.1f})")
+    return (f"llama-bench -p {prompt_tokens} -n {new_tokens} -r {max(repeat, 1)} -t {threads}: "
+            + ", ".join(parts))
+
+
+# ------------------------------------------------------------------ report
+def _kwarg(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def same_prefix(tokens: list[int], reference: list[int] | None) -> str:
+    if reference is None or not tokens:
+        return "n/a"
+    pairs = enumerate(zip(tokens, reference))
+    n = next((i for i, (a, b) in pairs if a != b), min(len(tokens), len(reference)))
+    return f"{n}/{len(reference)}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt-tokens", type=int, default=300)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=5, help="timed runs per system, after one warm-up run")
+    parser.add_argument("--systems", nargs="+", choices=("stock", "chunk-llama", "llama.cpp"),
+                        default=["stock", "chunk-llama", "llama.cpp"])
+    parser.add_argument("--gguf-weights", nargs="+", choices=("quantized", "dequantized"),
+                        help="chunk-llama: load_model(..., gguf_weights=X), one system per value "
+                             "(default: the keyword is not passed)")
+    parser.add_argument("--chunk-llama-arg", type=_kwarg, action="append", default=[], metavar="KEY=VALUE",
+                        help="chunk-llama: another keyword for load_model (repeatable)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                        help="threads for torch and llama.cpp (default: torch's)")
+    parser.add_argument("--model", default=None, help="a .gguf file (default: the default model's)")
+    parser.add_argument("--build-llama-cpp", action="store_true", help="build llama.cpp first if not cached")
+    parser.add_argument("--llama-bench", action="store_true", help="also llama-bench -p/-n figures")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    gguf = args.model or default_model_path()
+    runs = args.repeat + 1
+
+    rows, reference, tokenizer = [], None, None
+    if "stock" in args.systems or "chunk-llama" in args.systems:
+        model, tokenizer = load_model(gguf, device="cpu", dtype=torch.float32)
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+    prompt = chat_prompt_ids(tokenizer, args.prompt_tokens)
+
+    def add(name: str, results) -> None:
+        nonlocal reference
+        timed = results[1:]  # the first run is the warm-up
+        row = {"system": name, "prefill_ms": statistics.median(r[0] for r in timed),
+               "decode_tok_s": statistics.median(r[1] for r in timed), "tokens": timed[-1][2],
+               "runs_prefill_ms": [round(r[0], 2) for r in timed],
+               "runs_decode_tok_s": [round(r[1], 2) for r in timed]}
+        if name == "stock":
+            reference = row["tokens"]
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "tokens"}), flush=True)
+
+    if "stock" in args.systems:
+        add("stock", run_stock(model, prompt, args.new_tokens, runs))
+    if "chunk-llama" in args.systems:
+        extra = dict(args.chunk_llama_arg)
+        for form in args.gguf_weights or [None]:
+            kwargs = dict(extra, **({"gguf_weights": form} if form else {}))
+            named = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+            name = f"chunk-llama ({named})" if kwargs else "chunk-llama"
+            try:
+                if kwargs or "stock" in args.systems:  # a fresh model: stock's stays unpatched
+                    model = None  # stock's (or the previous form's) freed first
+                    model, _ = load_model(gguf, device="cpu", dtype=torch.float32, **kwargs)
+                add(name, run_chunk_llama(model, tokenizer, prompt, args.new_tokens, runs))
+            except (TypeError, ValueError) as error:  # e.g. a keyword this load_model does not take yet
+                rows.append(dict(system=name, error=f"{type(error).__name__}: {str(error)[:200]}"))
+                print(json.dumps(rows[-1]), flush=True)
+    llama_desc, bench_line = "llama.cpp: not run", None
+    if "llama.cpp" in args.systems:
+        try:
+            bin_dir = peer.find_bin(build=args.build_llama_cpp)
+            llama_desc = peer.describe(bin_dir)
+            logs = tempfile.mkdtemp(prefix="bench_single_")
+            add("llama.cpp", run_llama_cpp(bin_dir, gguf, prompt, args.new_tokens, runs, args.threads, logs))
+            if args.llama_bench:
+                bench_line = llama_bench_line(bin_dir, gguf, len(prompt), args.new_tokens, args.repeat,
+                                              args.threads)
+        except (peer.Unavailable, RuntimeError, OSError) as error:
+            rows.append(dict(system="llama.cpp", error=str(error)[:300]))
+            print(json.dumps(rows[-1]), flush=True)
+
+    from chunk_llama.ops.isa import selected_variant
+
+    header = (f"one request: {len(prompt)}-token chat prompt, {args.new_tokens} new tokens, greedy, float32 "
+              f"activations, {os.path.basename(gguf)}, {args.threads} threads, median of {args.repeat} runs "
+              f"after a warm-up\n{peer.cpu_summary()}; chunk-llama variant {selected_variant()}; torch "
+              f"{torch.__version__}; {llama_desc}")
+    print("\n" + header + "\n")
+    print(table(rows, reference))
+    if bench_line:
+        print("\n" + bench_line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(header=header, prompt_ids=prompt, rows=rows, llama_bench=bench_line), f, indent=2)
+
+
+def table(rows: list[dict], reference: list[int] | None) -> str:
+    by_name = {r["system"]: r for r in rows if "error" not in r}
+    lines = [("| system | prefill ms | decode tokens/s | decode vs llama.cpp | decode vs stock "
+              "| prefill vs llama.cpp | prefill vs stock | tokens = stock's |"),
+             "|---|---|---|---|---|---|---|---|"]
+
+    def ratio(row, base, key, invert=False):
+        other = by_name.get(base)
+        if other is None or row is other:
+            return "-"
+        value = other[key] / row[key] if invert else row[key] / other[key]
+        return f"{value:.2f}x"
+
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['system']} | not run: {row['error']} |||||||")
+            continue
+        # prefill ratios as speed (other's ms over this one's): above 1 is faster, as for decode
+        lines.append(f"| {row['system']} | {row['prefill_ms']:.1f} | {row['decode_tok_s']:.1f} | "
+                     f"{ratio(row, 'llama.cpp', 'decode_tok_s')} | {ratio(row, 'stock', 'decode_tok_s')} | "
+                     f"{ratio(row, 'llama.cpp', 'prefill_ms', True)} | "
+                     f"{ratio(row, 'stock', 'prefill_ms', True)} | "
+                     f"{same_prefix(row['tokens'], reference)} |")
+    lines.append("(ratios are speeds: above 1.00x this system is faster; "
+                 "tokens = stock's: leading tokens equal)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
