@@ -71,18 +71,20 @@ CHUNK_ATTN_DECLARE_QUANT(generic)
 
 namespace chunk_attn_cpu {
 
-// An IEEE half's bits as a float (the blocks' scales; once a block, so scalar).
+// An IEEE half's bits (little-endian, any alignment) as a float: the blocks' scales, one
+// or two a block, so scalar, and branch-free: the half's exponent and mantissa shifted
+// into a float's low exponent bits and scaled by 2^112 is exact for normal and subnormal
+// halves (a subnormal half lands on a subnormal float), either sign. Infinities and NaNs, which no
+// weight file holds, come out finite: a load compares every decoded tensor with
+// transformers' weights, so such a file keeps its float32 copy.
 inline float fp16_to_float(const uint8_t* bytes) {
-  const uint16_t h = static_cast<uint16_t>(bytes[0] | (bytes[1] << 8));  // little-endian, any alignment
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
-  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in a float
-    const float magnitude = static_cast<float>(mantissa) * (1.0f / 16777216.0f);
-    return sign ? -magnitude : magnitude;
-  }
-  const uint32_t bits = sign | (exponent == 31 ? 0x7f800000u | (mantissa << 13) : ((exponent + 112) << 23) | (mantissa << 13));
-  float value;
-  __builtin_memcpy(&value, &bits, sizeof value);
-  return value;
+  uint16_t h;
+  __builtin_memcpy(&h, bytes, sizeof h);
+  // the sign in place too (no branch: a block's sign is as random as its weights)
+  const uint32_t bits = (static_cast<uint32_t>(h & 0x8000u) << 16) | (static_cast<uint32_t>(h & 0x7fffu) << 13);
+  float shifted;
+  __builtin_memcpy(&shifted, &bits, sizeof shifted);
+  return shifted * 0x1p112f;
 }
 
 }  // namespace chunk_attn_cpu
