@@ -60,6 +60,7 @@ def check_against_dequantized(name, gguf_file, expected_types, num_shared, bos):
     engine = ChunkLlamaEngine(quantized, tokenizer, max_batch_size=2, chunk_size=64, kv_cache_bytes=1 << 27)
     outputs = engine.generate(prompts, config)
     assert engine.stats["prefill_tokens_reused"] >= 64
+    assert all(f"{t} x" in engine.stats["linear_backend"] for t in expected_types)  # said at start-up
     for prompt, out in zip(prompts, outputs):
         with torch.no_grad():
             ref = stock.generate(torch.tensor([prompt]), generation_config=config,

@@ -31,6 +31,7 @@ from chunk_llama.engine.request import RequestDelta, RequestOutput, Sequence
 from chunk_llama.engine.runner import ModelRunner
 from chunk_llama.engine.scheduler import Scheduler
 from chunk_llama.hf import ChunkCache, is_patched, patch_model
+from chunk_llama.hf.gguf_weights import gguf_blocks
 from chunk_llama.ops import backend_info, isa, linear, prepare_backend
 
 
@@ -87,6 +88,7 @@ class ChunkLlamaEngine:
         if not is_patched(model):
             patch_model(model, chunk_size=chunk_size or 64)
         self.model = model
+        self._gguf_blocks = gguf_blocks(model)
         self.tokenizer = tokenizer
         self.cache = ChunkCache(
             model,
@@ -256,7 +258,8 @@ class ChunkLlamaEngine:
         sequences; `peak_pool_bytes` also counts retained (cached) prefixes.
         `attention_backend` is the decode kernel in use ("cpu:avx2", "cuda", "reference",
         ...) and `attention_fallback_reason` why the reference runs, if it does;
-        `linear_backend` what the model's linear layers run on ("onednn" or "torch")."""
+        `linear_backend` what the model's linear layers run on ("small_linear:avx512 + onednn",
+        "torch", ...; with ", GGUF blocks Q4_1 x210" for layers kept in a GGUF file's blocks)."""
         pool, tree = self.cache.pool, self.cache.tree
         backend = backend_info(pool.device, pool.dtype, pool.head_dim, pool.chunk_size)
         return dict(
@@ -278,7 +281,9 @@ class ChunkLlamaEngine:
             chunk_size=pool.chunk_size,
             attention_backend=":".join(filter(None, (backend["backend"], backend["isa"]))),
             attention_fallback_reason=backend["reason"],
-            linear_backend=linear.backend(pool.dtype, pool.device),
+            linear_backend=linear.backend(pool.dtype, pool.device) + (
+                ", GGUF blocks " + ", ".join(f"{t} x{n}" for t, n in sorted(self._gguf_blocks.items()))
+                if self._gguf_blocks else ""),
         )
 
     def describe(self) -> str:

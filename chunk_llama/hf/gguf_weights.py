@@ -181,6 +181,11 @@ def keep_gguf_quantized(model: nn.Module, gguf_path: str) -> dict[str, int]:
     return dict(kept)
 
 
+def gguf_blocks(model: nn.Module) -> dict[str, int]:
+    """How many of the model's layers hold GGML blocks, by type (empty for none)."""
+    return dict(collections.Counter(m.ggml_type for m in model.modules() if isinstance(m, (GGUFLinear, GGUFEmbedding))))
+
+
 def _name_of(model: nn.Module, target: nn.Module) -> str:
     return next(name for name, module in model.named_modules() if module is target)
 

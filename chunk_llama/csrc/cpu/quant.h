@@ -17,14 +17,13 @@
 // (the embedding's lookups; layers of many rows, which then run oneDNN's GEMM).
 #pragma once
 
-#include <vector>
-
 namespace chunk_attn_cpu {
 namespace CHUNK_ATTN_ISA {
 
 constexpr int kGroup = 32;
 constexpr int kGroupVecs = kGroup / kLanes;
 static_assert(kLanes <= 16 && 16 % kLanes == 0, "a vector of a 32-weight group must not straddle its halves");
+static_assert(kLinCols <= kQuantScratchRows, "an item's weight rows must fit the caller's scratch");
 
 inline uint32_t load_u32(const uint8_t* p) { return p[0] | (p[1] << 8) | (p[2] << 16) | (uint32_t(p[3]) << 24); }
 
@@ -41,7 +40,7 @@ inline void k_scale_min(const uint8_t* s, int j, float* scale, float* min) {
 
 // Weights [32 * group, 32 * group + 32) of one row (`row`: its first block) into g.
 template <int Type>
-inline void decode_group(const uint8_t* row, int64_t group, Vec* g) {
+__attribute__((nothrow)) inline void decode_group(const uint8_t* row, int64_t group, Vec* g) {
   if constexpr (Type == kQ4_0 || Type == kQ4_1 || Type == kQ5_0 || Type == kQ5_1) {
     // 16 bytes of nibbles: weight i < 16 is byte i's low nibble, weight i + 16 its high one;
     // Q5's fifth bits: bit i of 32.
@@ -102,7 +101,7 @@ inline void decode_group(const uint8_t* row, int64_t group, Vec* g) {
 
 // One row of in_features weights (whole groups) to float32.
 template <int Type>
-inline void decode_row(const uint8_t* row, int64_t in_features, float* y) {
+__attribute__((nothrow)) inline void decode_row(const uint8_t* row, int64_t in_features, float* y) {
   for (int64_t group = 0; group < in_features / kGroup; ++group) {
     Vec g[kGroupVecs];
     decode_group<Type>(row, group, g);
@@ -110,6 +109,7 @@ inline void decode_row(const uint8_t* row, int64_t in_features, float* y) {
   }
 }
 
+// (Templates called in a parallel loop are marked nothrow, as in linear.h.)
 // The MR x kLinCols tile's dot products into out[r * kLinCols + c], each weight group
 // decoded in registers before its FMAs.
 template <int Type, int MR>
@@ -151,16 +151,15 @@ void quant_linear_of(const QuantLinearParams& p) {
   const int64_t row_bytes = p.in_features / f.block_elems * f.block_bytes;
   const int64_t num_items = (p.out_features + kLinCols - 1) / kLinCols;
   const bool fused = p.rows <= kLinRows;
-  // Buffered items (many rows, or the last item's fewer than kLinCols weight rows).
-  std::vector<float> buffers(static_cast<size_t>(kLinCols * p.in_features) * p.num_threads);
 #ifdef _OPENMP
 #pragma omp parallel num_threads(p.num_threads)
 #endif
   {
 #ifdef _OPENMP
-    float* w = buffers.data() + omp_get_thread_num() * kLinCols * p.in_features;
+    // buffered items (many rows, or the last item's fewer than kLinCols weight rows)
+    float* w = p.scratch + omp_get_thread_num() * kQuantScratchRows * p.in_features;
 #else
-    float* w = buffers.data();
+    float* w = p.scratch;
 #endif
 #ifdef _OPENMP
 #pragma omp for schedule(static)

@@ -45,7 +45,12 @@ struct QuantLinearParams {
   float* y;           // [rows, out_features]
   int64_t rows, out_features, in_features;
   int num_threads;
+  // kQuantScratchRows * in_features floats per thread, from the caller (a variant may not
+  // allocate: an allocation can throw, and unwinding data would name a symbol outside
+  // its namespace).
+  float* scratch;
 };
+constexpr int kQuantScratchRows = 4;  // >= every variant's kLinCols
 
 struct DequantizeParams {
   const uint8_t* w;  // [num_rows, in_features / block_elems * block_bytes]
