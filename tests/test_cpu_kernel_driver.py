@@ -54,6 +54,7 @@ def run_driver(command: list[str], variants: list[str], timeout: float) -> str:
         assert f"variant {variant} prefill: 30 cases" in done.stdout, done.stdout
         assert f"variant {variant} prefill with context: 30 cases" in done.stdout, done.stdout
         assert f"variant {variant} linear: 96 cases" in done.stdout, done.stdout
+        assert f"variant {variant} quant: 48 cases" in done.stdout, done.stdout
     assert "0 failing" in done.stdout, done.stdout
     return done.stdout
 

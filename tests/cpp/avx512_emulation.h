@@ -36,6 +36,29 @@ static inline __m512i _mm512_cvtepu16_epi32(__m256i a) {
   for (int i = 0; i < 16; ++i) r[i] = x[i];
   return _mm512_loadu_si512(r);
 }
+// vpmovzxbd / vpmovsxbd: 16 bytes zero- / sign-extended to 32 bits
+static inline __m512i _mm512_cvtepu8_epi32(__m128i a) {
+  uint8_t x[16];
+  int32_t r[16];
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(x), a);
+  for (int i = 0; i < 16; ++i) r[i] = x[i];
+  return _mm512_loadu_si512(r);
+}
+static inline __m512i _mm512_cvtepi8_epi32(__m128i a) {
+  int8_t x[16];
+  int32_t r[16];
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(x), a);
+  for (int i = 0; i < 16; ++i) r[i] = x[i];
+  return _mm512_loadu_si512(r);
+}
+// vcvtdq2ps: 16 int32 lanes to float (exact for the small integers the kernels convert)
+static inline __m512 _mm512_cvtepi32_ps(__m512i a) {
+  int32_t x[16];
+  float r[16];
+  _mm512_storeu_si512(x, a);
+  for (int i = 0; i < 16; ++i) r[i] = static_cast<float>(x[i]);
+  return _mm512_loadu_ps(r);
+}
 // vpmovdw: 16 32-bit lanes truncated to their low 16 bits
 static inline __m256i _mm512_cvtepi32_epi16(__m512i a) {
   int32_t x[16];

@@ -25,6 +25,7 @@
 #include "linear_params.h"
 #include "params.h"
 #include "prefill_cases.h"
+#include "quant_params.h"
 #include "scalar.h"
 #include "schedule.h"
 #include "test_rng.h"
@@ -262,6 +263,56 @@ double run_linear_cases(const Variant& variant, int& cases) {
   return worst;
 }
 
+// quant_linear and dequantize (quant.h) of every GGML format on random blocks (every bit
+// pattern of the packed weights; the fp16 scales finite, about 1e-2), against the generic
+// variant's decoding (the Python tests check that one, and every variant the host runs,
+// against gguf-py) and a double-precision y = x W^T + b of it: a variant's lane functions
+// (vbyte_field, vint8, vbit_field) checked where the host cannot run it natively.
+double run_quant_cases(const Variant& variant, int& cases) {
+  const Variant& generic = *find_variant("generic");
+  Rng rng{777};
+  double worst = 0;
+  for (int type : {kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K}) {
+    const QuantFormat f = quant_format(type);
+    const int in = 2 * f.block_elems, row_bytes = 2 * f.block_bytes;
+    for (int rows : {1, 3, 17})
+      for (int out : {5, 9}) {
+        std::vector<uint8_t> w(static_cast<size_t>(out) * row_bytes);
+        for (uint8_t& byte : w) byte = static_cast<uint8_t>(rng.next() >> 56);
+        const int scale_at = type == kQ6_K ? 208 : 0, num_scales = (type == kQ4_1 || type == kQ5_1 || type == kQ4_K || type == kQ5_K) ? 2 : 1;
+        for (int block = 0; block < out * 2; ++block)
+          for (int s = 0; s < num_scales; ++s) {  // a half of 2^-7 .. 2^-6, either sign
+            const uint16_t half = static_cast<uint16_t>((rng.next() >> 63) << 15 | (8u << 10) | (rng.next() >> 54));
+            std::memcpy(&w[block * f.block_bytes + scale_at + 2 * s], &half, 2);
+          }
+        std::vector<float> truth(static_cast<size_t>(out) * in), decoded(truth.size()), x(rows * in), b(out),
+            y(rows * out), scratch(static_cast<size_t>(kQuantScratchRows) * in);
+        generic.dequantize(DequantizeParams{w.data(), type, truth.data(), out, in, 1});
+        variant.dequantize(DequantizeParams{w.data(), type, decoded.data(), out, in, 1});
+        for (size_t i = 0; i < truth.size(); ++i) {  // one fused multiply-add apart at most
+          const double error = std::fabs(decoded[i] - truth[i]) / (1e-6 * std::fabs(truth[i]) + 1e-9);
+          if (!(error <= worst)) worst = error;
+        }
+        for (auto* v : {&x, &b})
+          for (float& e : *v) e = rng.value();
+        variant.quant_linear(QuantLinearParams{x.data(), w.data(), type, b.data(), y.data(), rows, out, in, 1,
+                                               scratch.data()});
+        ++cases;
+        for (int r = 0; r < rows; ++r)
+          for (int c = 0; c < out; ++c) {
+            double exact = b[c], magnitude = std::fabs(b[c]);
+            for (int i = 0; i < in; ++i) {
+              exact += double(x[r * in + i]) * truth[c * in + i];
+              magnitude += std::fabs(double(x[r * in + i]) * truth[c * in + i]);
+            }
+            const double error = std::fabs(y[r * out + c] - exact) / (1e-6 * magnitude + 1e-30);
+            if (!(error <= worst)) worst = error;  // NaN sticks
+          }
+      }
+  }
+  return worst;
+}
+
 int main(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(stderr, "usage: %s VARIANT...\n", argv[0]);
@@ -340,6 +391,14 @@ int main(int argc, char** argv) {
     }
     std::printf("variant %s linear: %d cases, largest error %.2f x the allowed\n", argv[a], linear_cases,
                 linear_worst);
+    int quant_cases = 0;
+    const double quant_worst = run_quant_cases(*variant, quant_cases);
+    runs += quant_cases;
+    if (!(quant_worst <= 1.0)) {
+      ++failures;
+      std::printf("FAIL %s quant: max error %.3g x the allowed\n", argv[a], quant_worst);
+    }
+    std::printf("variant %s quant: %d cases, largest error %.2f x the allowed\n", argv[a], quant_cases, quant_worst);
     const PrefillSummary prefill = run_prefill_cases(*variant);
     runs += prefill.cases + prefill.context_cases, failures += prefill.failures;
     std::printf("variant %s prefill: %d cases, largest error %.2f x the allowed (%d with a segment starting inside "
