@@ -270,6 +270,9 @@ def load_model(name_or_path: str | None = None, *, device: str | torch.device | 
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     path = gemma3_270m_path() if name_or_path == GEMMA3_270M else name_or_path or default_model_path()
+    unquantizable = _why_not_quantized(device, dtype, device_map)
+    if gguf_weights == "quantized" and unquantizable and path.endswith(".gguf"):  # before any weights are read
+        raise ValueError(f"gguf_weights='quantized' needs the model on the CPU in float32, not {unquantizable}")
     kwargs = {"trust_remote_code": trust_remote_code}
     if revision is not None:
         kwargs["revision"] = revision
@@ -284,32 +287,29 @@ def load_model(name_or_path: str | None = None, *, device: str | torch.device | 
         kwargs["device_map"] = str(device)  # weights loaded straight onto the GPU
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs, **from_pretrained_kwargs)
     model.eval()
-    if "gguf_file" in kwargs:
-        _keep_gguf_weights(model, os.path.join(path, kwargs["gguf_file"]), gguf_weights, device, dtype, device_map)
+    if "gguf_file" in kwargs and gguf_weights != "dequantized":
+        if unquantizable:
+            logger.info("the GGUF weights are dequantized: quantized blocks run on the CPU in float32, not %s",
+                        unquantizable)
+        else:
+            from chunk_llama.hf.gguf_weights import keep_gguf_quantized
+
+            kept = keep_gguf_quantized(model, os.path.join(path, kwargs["gguf_file"]))
+            logger.info("GGUF tensors kept quantized: %s",
+                        ", ".join(f"{n} {t}" for t, n in sorted(kept.items())) or "none")
     return model, tokenizer
 
 
 GGUF_WEIGHTS = ("auto", "quantized", "dequantized")
 
 
-def _keep_gguf_weights(model, gguf_path: str, choice: str, device: torch.device, dtype: torch.dtype,
-                       device_map) -> None:
-    if choice == "dequantized":
-        return
-    where = None
+def _why_not_quantized(device: torch.device, dtype: torch.dtype, device_map) -> str | None:
+    """Why GGUF blocks cannot run for a model placed so (they run on the CPU in float32), or None."""
     if device.type != "cpu" or device_map is not None:
-        where = f"on {device if device_map is None else 'a device_map'}"
-    elif dtype != torch.float32:
-        where = f"in {str(dtype).removeprefix('torch.')}"
-    if where is not None:
-        if choice == "quantized":
-            raise ValueError(f"gguf_weights='quantized' needs the model on the CPU in float32, not {where}")
-        logger.info("the GGUF weights are dequantized: quantized blocks run on the CPU in float32, not %s", where)
-        return
-    from chunk_llama.hf.gguf_weights import keep_gguf_quantized
-
-    kept = keep_gguf_quantized(model, gguf_path)
-    logger.info("GGUF tensors kept quantized: %s", ", ".join(f"{n} {t}" for t, n in sorted(kept.items())) or "none")
+        return f"on {device if device_map is None else 'a device_map'}"
+    if dtype != torch.float32:
+        return f"in {str(dtype).removeprefix('torch.')}"
+    return None
 
 
 def load_default_model(dtype: str | torch.dtype | None = "auto", *, device: str | torch.device | None = "auto"):

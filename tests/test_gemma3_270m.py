@@ -12,7 +12,7 @@ import torch
 from transformers import GenerationConfig
 
 from chunk_llama import ChunkLlamaEngine, load_model
-from chunk_llama.models import GEMMA3_270M, GEMMA3_270M_PACKAGE, sliding_window
+from chunk_llama.models import GEMMA3_270M, GEMMA3_270M_PACKAGE, gemma3_270m_path, sliding_window
 
 pytestmark = [
     pytest.mark.slow,
@@ -49,3 +49,14 @@ def test_shared_prefix_batch_equals_stock(gemma):
                                  attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
         assert out.token_ids == ref.sequences[0, len(prompt):].tolist()
         assert (out.logits - torch.stack([step[0] for step in ref.logits])).abs().max() <= 1e-3
+
+
+def test_the_quantized_blocks_compute_what_the_dequantized_model_does(gemma):
+    """The module fixture keeps Q5_0, Q4_K, Q6_K and Q8_0 blocks (load_model's default on
+    the CPU); transformers' float32 load of the same file is the truth."""
+    from test_gguf_weights import check_against_dequantized
+
+    quantized, tokenizer = gemma
+    stock, _ = load_model(GEMMA3_270M, gguf_weights="dequantized")
+    check_against_dequantized(quantized, tokenizer, stock, gemma3_270m_path(), {"Q5_0", "Q4_K", "Q6_K", "Q8_0"}, 600,
+                              bos=True)

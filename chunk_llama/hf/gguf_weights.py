@@ -7,17 +7,20 @@ reads those. This module gives the quantized tensors back their blocks: each `nn
 kernel decodes (`ops/quant_linear.py`) is replaced by a `GGUFLinear` (`GGUFEmbedding`)
 holding that tensor's bytes, and the float32 copy is dropped.
 
-Nothing is trusted to a name alone: each kept tensor is decoded and compared with the
-float32 weight transformers loaded for that module (after the same row permutation
-transformers applies, e.g. Llama's query and key rows), and a tensor that does not match
-stays float32, with a warning. So the model computes with the weights stock transformers
+Nothing is trusted to a name alone: gguf-py's name map (what transformers maps with) says
+which module a tensor is, transformers' tensor processor, run on the row numbers, how it
+reordered the rows (Llama's query and key heads), and each kept tensor is decoded and
+compared with the float32 weight transformers loaded for that module: a tensor that does
+not match stays float32, with a warning. So the model computes with the weights stock transformers
 computes with, up to summation order.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import logging
+import os
 
 import numpy as np
 import torch
@@ -126,9 +129,8 @@ def keep_gguf_quantized(model: nn.Module, gguf_path: str) -> dict[str, int]:
     wherever the CPU kernel decodes them (module doc). The model must be on the CPU in
     float32 (ValueError otherwise). Returns how many tensors of each GGML type were kept;
     empty, with a warning, where the kernels are not available."""
-    from gguf import GGUFReader
-    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
-                                                          get_gguf_hf_weights_map)
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     parameter = next(model.parameters())
     if parameter.device.type != "cpu" or parameter.dtype != torch.float32:
@@ -138,19 +140,29 @@ def keep_gguf_quantized(model: nn.Module, gguf_path: str) -> dict[str, int]:
     if reason is not None:
         logger.warning("chunk-llama: the GGUF weights are dequantized to float32: %s", reason)
         return {}
-    reader = GGUFReader(gguf_path)
+    stat = os.stat(gguf_path)
+    reader = _reader(os.path.abspath(gguf_path), stat.st_mtime_ns, stat.st_size)
     architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    arch_ids = {name: arch for arch, name in MODEL_ARCH_NAMES.items()}
+    if architecture not in arch_ids:
+        logger.warning("chunk-llama: the GGUF weights are dequantized to float32: gguf-py does not know the "
+                       "architecture %r", architecture)
+        return {}
+    name_map = get_tensor_name_map(arch_ids[architecture], model.config.num_hidden_layers)
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
-    names = get_gguf_hf_weights_map(model, processor)
+    modules = {}  # GGUF tensor name -> (module name, module), for the layers a kept tensor can replace
+    for module_name, module in model.named_modules():
+        gguf_name = name_map.get_name(module_name) if module_name else None
+        if gguf_name is not None and (type(module) is nn.Linear or isinstance(module, nn.Embedding)):
+            modules.setdefault(gguf_name + ".weight", (module_name, module))
     kept: collections.Counter[str] = collections.Counter()
     refused: list[str] = []
     output = model.get_output_embeddings()
     for tensor in reader.tensors:
-        ggml_type, hf_name = tensor.tensor_type.name, names.get(tensor.name, "")
-        if ggml_type not in ops.GGML_TYPES or not hf_name.endswith(".weight"):
+        ggml_type = tensor.tensor_type.name
+        if ggml_type not in ops.GGML_TYPES or tensor.name not in modules:
             continue
-        module_name = hf_name.removesuffix(".weight")
-        module = model.get_submodule(module_name)
+        module_name, module = modules[tensor.name]
         reproducible, scale = _embedding_scale(module)
         if not (type(module) is nn.Linear or reproducible):
             continue
@@ -179,6 +191,15 @@ def keep_gguf_quantized(model: nn.Module, gguf_path: str) -> dict[str, int]:
         logger.warning("chunk-llama: %d GGUF tensors stay float32: their decoded blocks differ from the weights "
                        "transformers loaded (%s)", len(refused), ", ".join(refused[:5]))
     return dict(kept)
+
+
+@functools.lru_cache(maxsize=4)
+def _reader(path: str, mtime_ns: int, size: int):
+    """A GGUF file's reader (memory-mapped; parsing its metadata takes seconds, so a process
+    that loads the same file again reuses it; a changed file is read again)."""
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
 
 
 def gguf_blocks(model: nn.Module) -> dict[str, int]:

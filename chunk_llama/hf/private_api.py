@@ -67,8 +67,6 @@ PRIVATE_APIS = (
                "hf/integration.py (wrapped: from_pretrained(attn_implementation='chunk_llama') patches)", ()),
     PrivateApi("transformers.models.auto.modeling_auto:MODEL_FOR_CAUSAL_LM_MAPPING",
                "models.py (the causal LM class of a config)", kind="attribute"),
-    PrivateApi("transformers.modeling_gguf_pytorch_utils:get_gguf_hf_weights_map",
-               "hf/gguf_weights.py (which module each GGUF tensor loaded into)", ("hf_model", "processor")),
     PrivateApi("transformers.modeling_gguf_pytorch_utils:TENSOR_PROCESSORS",
                "hf/gguf_weights.py (the row order transformers gives a tensor)", kind="attribute"),
     PrivateApi("transformers.modeling_gguf_pytorch_utils:TensorProcessor.process",
