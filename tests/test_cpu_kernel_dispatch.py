@@ -35,7 +35,7 @@ def test_unknown_and_unrunnable_variants_are_clear_errors(monkeypatch):
         isa.selected_variant()
     if isa.host_arch() == "x86_64":
         # a CPU with AVX2 but without AVX-512, whatever this one has
-        monkeypatch.setattr(isa, "_cpu_flags", lambda: frozenset({"avx2", "fma", "sse2"}))
+        monkeypatch.setattr(isa, "_cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "sse2"}))
         isa.host_variants.cache_clear()
         isa._select.cache_clear()
         try:

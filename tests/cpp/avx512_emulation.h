@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "quant_params.h"
+
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
 
@@ -57,6 +59,14 @@ static inline __m512 _mm512_cvtepi32_ps(__m512i a) {
   float r[16];
   _mm512_storeu_si512(x, a);
   for (int i = 0; i < 16; ++i) r[i] = static_cast<float>(x[i]);
+  return _mm512_loadu_ps(r);
+}
+// vcvtph2ps: 16 halves to floats (the kernels' own scalar conversion, exact for finite halves)
+static inline __m512 _mm512_cvtph_ps(__m256i a) {
+  uint8_t x[32];
+  float r[16];
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), a);
+  for (int i = 0; i < 16; ++i) r[i] = chunk_attn_cpu::fp16_to_float(x + 2 * i);
   return _mm512_loadu_ps(r);
 }
 // vpmovdw: 16 32-bit lanes truncated to their low 16 bits

@@ -42,6 +42,16 @@ inline Vec vbyte_field(const uint8_t* p, int shift, int mask) {
   return {_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(bytes, _mm_cvtsi32_si128(shift)),
                                               _mm256_set1_epi32(mask)))};
 }
+inline Vec vhalf(const uint8_t* p) {  // every lane: the fp16 at p (F16C)
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  return {_mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(h)))};
+}
+inline void vnibbles(const uint8_t* p, Vec* low, Vec* high) {  // one load for both halves
+  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  low->v = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0xF)));
+  high->v = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+}
 inline Vec vint8(const int8_t* p) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
 }

@@ -39,6 +39,16 @@ inline Vec vbyte_field(const uint8_t* p, int shift, int mask) {
   return {_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(bytes, _mm_cvtsi32_si128(shift)),
                                               _mm512_set1_epi32(mask)))};
 }
+inline Vec vhalf(const uint8_t* p) {  // every lane: the fp16 at p (vcvtph2ps is AVX-512F's)
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  return {_mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(h)))};
+}
+inline void vnibbles(const uint8_t* p, Vec* low, Vec* high) {  // one load for both halves
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  low->v = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0xF)));
+  high->v = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+}
 inline Vec vint8(const int8_t* p) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
 }

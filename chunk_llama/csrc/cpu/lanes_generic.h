@@ -11,7 +11,9 @@
 //   vload(p), vstore(p, a)   kLanes consecutive fp32, or bf16 (uint16_t) converted in registers
 //                            (stores round to nearest even)
 //   vbyte_field(p, shift, mask)  lane i = (p[i] >> shift) & mask, p: kLanes bytes (quant.h's
-//   vint8(p)                     lane i = p[i], p: kLanes int8                  quantized
+//   vhalf(p)                     every lane: the fp16 at p (a block's scale)
+//   vnibbles(p, &low, &high)     low: p[i] & 15, high: p[i] >> 4 (one load)      quantized
+//   vint8(p)                     lane i = p[i], p: kLanes int8
 //   vbit_field(bits, first)      lane i = (bits >> (first + i)) & 1              weights)
 //   vadd, vsub, vmul, vmax   lane-wise; vfma(a, b, c) = a * b + c
 //   vreduce_add, vreduce_max one float from all lanes
@@ -68,6 +70,11 @@ inline Vec vbyte_field(const uint8_t* p, int shift, int mask) {
   alignas(64) float lanes[kLanes];
   for (int i = 0; i < kLanes; ++i) lanes[i] = static_cast<float>((p[i] >> shift) & mask);
   return vload(lanes);
+}
+inline Vec vhalf(const uint8_t* p) { return vset1(fp16_to_float(p)); }
+inline void vnibbles(const uint8_t* p, Vec* low, Vec* high) {
+  *low = vbyte_field(p, 0, 0xF);
+  *high = vbyte_field(p, 4, 0xF);
 }
 inline Vec vint8(const int8_t* p) {
   alignas(64) float lanes[kLanes];

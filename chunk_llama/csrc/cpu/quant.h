@@ -46,24 +46,27 @@ __attribute__((nothrow)) inline void decode_group(const uint8_t* row, int64_t gr
     // Q5's fifth bits: bit i of 32.
     constexpr bool kMin = Type == kQ4_1 || Type == kQ5_1, kFifth = Type == kQ5_0 || Type == kQ5_1;
     const uint8_t* b = row + group * quant_format(Type).block_bytes;
-    const float d = fp16_to_float(b), m = kMin ? fp16_to_float(b + 2) : 0.f;
+    const Vec d = vhalf(b), m = kMin ? vhalf(b + 2) : vzero();
     const uint32_t qh = kFifth ? load_u32(b + (kMin ? 4 : 2)) : 0;
     const uint8_t* qs = b + (kMin ? 4 : 2) + (kFifth ? 4 : 0);
+    Vec nibbles[kGroupVecs];  // weights v * kLanes + lane: the low nibbles of 16 bytes, then the high
+#pragma GCC unroll 4
+    for (int v = 0; v < kGroupVecs / 2; ++v) vnibbles(qs + v * kLanes, &nibbles[v], &nibbles[v + kGroupVecs / 2]);
 #pragma GCC unroll 8
     for (int v = 0; v < kGroupVecs; ++v) {
       const int i = v * kLanes;
-      Vec q = vbyte_field(qs + i % 16, i < 16 ? 0 : 4, 0xF);
+      Vec q = nibbles[v];
       if constexpr (kFifth) q = vadd(q, vmul(vbit_field(qh, i), vset1(16.f)));
       if constexpr (kMin)
-        g[v] = vfma(vset1(d), q, vset1(m));
+        g[v] = vfma(d, q, m);
       else
-        g[v] = vmul(vset1(d), vsub(q, vset1(kFifth ? 16.f : 8.f)));
+        g[v] = vmul(d, vsub(q, vset1(kFifth ? 16.f : 8.f)));
     }
   } else if constexpr (Type == kQ8_0) {
     const uint8_t* b = row + group * 34;
-    const float d = fp16_to_float(b);
+    const Vec d = vhalf(b);
 #pragma GCC unroll 8
-    for (int v = 0; v < kGroupVecs; ++v) g[v] = vmul(vint8(reinterpret_cast<const int8_t*>(b + 2) + v * kLanes), vset1(d));
+    for (int v = 0; v < kGroupVecs; ++v) g[v] = vmul(vint8(reinterpret_cast<const int8_t*>(b + 2) + v * kLanes), d);
   } else if constexpr (Type == kQ4_K || Type == kQ5_K) {
     // 8 sub-blocks of 32; sub-blocks 2k and 2k+1 share 32 bytes of nibbles (low, high);
     // Q5_K's fifth bits: bit j of byte l is sub-block j's weight l.

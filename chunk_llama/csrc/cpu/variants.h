@@ -26,7 +26,9 @@ struct Variant {
 static inline bool host_runs_avx512() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
-static inline bool host_runs_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+static inline bool host_runs_avx2() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
 #endif
 static inline bool host_runs_always() { return true; }
 
