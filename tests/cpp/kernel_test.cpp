@@ -232,10 +232,27 @@ double run_case(const Variant& variant, const Case& cs) {
 
 }  // namespace
 
+// The largest error of y [rows, out] against a double-precision x W^T (+ b), in units of
+// the allowed: a float32 dot product's rounding, 1e-6 of the sum of the terms' magnitudes.
+double linear_error(const std::vector<float>& x, const std::vector<float>& w, const float* b,
+                    const std::vector<float>& y, int rows, int out, int in) {
+  double worst = 0;
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < out; ++c) {
+      double exact = b ? b[c] : 0.0, magnitude = b ? std::fabs(b[c]) : 0.0;
+      for (int i = 0; i < in; ++i) {
+        exact += double(x[r * in + i]) * w[c * in + i];
+        magnitude += std::fabs(double(x[r * in + i]) * w[c * in + i]);
+      }
+      const double error = std::fabs(y[r * out + c] - exact) / (1e-6 * magnitude + 1e-30);
+      if (!(error <= worst)) worst = error;  // NaN sticks
+    }
+  return worst;
+}
+
 // small_linear (linear.h) of every odd size against a double-precision y = x W^T + b:
 // tiles narrower than the register tile in rows and columns, in_features that are not a
-// multiple of the lanes. Returns the largest error in units of the allowed (a float32
-// dot product's rounding: 1e-6 of the sum of the terms' magnitudes).
+// multiple of the lanes. Returns the largest error in units of the allowed (linear_error).
 double run_linear_cases(const Variant& variant, int& cases) {
   Rng rng{12345};
   double worst = 0;
@@ -249,16 +266,8 @@ double run_linear_cases(const Variant& variant, int& cases) {
           LinearParams p{x.data(), w.data(), bias ? b.data() : nullptr, y.data(), rows, out, in, 1};
           variant.linear(p);
           ++cases;
-          for (int r = 0; r < rows; ++r)
-            for (int c = 0; c < out; ++c) {
-              double exact = bias ? b[c] : 0.0, magnitude = bias ? std::fabs(b[c]) : 0.0;
-              for (int i = 0; i < in; ++i) {
-                exact += double(x[r * in + i]) * w[c * in + i];
-                magnitude += std::fabs(double(x[r * in + i]) * w[c * in + i]);
-              }
-              const double error = std::fabs(y[r * out + c] - exact) / (1e-6 * magnitude + 1e-30);
-              if (!(error <= worst)) worst = error;  // NaN sticks
-            }
+          const double error = linear_error(x, w, bias ? b.data() : nullptr, y, rows, out, in);
+          if (!(error <= worst)) worst = error;  // NaN sticks
         }
   return worst;
 }
@@ -298,16 +307,8 @@ double run_quant_cases(const Variant& variant, int& cases) {
         variant.quant_linear(QuantLinearParams{x.data(), w.data(), type, b.data(), y.data(), rows, out, in, 1,
                                                scratch.data()});
         ++cases;
-        for (int r = 0; r < rows; ++r)
-          for (int c = 0; c < out; ++c) {
-            double exact = b[c], magnitude = std::fabs(b[c]);
-            for (int i = 0; i < in; ++i) {
-              exact += double(x[r * in + i]) * truth[c * in + i];
-              magnitude += std::fabs(double(x[r * in + i]) * truth[c * in + i]);
-            }
-            const double error = std::fabs(y[r * out + c] - exact) / (1e-6 * magnitude + 1e-30);
-            if (!(error <= worst)) worst = error;  // NaN sticks
-          }
+        const double error = linear_error(x, truth, b.data(), y, rows, out, in);
+        if (!(error <= worst)) worst = error;  // NaN sticks
       }
   }
   return worst;

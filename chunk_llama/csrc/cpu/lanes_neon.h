@@ -32,26 +32,7 @@ inline void vstore(uint16_t* p, Vec a) {  // round to nearest even, keep the hig
   vst1_u16(p, vshrn_n_u32(vaddq_u32(bits, vaddq_u32(odd, vdupq_n_u32(0x7fff))), 16));
 }
 inline Vec vadd(Vec a, Vec b) { return {vaddq_f32(a.v, b.v)}; }
-inline Vec vbyte_field(const uint8_t* p, int shift, int mask) {
-  alignas(64) float lanes[kLanes];
-  for (int i = 0; i < kLanes; ++i) lanes[i] = static_cast<float>((p[i] >> shift) & mask);
-  return vload(lanes);
-}
-inline Vec vhalf(const uint8_t* p) { return vset1(fp16_to_float(p)); }
-inline void vnibbles(const uint8_t* p, Vec* low, Vec* high) {
-  *low = vbyte_field(p, 0, 0xF);
-  *high = vbyte_field(p, 4, 0xF);
-}
-inline Vec vint8(const int8_t* p) {
-  alignas(64) float lanes[kLanes];
-  for (int i = 0; i < kLanes; ++i) lanes[i] = static_cast<float>(p[i]);
-  return vload(lanes);
-}
-inline Vec vbit_field(uint32_t bits, int first) {
-  alignas(64) float lanes[kLanes];
-  for (int i = 0; i < kLanes; ++i) lanes[i] = static_cast<float>((bits >> (first + i)) & 1u);
-  return vload(lanes);
-}
+#include "lanes_quant_scalar.h"
 inline Vec vsub(Vec a, Vec b) { return {vsubq_f32(a.v, b.v)}; }
 inline Vec vmul(Vec a, Vec b) { return {vmulq_f32(a.v, b.v)}; }
 inline Vec vmax(Vec a, Vec b) { return {vmaxq_f32(a.v, b.v)}; }

@@ -1,0 +1,25 @@
+// The quantized-weight lane functions (see lanes_generic.h), one lane at a time, for
+// the lanes without integer-to-float vector code here (generic, neon): included by their
+// lanes_<isa>.h, in its namespace, after its vload and vset1.
+#pragma once
+
+inline Vec vbyte_field(const uint8_t* p, int shift, int mask) {
+  alignas(64) float lanes[kLanes];
+  for (int i = 0; i < kLanes; ++i) lanes[i] = static_cast<float>((p[i] >> shift) & mask);
+  return vload(lanes);
+}
+inline Vec vhalf(const uint8_t* p) { return vset1(fp16_to_float(p)); }
+inline void vnibbles(const uint8_t* p, Vec* low, Vec* high) {
+  *low = vbyte_field(p, 0, 0xF);
+  *high = vbyte_field(p, 4, 0xF);
+}
+inline Vec vint8(const int8_t* p) {
+  alignas(64) float lanes[kLanes];
+  for (int i = 0; i < kLanes; ++i) lanes[i] = static_cast<float>(p[i]);
+  return vload(lanes);
+}
+inline Vec vbit_field(uint32_t bits, int first) {
+  alignas(64) float lanes[kLanes];
+  for (int i = 0; i < kLanes; ++i) lanes[i] = static_cast<float>((bits >> (first + i)) & 1u);
+  return vload(lanes);
+}
