@@ -96,6 +96,14 @@ def test_an_input_of_another_dtype_multiplies_the_decoded_weight(caplog):
     assert "bfloat16 input" in caplog.text
 
 
+def test_a_bias_of_another_dtype_is_never_read_as_float32():
+    blocks = random_blocks("Q4_0", 9, 64)
+    x, bias = torch.randn(3, 64), torch.randn(9).bfloat16()
+    out = ops.QuantLinear(ops.GGML_TYPES["Q4_0"], 64)(x, torch.from_numpy(blocks), bias)
+    expected = torch.nn.functional.linear(x, gguf_py_decoded(blocks, "Q4_0"), bias.float())
+    torch.testing.assert_close(out, expected)
+
+
 def test_bad_blocks_are_refused_with_the_reason():
     library = build()
     x = torch.randn(2, 64)

@@ -3,9 +3,10 @@ Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K tensors), on the CPU in float32.
 
 A decode step multiplies a few rows by every weight of the model, so it is bound by the
 bytes of the weights: 4.5 to 8.5 bits a weight in these blocks against 32 in float32. The
-CPU kernel (`csrc/cpu/quant.h`) decodes a few weight rows at a time into a buffer that
-stays in L1 and multiplies them as `small_linear` does, so the blocks are read once, from
-memory, in their compact form. Many rows (a prefill) instead decode the whole weight to
+CPU kernel (`csrc/cpu/quant.h`) decodes the blocks in registers just before multiplying
+them as `small_linear` does (up to SMALL_ROWS rows; beyond a few, through a buffer in L1),
+so they are read once, from memory, in their compact form. Many rows (a prefill) instead
+decode the whole weight to
 float32 once per call and run oneDNN's GEMM (`ops/linear.py`), whose arithmetic then
 dominates. Both compute with the weights of the float32-dequantized model (what
 transformers loads a GGUF file as), so results differ from it by summation order only.
@@ -40,11 +41,6 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def row_bytes(ggml_type: int, in_features: int) -> int:
-    """Bytes of one weight row of `in_features` in the format (ValueError if not whole blocks)."""
-    return build().quant_row_bytes(ggml_type, in_features)
-
-
 def dequantize(blocks: torch.Tensor, ggml_type: int, in_features: int) -> torch.Tensor:
     """blocks [num_rows, row_bytes] uint8 -> float32 [num_rows, in_features]."""
     return build().dequantize(blocks, ggml_type, in_features, isa.selected_variant())
@@ -61,8 +57,11 @@ class QuantLinear:
         self._onednn = onednn_unavailable_reason() is None
 
     def __call__(self, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if not (x.dtype is torch.float32 and x.is_cpu):
-            _log_once(f"a {x.dtype} input on {x.device} multiplies the dequantized weight with F.linear")
+        # the kernel reads raw float32 memory: anything else multiplies the decoded weight
+        if not (x.dtype is torch.float32 and x.is_cpu and (bias is None or (
+                bias.dtype is torch.float32 and bias.is_cpu and bias.is_contiguous()))):
+            _log_once(f"a {x.dtype} input on {x.device} (bias {None if bias is None else bias.dtype}) multiplies "
+                      "the dequantized weight with F.linear")
             weight = dequantize(blocks, self.ggml_type, self.in_features)
             return F.linear(x, weight.to(x.device, x.dtype), None if bias is None else bias.to(x.device, x.dtype))
         flat = x.reshape(-1, self.in_features).contiguous()  # [rows, in_features]
