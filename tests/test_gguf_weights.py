@@ -2,7 +2,8 @@
 default model (Q4_1, a Q8_0 embedding tied to the LM head) and Gemma 3 270M (Q5_0, Q4_K,
 Q6_K, Q8_0; in test_gemma3_270m.py, which loads it) against transformers' float32-dequantized
 load of the same file: the weights
-take about the file's size, teacher-forced logits within 1e-4, greedy tokens equal through
+take about the file's size, teacher-forced logits no further from the float64 truth than
+stock's float32 ones (about 1e-4 apart from them), greedy tokens equal through
 the engine on a shared prefix; a tensor whose blocks do not decode to transformers' weight
 stays float32, with a warning."""
 
@@ -13,6 +14,7 @@ import os
 import pytest
 import torch
 from torch import nn
+from tolerances import assert_no_worse_than_stock
 from transformers import GenerationConfig
 
 from chunk_llama import ChunkLlamaEngine, load_model
@@ -48,10 +50,18 @@ def check_against_dequantized(quantized, tokenizer, stock, gguf_file, expected_t
                                                         f"for a {file_bytes / 1e6:.1f} MB file"
 
     prompts = prompts_with_a_shared_prefix(tokenizer, num_shared, bos)
-    with torch.no_grad():  # teacher forced, stock forward on both
+    with torch.no_grad():  # teacher forced, stock forward on all three
         ids = torch.tensor([prompts[0]])
-        error = (quantized(ids).logits - stock(ids).logits).abs().max().item()
-    assert error <= 1e-4, f"logits {error:.3g} from the dequantized model's"
+        ours, stock_logits = quantized(ids).logits, stock(ids).logits
+        truth = copy.deepcopy(stock).double()(ids).logits  # the same weights in float64
+    # The same weights bit for bit (test_quant_linear), float32 in another summation order:
+    # no further from the float64 truth than stock's own float32 error, which differs by CPU
+    # and ISA (ours is 4.5e-5 from stock's logits with AVX-512, 1.5e-4 with every library
+    # held to AVX2, on the default model). On average within 2x, not 1.5x: ours measured
+    # 1.6x stock's on Gemma 3 270M (AMD Zen 5), where a prompt's rows go through oneDNN's
+    # GEMM and stock's through MKL's, each summing in its own order.
+    assert_no_worse_than_stock(ours, stock_logits, truth, torch.float32, mean_factor=2.0,
+                               what="GGUF blocks' logits")
 
     config = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None,
                               pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)

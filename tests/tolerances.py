@@ -79,7 +79,8 @@ def assert_kernel_close(out: torch.Tensor, truth: torch.Tensor, what: str = "",
 def assert_no_worse_than_stock(ours: torch.Tensor, stock: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype,
                                *, factor: float = STOCK_FACTOR, ulps: float = STOCK_ULPS,
                                mean_factor: float = STOCK_MEAN_FACTOR, what: str = "") -> None:
-    """Ours and stock computed in half-precision `dtype`, `truth` the same weights in float32:
+    """Ours and stock computed in `dtype`, `truth` the same weights in a wider one (float32 for
+    half precision; float64 for float32, e.g. GGUF blocks against transformers' dequantized copy):
     ours' worst error to the truth at most `factor` times stock's own plus `ulps` ulps of
     `dtype` at the truth's scale (the largest |truth|), and ours' mean error at most
     `mean_factor` times stock's (averaged over many elements, it needs no rounding allowance)."""

@@ -5,8 +5,9 @@
 // Every format decodes in groups of 32 weights (a block of the 32-weight formats, a
 // sub-block of the K-quants), kLanes at a time in registers (vbyte_field and friends),
 // with the operations, in the order, of gguf-py's numpy dequantizers (what transformers
-// loads a GGUF file with): the weights are the float32-dequantized model's, up to the
-// compiler fusing a multiply-add (1 ulp).
+// loads a GGUF file with): the weights are the float32-dequantized model's, bit for bit
+// where vpin keeps the compiler from fusing a multiply and an add (not the generic lanes,
+// whose baseline x86 target has no FMA to fuse into; aarch64's may, by 1 ulp).
 //
 // quant_linear, few rows (a decode step, up to kLinRows): small_linear's tile (kLinRows
 // rows of x against kLinCols weight rows, kLanes accumulators, one vsum_lanes), each
@@ -24,6 +25,14 @@ constexpr int kGroup = 32;
 constexpr int kGroupVecs = kGroup / kLanes;
 static_assert(kLanes <= 16 && 16 % kLanes == 0, "a vector of a 32-weight group must not straddle its halves");
 static_assert(kLinCols <= kQuantScratchRows, "an item's weight rows must fit the caller's scratch");
+
+// A product rounded to float before the add that follows, as gguf-py rounds it: the
+// compiler may not fuse the two into an FMA across vpin (so the weights are bitwise
+// transformers').
+inline Vec rounded(Vec a) {
+  vpin(a);
+  return a;
+}
 
 inline uint32_t load_u32(const uint8_t* p) { return p[0] | (p[1] << 8) | (p[2] << 16) | (uint32_t(p[3]) << 24); }
 
@@ -58,7 +67,7 @@ __attribute__((nothrow)) inline void decode_group(const uint8_t* row, int64_t gr
       Vec q = nibbles[v];
       if constexpr (kFifth) q = vadd(q, vmul(vbit_field(qh, i), vset1(16.f)));
       if constexpr (kMin)
-        g[v] = vfma(d, q, m);
+        g[v] = vadd(rounded(vmul(d, q)), m);
       else
         g[v] = vmul(d, vsub(q, vset1(kFifth ? 16.f : 8.f)));
     }
@@ -81,7 +90,7 @@ __attribute__((nothrow)) inline void decode_group(const uint8_t* row, int64_t gr
     for (int v = 0; v < kGroupVecs; ++v) {
       Vec q = vbyte_field(qs + v * kLanes, 4 * (j % 2), 0xF);
       if constexpr (kFifth) q = vadd(q, vmul(vbyte_field(b + 16 + v * kLanes, j, 1), vset1(16.f)));
-      g[v] = vsub(vmul(vset1(dj), q), vset1(mj));
+      g[v] = vsub(rounded(vmul(vset1(dj), q)), vset1(mj));
     }
   } else if constexpr (Type == kQ6_K) {
     // Group t of half h (group % 8 = 4h + t): low 4 bits from ql[64h + 32(t%2) + l] >> 4(t/2),
