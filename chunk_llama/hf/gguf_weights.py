@@ -29,8 +29,9 @@ from torch import nn
 from chunk_llama.ops import quant_linear as ops
 
 logger = logging.getLogger(__name__)
-# How far a decoded weight may be from transformers' (relative to the tensor's largest):
-# gguf-py's numpy decoding rounds a multiply-add twice, the kernel may fuse it (1 ulp).
+# How far a decoded weight may be from transformers' (relative to the tensor's largest): on
+# x86 none (quant.h rounds a product before its add, as gguf-py's numpy does); aarch64's
+# compiler may fuse the generic lanes' multiply-add into an FMA (1 ulp).
 MATCH_TOLERANCE = 1e-6
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from chunk_llama.ops import isa
-from chunk_llama.ops.cpu import build
+from chunk_llama.ops.cpu import build, build_failed
 from chunk_llama.ops.linear import SMALL_ROWS, _onednn, onednn_unavailable_reason
 
 logger = logging.getLogger(__name__)
@@ -34,8 +34,6 @@ GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12,
 
 def unavailable_reason() -> str | None:
     """Why weights cannot stay quantized in this process (no CPU kernel), or None."""
-    from chunk_llama.ops.cpu import build_failed
-
     if build() is None:
         return f"the CPU kernels are not available ({build_failed() or 'not built'})"
     return None
@@ -52,8 +50,8 @@ class QuantLinear:
     layer (the variant and the format are read here)."""
 
     def __init__(self, ggml_type: int, in_features: int):
-        self.ggml_type, self.in_features = ggml_type, in_features
-        self._few_rows = build().quant_linear_call(ggml_type, in_features, isa.selected_variant())
+        self.ggml_type, self.in_features, self._variant = ggml_type, in_features, isa.selected_variant()
+        self._few_rows = build().quant_linear_call(ggml_type, in_features, self._variant)
         self._onednn = onednn_unavailable_reason() is None
 
     def __call__(self, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -68,7 +66,7 @@ class QuantLinear:
         if flat.shape[0] <= SMALL_ROWS or not self._onednn:
             out = self._few_rows(flat, blocks, bias)
         else:  # the GEMM's arithmetic dominates: decode once, multiply with oneDNN
-            out = _onednn(flat, dequantize(blocks, self.ggml_type, self.in_features), bias)
+            out = _onednn(flat, build().dequantize(blocks, self.ggml_type, self.in_features, self._variant), bias)
         return out.view(*x.shape[:-1], blocks.shape[0])
 
 

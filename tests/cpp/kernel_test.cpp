@@ -383,23 +383,19 @@ int main(int argc, char** argv) {
       }
     }
     std::printf("variant %s: %zu cases, largest error %.2f x the allowed\n", argv[a], cases.size(), worst);
-    int linear_cases = 0;
-    const double linear_worst = run_linear_cases(*variant, linear_cases);
-    runs += linear_cases;
-    if (!(linear_worst <= 1.0)) {
-      ++failures;
-      std::printf("FAIL %s linear: max error %.3g x the allowed\n", argv[a], linear_worst);
+    const std::pair<const char*, double (*)(const Variant&, int&)> linear_kinds[] = {{"linear", run_linear_cases},
+                                                                                     {"quant", run_quant_cases}};
+    for (const auto& [kind, run_cases] : linear_kinds) {
+      int kind_cases = 0;
+      const double kind_worst = run_cases(*variant, kind_cases);
+      runs += kind_cases;
+      if (!(kind_worst <= 1.0)) {
+        ++failures;
+        std::printf("FAIL %s %s: max error %.3g x the allowed\n", argv[a], kind, kind_worst);
+      }
+      std::printf("variant %s %s: %d cases, largest error %.2f x the allowed\n", argv[a], kind, kind_cases,
+                  kind_worst);
     }
-    std::printf("variant %s linear: %d cases, largest error %.2f x the allowed\n", argv[a], linear_cases,
-                linear_worst);
-    int quant_cases = 0;
-    const double quant_worst = run_quant_cases(*variant, quant_cases);
-    runs += quant_cases;
-    if (!(quant_worst <= 1.0)) {
-      ++failures;
-      std::printf("FAIL %s quant: max error %.3g x the allowed\n", argv[a], quant_worst);
-    }
-    std::printf("variant %s quant: %d cases, largest error %.2f x the allowed\n", argv[a], quant_cases, quant_worst);
     const PrefillSummary prefill = run_prefill_cases(*variant);
     runs += prefill.cases + prefill.context_cases, failures += prefill.failures;
     std::printf("variant %s prefill: %d cases, largest error %.2f x the allowed (%d with a segment starting inside "

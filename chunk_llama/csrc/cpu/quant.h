@@ -72,7 +72,7 @@ __attribute__((nothrow)) inline void decode_group(const uint8_t* row, int64_t gr
         g[v] = vmul(d, vsub(q, vset1(kFifth ? 16.f : 8.f)));
     }
   } else if constexpr (Type == kQ8_0) {
-    const uint8_t* b = row + group * 34;
+    const uint8_t* b = row + group * quant_format(Type).block_bytes;
     const Vec d = vhalf(b);
 #pragma GCC unroll 8
     for (int v = 0; v < kGroupVecs; ++v) g[v] = vmul(vint8(reinterpret_cast<const int8_t*>(b + 2) + v * kLanes), d);
@@ -96,7 +96,7 @@ __attribute__((nothrow)) inline void decode_group(const uint8_t* row, int64_t gr
     // Group t of half h (group % 8 = 4h + t): low 4 bits from ql[64h + 32(t%2) + l] >> 4(t/2),
     // high 2 bits from qh[32h + l] >> 2t; weights l < 16 scale by scales[2(group%8)], the
     // rest by the next.
-    const uint8_t* b = row + (group / 8) * 210;
+    const uint8_t* b = row + (group / 8) * quant_format(Type).block_bytes;
     const int k = static_cast<int>(group % 8), h = k / 4, t = k % 4;
     const uint8_t* low = b + 64 * h + 32 * (t % 2);
     const uint8_t* high = b + 128 + 32 * h;
