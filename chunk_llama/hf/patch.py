@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from chunk_llama.hf import attention, compat
+from chunk_llama.hf import attention, compat, fused_layers
 from chunk_llama.hf.cache import ChunkCache
 from chunk_llama.hf.generate import wrap_generate
 from chunk_llama.models import check_dtype, check_supported
@@ -101,6 +101,7 @@ def patch_model(model: torch.nn.Module, *, chunk_size: int = 64) -> torch.nn.Mod
         for module in model.modules():
             if type(module) is torch.nn.Linear:  # subclasses (quantized layers) keep their own forward
                 module.forward = functools.partial(_linear_forward, module, module.forward)
+        fused_layers.fuse_decoder_layers(model)
         model._chunk_llama_patched = True
     return model
 

@@ -71,6 +71,12 @@ PRIVATE_APIS = (
                "hf/gguf_weights.py (the row order transformers gives a tensor)", kind="attribute"),
     PrivateApi("transformers.modeling_gguf_pytorch_utils:TensorProcessor.process",
                "hf/gguf_weights.py (run on row numbers)", ("weights", "name")),
+    # the decoder layers fused_layers computes in one call (csrc/cpu/layer.cpp follows their forward)
+    *(PrivateApi(f"transformers.models.{family}.modeling_{family}:{name}DecoderLayer.forward",
+                 "hf/fused_layers.py (the layer's forward it replaces in decode steps)",
+                 ("hidden_states", "position_embeddings"))
+      for family, name in (("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"))),
+    PrivateApi("transformers.models.llama.modeling_llama:rotate_half", "csrc/cpu/layer.cpp (rotate)", ("x",)),
 )
 
 

@@ -101,6 +101,10 @@ class CpuDecode:
             new_kv=None) -> torch.Tensor:
         """q: [num_seqs, num_heads, head_dim] in plan order; k_cache, v_cache: [capacity,
         num_kv_heads, chunk_size, head_dim] -> [num_seqs, num_heads, head_dim]"""
+        return self.call(scale, window)(q.contiguous(), k_cache, v_cache)
+
+    def call(self, scale: float, window: int = 0):
+        """The plan's `cpu_lib.AttentionCall` for these scalars, made once per step."""
         call = self._calls.get((scale, window))
         if call is None:
             plan = self._plan
@@ -108,7 +112,7 @@ class CpuDecode:
                                                                        self.geometry[1], window)
             call = self._calls[scale, window] = self._ops.decode_call(plan.index, self._layout, self._scratch, scale,
                                                                       window, items, self.variant)
-        return call(q.contiguous(), k_cache, v_cache)
+        return call
 
 
 class CpuPrefill:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 P, I64, I32, F64, STR = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_char_p
-ABI_VERSION = 2  # CHUNK_LLAMA_CPU_ABI_VERSION in c_api.h
+ABI_VERSION = 3  # CHUNK_LLAMA_CPU_ABI_VERSION in c_api.h
 _ATTENTION = [P, I64, I64, I64, P, P, I64, I64, I64, I64, I64, I64, I32, P, P, I64, P, I64, P, I64, F64, I64]
 _SIGNATURES = {  # name: (argument types, result type), as c_api.h declares them
     "abi_version": ([], I32),
@@ -35,7 +35,26 @@ _SIGNATURES = {  # name: (argument types, result type), as c_api.h declares them
     "quant_linear": ([P, I64, I64, P, I64, I32, I64, P, P, STR, I32], I32),
     "dequantize": ([P, I64, I32, I64, I64, P, STR, I32], I32),
     "quant_row_bytes": ([I32, I64], I64),
+    # the layer, hidden in/out, rows, cos, sin, the writes (token, chunk, offset, count), row order,
+    # then the pool and the decode call's tail as tpp_decode takes them
+    "decoder_layer_decode": ([P, P, P, I64, P, P, P, P, P, I64, P, P, P, I64, I64, I64, I64, I64, I64, I32,
+                              P, I64, P, I64, P, I64, F64, I64, I64, STR, I32], I32),
 }
+
+
+class Weight(ctypes.Structure):
+    """chunk_llama_cpu_weight: a linear layer's float32 weight (type 0) or GGML blocks."""
+    _fields_ = [("data", P), ("bias", P), ("type", I64), ("out_features", I64), ("in_features", I64),
+                ("bytes", I64)]
+
+
+class DecoderLayer(ctypes.Structure):
+    """chunk_llama_cpu_decoder_layer: a Llama-family layer's sizes, norms and weights."""
+    _fields_ = [("hidden_size", I64), ("num_heads", I64), ("num_kv_heads", I64), ("head_dim", I64),
+                ("intermediate_size", I64), ("input_norm", P), ("post_norm", P), ("norm_eps", F64),
+                *((name, Weight) for name in ("q", "k", "v", "o", "gate", "up", "down"))]
+
+
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # CHUNK_LLAMA_FLOAT32, CHUNK_LLAMA_BFLOAT16
 _ERRORS = {1: ValueError, 2: TypeError}
 
@@ -111,6 +130,23 @@ class AttentionCall:
         code = self._function(q.data_ptr(), *q.shape, *pool, out.data_ptr(), *self._after_out)
         return out if code == 0 else self._library.raise_error(code)
 
+    def decoder_layer(self, layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      writes: tuple, row_order: torch.Tensor | None, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor) -> torch.Tensor:
+        """A decode call of the whole layer whose attention this call plans
+        (`hf/fused_layers.py` has checked dtypes, devices and contiguity): hidden [rows,
+        hidden_size], cos and sin [rows, head_dim], float32; writes: (token, chunk, offset)
+        int64 tensors of the step's K/V slots; row_order [rows] int64 (the plan's row i is
+        batch row row_order[i]) or None -> [rows, hidden_size]"""
+        _, _, _, pool = self._pool_args(k_cache, v_cache)
+        out = torch.empty_like(hidden)
+        token, chunk, offset = writes
+        code = self._library.decoder_layer_decode(
+            ctypes.byref(layer), hidden.data_ptr(), out.data_ptr(), hidden.shape[0], cos.data_ptr(), sin.data_ptr(),
+            token.data_ptr(), chunk.data_ptr(), offset.data_ptr(), token.numel(),
+            None if row_order is None else row_order.data_ptr(), *pool, *self._after_out)
+        return out if code == 0 else self._library.raise_error(code)
+
     def _reject(self, q: torch.Tensor, dtype: torch.dtype):
         if not q.is_cpu:
             raise TypeError(f"the CPU kernel takes CPU tensors, got q on {q.device}")
@@ -135,6 +171,7 @@ class CpuLibrary:
             raise ValueError(f"{path.name} has C interface version {lib.chunk_llama_cpu_abi_version()}, this "
                              f"chunk-llama needs {ABI_VERSION}")
         self._lib = lib
+        self.decoder_layer_decode = lib.chunk_llama_cpu_decoder_layer_decode
 
     def raise_error(self, code: int):
         """The library's last error as ValueError (code 1), TypeError (2) or RuntimeError."""

@@ -56,6 +56,9 @@ class StepContext:
     # layers whose K/V sit on another device (a model split by device_map): this step there
     for_device: Callable[["StepContext", torch.device], "StepContext"] | None = None
     moved: dict = field(default_factory=dict)
+    # the fused decoder layers' K/V slots (token, chunk, offset), or why this step has none:
+    # made by the first layer (`hf/fused_layers.py`)
+    fused_writes: tuple | str | None = None
     _rows: torch.Tensor | None = field(default=None, init=False, repr=False)  # not copied by dataclasses.replace
 
     def on(self, device: torch.device) -> "StepContext":

@@ -4,6 +4,7 @@
 // baseline flags (each kernel_<isa>.cpp raises its own target). Failed checks are reported
 // as chunk_llama/api_errors.h says.
 #include "c_api.h"
+#include "api_internal.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -20,7 +21,7 @@
 #include "schedule.h"
 #include "variants.h"
 
-namespace {
+namespace chunk_llama_cpu_internal {
 
 using chunk_attn_cpu::Variant;
 
@@ -92,11 +93,6 @@ void check_segments(const int64_t* chunks, const int64_t* starts, const int64_t*
 void check_window(int64_t window) {
   CHECK_VALUE(window >= 0 && window <= INT32_MAX, "window must be 0 (none) or a positive int32, got ", window);
 }
-
-// The geometry both attention ops check on q and the pool.
-struct Geometry {
-  int64_t q_rows, num_heads, head_dim, capacity, num_kv_heads, chunk_size;
-};
 
 Geometry check_geometry(int64_t q_rows, int64_t num_heads, int64_t head_dim, int64_t capacity, int64_t num_kv_heads,
                         int64_t chunk_size, int64_t kv_head_dim, int64_t k_extent, int64_t v_extent, int dtype) {
@@ -318,7 +314,9 @@ void tpp_prefill(const void* q, const void* k_cache, const void* v_cache, const 
   variant.prefill(p);
 }
 
-}  // namespace
+}  // namespace chunk_llama_cpu_internal
+
+using namespace chunk_llama_cpu_internal;
 
 extern "C" {
 
@@ -412,7 +410,7 @@ int chunk_llama_cpu_small_linear(const float* x, int64_t rows, int64_t in_featur
 
 }  // extern "C"
 
-namespace {
+namespace chunk_llama_cpu_internal {
 
 // The bytes of one row of in_features weights of `type`, or the error why not.
 int64_t row_bytes_of(const char* op, int type, int64_t in_features) {
@@ -424,7 +422,7 @@ int64_t row_bytes_of(const char* op, int type, int64_t in_features) {
   return in_features / f.block_elems * f.block_bytes;
 }
 
-}  // namespace
+}  // namespace chunk_llama_cpu_internal
 
 extern "C" {
 

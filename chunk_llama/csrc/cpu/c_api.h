@@ -24,7 +24,7 @@ extern "C" {
 
 /* Bumped whenever an entry point's arguments change: a loader refuses a library whose
  * version differs from the one its binding was written for. */
-#define CHUNK_LLAMA_CPU_ABI_VERSION 2
+#define CHUNK_LLAMA_CPU_ABI_VERSION 3
 
 enum { CHUNK_LLAMA_OK = 0, CHUNK_LLAMA_VALUE_ERROR = 1, CHUNK_LLAMA_TYPE_ERROR = 2 };
 /* Element types of q and the pool (params.h DType). */
@@ -88,6 +88,40 @@ CHUNK_LLAMA_API int chunk_llama_cpu_dequantize(const uint8_t* weight, int64_t we
 /* Bytes of one row of in_features weights of `type`; -1 (and an error) if the type is not
  * one of the above or in_features is not a multiple of its block. */
 CHUNK_LLAMA_API int64_t chunk_llama_cpu_quant_row_bytes(int type, int64_t in_features);
+
+/* One linear layer's weight in chunk_llama_cpu_decoder_layer: float32 [out_features,
+ * in_features] (type 0: an nn.Linear's weight in place) or GGML blocks (a type id above),
+ * `bytes` bytes in all; bias [out_features] float32 or NULL. */
+typedef struct {
+  const void* data;
+  const float* bias;
+  int64_t type, out_features, in_features, bytes;
+} chunk_llama_cpu_weight;
+
+/* A Llama-family decoder layer: RMSNorm before attention and before the MLP, rotary
+ * attention (rotate-half), a gated SiLU MLP, residuals around both. */
+typedef struct {
+  int64_t hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size;
+  const float* input_norm; /* [hidden_size] */
+  const float* post_norm;  /* [hidden_size] */
+  double norm_eps;
+  chunk_llama_cpu_weight q, k, v, o, gate, up, down;
+} chunk_llama_cpu_decoder_layer;
+
+/* One decode step of `layer` for `rows` sequences (one new token each), float32:
+ * hidden_out [rows, hidden_size] = the layer applied to hidden_in [rows, hidden_size], the
+ * rotary cos and sin [rows, head_dim] as the model computed them. The new K/V of token
+ * write_token[i] go to slot write_offset[i] of chunk write_chunk[i] of the pool (as
+ * chunk_llama_cpu_tpp_decode takes it), then attention runs over the decode plan, whose
+ * row i is batch row row_order[i] (row_order NULL: the same order). */
+CHUNK_LLAMA_API int chunk_llama_cpu_decoder_layer_decode(
+    const chunk_llama_cpu_decoder_layer* layer, const float* hidden_in, float* hidden_out, int64_t rows,
+    const float* cos, const float* sin, const int64_t* write_token, const int64_t* write_chunk,
+    const int64_t* write_offset, int64_t num_writes, const int64_t* row_order, void* k_cache, void* v_cache,
+    int64_t capacity, int64_t num_kv_heads, int64_t chunk_size, int64_t kv_head_dim, int64_t k_extent,
+    int64_t v_extent, int dtype, const int64_t* plan, int64_t plan_numel, const int64_t* layout,
+    int64_t layout_size, float* scratch, int64_t scratch_numel, double scale, int64_t window,
+    int64_t max_chunks_per_item, const char* isa, int num_threads);
 
 #ifdef __cplusplus
 }

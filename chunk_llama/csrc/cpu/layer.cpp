@@ -1,0 +1,181 @@
+// One decoder layer of the Llama family for a decode step, in one call
+// (chunk_llama_cpu_decoder_layer_decode, c_api.h). A decode step of one sequence on a
+// small model spends more time in Python and torch's dispatch around its kernels than in
+// them (about 30 ops per layer); this runs the whole layer behind one ctypes call, with
+// the same kernels the op-by-op path runs (small_linear or quant_linear per weight, the
+// decode attention) and the elementwise steps written the way transformers computes them.
+// Compiled with baseline flags, like c_api.cpp: the elementwise steps are a few thousand
+// floats per row, next to the weights' millions.
+#include <cmath>
+#include <cstdint>
+#include <memory>
+
+#include "api_internal.h"
+#include "c_api.h"
+#include "chunk_llama/api_errors.h"
+
+namespace chunk_llama_cpu_internal {
+namespace {
+
+using chunk_attn_cpu::Variant;
+
+// y [rows, out] = x [rows, in] W^T (+ bias) with the variant's kernel for the weight's form.
+void linear(const Variant& variant, const chunk_llama_cpu_weight& w, const float* x, float* y, int64_t rows,
+            float* quant_scratch, int num_threads) {
+  if (w.type == 0) {
+    variant.linear(chunk_attn_cpu::LinearParams{x, static_cast<const float*>(w.data), w.bias, y, rows,
+                                                w.out_features, w.in_features, num_threads});
+  } else {
+    variant.quant_linear(chunk_attn_cpu::QuantLinearParams{x, static_cast<const uint8_t*>(w.data),
+                                                           static_cast<int>(w.type), w.bias, y, rows, w.out_features,
+                                                           w.in_features, num_threads, quant_scratch});
+  }
+}
+
+void check_weight(const chunk_llama_cpu_weight& w, const char* name, int64_t out_features, int64_t in_features) {
+  CHECK_VALUE(w.data != nullptr && w.out_features == out_features && w.in_features == in_features, "decoder layer: ",
+              name, " is [", w.out_features, ", ", w.in_features, "], the layer needs [", out_features, ", ",
+              in_features, "]");
+  const int64_t bytes = w.type == 0 ? out_features * in_features * 4
+                                    : row_bytes_of("decoder layer", static_cast<int>(w.type), in_features) * out_features;
+  CHECK_VALUE(w.bytes == bytes, "decoder layer: ", name, " holds ", w.bytes, " bytes, not the ", bytes,
+              " its shape and type need");
+}
+
+// transformers' LlamaRMSNorm: t = x * rsqrt(mean(x^2) + eps), then weight * t (two roundings).
+void rms_norm(const float* x, const float* weight, double eps, float* out, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * n;
+    double sum = 0.0;  // the mean of n floats, more exact than torch's float sum (within its error)
+    for (int64_t i = 0; i < n; ++i) sum += static_cast<double>(xr[i]) * xr[i];
+    const float inv = 1.0f / std::sqrt(static_cast<float>(sum / n) + static_cast<float>(eps));
+    for (int64_t i = 0; i < n; ++i) {
+      const float t = xr[i] * inv;
+      out[r * n + i] = weight[i] * t;
+    }
+  }
+}
+
+// transformers' apply_rotary_pos_emb on one row of heads: x * cos + rotate_half(x) * sin,
+// rotate_half(x) = cat(-x[d/2:], x[:d/2]). x [heads, d], cos/sin [d], in place.
+void rotate(float* x, int64_t heads, int64_t d, const float* cos, const float* sin) {
+  const int64_t half = d / 2;
+  for (int64_t h = 0; h < heads; ++h, x += d) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = x[i], b = x[i + half];
+      const float first = a * cos[i], first_rot = -b * sin[i];
+      const float second = b * cos[i + half], second_rot = a * sin[i + half];
+      x[i] = first + first_rot;
+      x[i + half] = second + second_rot;
+    }
+  }
+}
+
+// The MLP's gate: gate <- silu(gate) * up, silu(g) = g / (1 + exp(-g)) as torch computes it.
+void silu_mul(float* gate, const float* up, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    const float silu = g / (1.0f + std::exp(-g));
+    gate[i] = silu * up[i];
+  }
+}
+
+}  // namespace
+}  // namespace chunk_llama_cpu_internal
+
+using chunk_llama_api::guarded;
+using namespace chunk_llama_cpu_internal;
+
+extern "C" {
+
+int chunk_llama_cpu_decoder_layer_decode(
+    const chunk_llama_cpu_decoder_layer* layer, const float* hidden_in, float* hidden_out, int64_t rows,
+    const float* cos, const float* sin, const int64_t* write_token, const int64_t* write_chunk,
+    const int64_t* write_offset, int64_t num_writes, const int64_t* row_order, void* k_cache, void* v_cache,
+    int64_t capacity, int64_t num_kv_heads, int64_t chunk_size, int64_t kv_head_dim, int64_t k_extent,
+    int64_t v_extent, int dtype, const int64_t* plan, int64_t plan_numel, const int64_t* layout,
+    int64_t layout_size, float* scratch, int64_t scratch_numel, double scale, int64_t window,
+    int64_t max_chunks_per_item, const char* isa, int num_threads) {
+  return guarded([&] {
+    const chunk_llama_cpu_decoder_layer& L = *layer;
+    const Variant& variant = variant_for(isa);
+    CHECK_VALUE(dtype == CHUNK_LLAMA_FLOAT32, "decoder layer: the pool must be float32 (dtype code ", dtype, ")");
+    CHECK_VALUE(num_kv_heads == L.num_kv_heads, "decoder layer: the pool has ", num_kv_heads,
+                " KV heads, the layer ", L.num_kv_heads);
+    const Geometry g = check_geometry(rows, L.num_heads, L.head_dim, capacity, num_kv_heads, chunk_size, kv_head_dim,
+                                      k_extent, v_extent, dtype);
+    const int64_t hidden = L.hidden_size, d = L.head_dim, inter = L.intermediate_size;
+    const int64_t q_width = L.num_heads * d, kv_width = num_kv_heads * d;
+    CHECK_VALUE(hidden > 0 && inter > 0 && d % 2 == 0 && num_threads >= 1, "decoder layer: bad sizes (hidden ",
+                hidden, ", intermediate ", inter, ", head_dim ", d, ")");
+    check_weight(L.q, "q_proj", q_width, hidden);
+    check_weight(L.k, "k_proj", kv_width, hidden);
+    check_weight(L.v, "v_proj", kv_width, hidden);
+    check_weight(L.o, "o_proj", hidden, q_width);
+    check_weight(L.gate, "gate_proj", inter, hidden);
+    check_weight(L.up, "up_proj", inter, hidden);
+    check_weight(L.down, "down_proj", hidden, inter);
+    for (int64_t i = 0; i < num_writes; ++i)
+      CHECK_VALUE(write_token[i] >= 0 && write_token[i] < rows && write_chunk[i] >= 0 && write_chunk[i] < capacity &&
+                      write_offset[i] >= 0 && write_offset[i] < chunk_size,
+                  "decoder layer: write ", i, " (token ", write_token[i], " to chunk ", write_chunk[i], " slot ",
+                  write_offset[i], ") is not inside ", rows, " rows and the pool of ", capacity, " chunks of ",
+                  chunk_size);
+    if (row_order != nullptr)
+      for (int64_t i = 0; i < rows; ++i)
+        CHECK_VALUE(row_order[i] >= 0 && row_order[i] < rows, "decoder layer: row_order[", i, "] = ", row_order[i],
+                    " is not a row of ", rows);
+
+    // one buffer for every intermediate: h [rows, hidden], q and its plan-ordered copy and
+    // the attention's output [rows, q_width], k and v [rows, kv_width], gate and up
+    // [rows, inter], and the quantized kernels' per-thread scratch
+    const int64_t widest_in = inter > q_width ? (inter > hidden ? inter : hidden) : (q_width > hidden ? q_width : hidden);
+    const int64_t floats = rows * (hidden + 3 * q_width + 2 * kv_width + 2 * inter) +
+                           chunk_attn_cpu::kQuantScratchRows * widest_in * num_threads;
+    std::unique_ptr<float[]> buffer(new float[floats]);
+    float *h = buffer.get(), *q = h + rows * hidden, *q_plan = q + rows * q_width, *attn = q_plan + rows * q_width;
+    float *k = attn + rows * q_width, *v = k + rows * kv_width, *gate = v + rows * kv_width, *up = gate + rows * inter;
+    float* quant_scratch = up + rows * inter;
+
+    // attention
+    rms_norm(hidden_in, L.input_norm, L.norm_eps, h, rows, hidden);
+    linear(variant, L.q, h, q, rows, quant_scratch, num_threads);
+    linear(variant, L.k, h, k, rows, quant_scratch, num_threads);
+    linear(variant, L.v, h, v, rows, quant_scratch, num_threads);
+    for (int64_t r = 0; r < rows; ++r) {
+      rotate(q + r * q_width, L.num_heads, d, cos + r * d, sin + r * d);
+      rotate(k + r * kv_width, num_kv_heads, d, cos + r * d, sin + r * d);
+    }
+    float *k_pool = static_cast<float*>(k_cache), *v_pool = static_cast<float*>(v_cache);
+    for (int64_t i = 0; i < num_writes; ++i)
+      for (int64_t head = 0; head < num_kv_heads; ++head) {
+        const int64_t slot = ((write_chunk[i] * num_kv_heads + head) * chunk_size + write_offset[i]) * d;
+        const int64_t from = write_token[i] * kv_width + head * d;
+        for (int64_t j = 0; j < d; ++j) k_pool[slot + j] = k[from + j], v_pool[slot + j] = v[from + j];
+      }
+    const float* q_in = q;
+    if (row_order != nullptr) {  // the plan's rows are the batch's in another order
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < q_width; ++j) q_plan[r * q_width + j] = q[row_order[r] * q_width + j];
+      q_in = q_plan;
+    }
+    float* attn_plan = row_order != nullptr ? q : attn;  // q is not read again once q_plan holds it
+    tpp_decode(q_in, k_cache, v_cache, g, dtype, attn_plan, plan, plan_numel, layout, layout_size, scratch,
+               scratch_numel, scale, window, max_chunks_per_item, isa, num_threads);
+    if (row_order != nullptr)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < q_width; ++j) attn[row_order[r] * q_width + j] = attn_plan[r * q_width + j];
+    linear(variant, L.o, attn, hidden_out, rows, quant_scratch, num_threads);
+    for (int64_t i = 0; i < rows * hidden; ++i) hidden_out[i] = hidden_in[i] + hidden_out[i];
+
+    // MLP
+    rms_norm(hidden_out, L.post_norm, L.norm_eps, h, rows, hidden);
+    linear(variant, L.gate, h, gate, rows, quant_scratch, num_threads);
+    linear(variant, L.up, h, up, rows, quant_scratch, num_threads);
+    silu_mul(gate, up, rows * inter);
+    linear(variant, L.down, gate, h, rows, quant_scratch, num_threads);
+    for (int64_t i = 0; i < rows * hidden; ++i) hidden_out[i] = hidden_out[i] + h[i];
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,225 @@
+"""A Llama-family decoder layer's decode step in one call of the CPU library.
+
+At batch 1 on the CPU a decode step of the default model spends more time in Python and
+torch's dispatch around its kernels (about 30 ops and 7 linear calls per layer) than
+reading the weights. In a decode step on the CPU kernels, a decoder layer whose structure
+`csrc/cpu/layer.cpp` computes (Llama, Mistral, Qwen2: RMSNorm, rotate-half rotary
+attention, a gated SiLU MLP; float32 or GGUF-block weights, biases allowed) runs as one
+call instead: the same linear and attention kernels the op-by-op path runs, and the
+elementwise steps in transformers' order, so results equal that path's up to the float32
+rounding of the norm's sum and of SiLU's exp.
+
+Everything else runs the layer's own forward: prefill, other devices and dtypes, more rows
+than `SMALL_ROWS`, `CHUNK_LLAMA_LINEAR=torch`, `CHUNK_LLAMA_FUSED_LAYERS=0`, and a layer
+that is no longer the one described (a projection wrapped by an adapter, a replaced
+weight, a hook on a submodule: their effect would be skipped). Why a layer of a supported
+class does not fuse is logged once per reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import operator
+
+import torch
+from torch import nn
+
+from chunk_llama.hf.gguf_weights import GGUFLinear
+from chunk_llama.ops import cpu_lib
+from chunk_llama.ops import quant_linear as quant_ops
+from chunk_llama.ops.cpu import CpuDecode
+from chunk_llama.ops.jit import setting
+from chunk_llama.ops.linear import SMALL_ROWS
+from chunk_llama.step import current_step
+
+logger = logging.getLogger(__name__)
+ENV = "CHUNK_LLAMA_FUSED_LAYERS"
+# decoder layer class -> (attention, MLP, norm) classes and the attention's window (0: none)
+_LAYERS = {
+    "LlamaDecoderLayer": ("LlamaAttention", "LlamaMLP", "LlamaRMSNorm", lambda attn: 0),
+    "MistralDecoderLayer": ("MistralAttention", "MistralMLP", "MistralRMSNorm",
+                            lambda attn: getattr(attn.config, "sliding_window", None) or 0),
+    "Qwen2DecoderLayer": ("Qwen2Attention", "Qwen2MLP", "Qwen2RMSNorm", lambda attn: attn.sliding_window or 0),
+}
+_PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
+                ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+
+
+def fuse_decoder_layers(model: nn.Module) -> int:
+    """Wrap the forward of every decoder layer of a supported class (idempotent); returns
+    how many are wrapped. The wrapped forward is the layer's own outside the cases above."""
+    wrapped = 0
+    for module in model.modules():
+        if type(module).__name__ in _LAYERS and "_chunk_llama_fused" not in module.__dict__:
+            module._chunk_llama_fused = None  # described on first use
+            module.forward = functools.partial(_forward, module, module.forward)
+        wrapped += "_chunk_llama_fused" in module.__dict__
+    return wrapped
+
+
+def _forward(layer: nn.Module, original, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    step = current_step()
+    if step is not None and step.decode is not None:
+        out = _fused(layer, step, hidden_states, kwargs.get("position_embeddings"))
+        if out is not None:
+            return out
+    return original(hidden_states, *args, **kwargs)
+
+
+def _fused(layer: nn.Module, step, hidden: torch.Tensor, position_embeddings) -> torch.Tensor | None:
+    """The layer's output through one call, or None where it does not apply."""
+    writes = step.fused_writes
+    if writes is None:  # once per step
+        reason = _step_reason(step)
+        if reason is not None and isinstance(step.attention, CpuDecode) and not reason.startswith(ENV):
+            _log_once(reason)  # (an attention that is not the CPU kernel's says why itself)
+        writes = step.fused_writes = reason or (step.write_token_index, step.write_chunk, step.write_offset)
+    if isinstance(writes, str) or position_embeddings is None:
+        return None
+    described = layer._chunk_llama_fused
+    if described is None or described.stale(layer):
+        described = layer._chunk_llama_fused = _describe(layer)
+    if described.reason is not None:
+        return _log_once(f"{type(layer).__name__}: {described.reason}")
+    cos, sin = position_embeddings
+    rows = hidden.shape[0]
+    if not (hidden.dtype is torch.float32 and hidden.is_cpu and hidden.dim() == 3 and hidden.shape[1] == 1
+            and rows <= SMALL_ROWS and hidden.is_contiguous() and cos.dtype is torch.float32 and cos.is_cpu
+            and sin.dtype is torch.float32 and cos.shape == (rows, 1, described.head_dim) and cos.is_contiguous()
+            and sin.shape == cos.shape and sin.is_contiguous()):
+        return None
+    pool, index = step.pool, layer.self_attn.layer_idx
+    call = step.attention.call(described.scale, described.window)
+    out = call.decoder_layer(described.struct, hidden, cos, sin, writes, step.row_order, pool.k[index],
+                             pool.v[index])
+    return out
+
+
+def _step_reason(step) -> str | None:
+    """Why this decode step's layers run op by op, or None when they may fuse."""
+    if setting(ENV, "1") == "0":
+        return f"{ENV}=0"
+    if not isinstance(step.attention, CpuDecode):
+        return f"the step's attention runs on {getattr(step.attention, 'backend', type(step.attention).__name__)}"
+    if step.linear is None:
+        return "the linear layers run F.linear here (CHUNK_LLAMA_LINEAR=torch or not x86-64)"
+    if step.pool.dtype != torch.float32:
+        return f"the KV pool is {step.pool.dtype}"
+    if step.write_token_index.dtype != torch.int64 or step.row_order is not None and (
+            step.row_order.dtype != torch.int64 or not step.row_order.is_contiguous()):
+        return "the step's write slots or row order are not int64"
+    return None
+
+
+class _Described:
+    """A layer as the C function takes it (`struct`), or why it cannot (`reason`), and the
+    modules, tensors and hooks it was read from: kept alive, and compared by identity at each
+    call (a replaced one, or a hook added or removed, makes the description stale)."""
+
+    def __init__(self, modules: tuple, reason: str | None, struct: "cpu_lib.DecoderLayer | None" = None,
+                 window: int = 0):
+        self.modules, self.tensors, self.hooked = modules, _tensors(modules), _hooked(modules)
+        self.reason, self.struct, self.window = reason, struct, window
+        if struct is not None:
+            self.scale, self.head_dim = float(modules[1].scaling), int(struct.head_dim)
+
+    def stale(self, layer: nn.Module) -> bool:
+        modules = _modules(layer)
+        return not (_same(modules, self.modules) and _same(_tensors(modules), self.tensors)) \
+            or _hooked(modules) != self.hooked
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    """Element by element identity (a tensor's == compares values)."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+def _modules(layer: nn.Module) -> tuple:
+    """(layer, attention, MLP, its activation, the two norms, the seven projections)."""
+    attn, mlp = layer._modules.get("self_attn"), layer._modules.get("mlp")
+    if attn is None or mlp is None:
+        return ()
+    return (layer, attn, mlp, mlp._modules.get("act_fn"), layer._modules.get("input_layernorm"),
+            layer._modules.get("post_attention_layernorm"),
+            *(attn._modules.get(name) if owner == "self_attn" else mlp._modules.get(name) for owner, name in _PROJECTIONS))
+
+
+def _tensors(modules: tuple) -> tuple:
+    """Every tensor the C function reads, by module, as the modules hold them now."""
+    return tuple(tensor for module in modules[4:] if module is not None
+                 for tensor in (*module._parameters.values(), *module._buffers.values(), module.__dict__.get("bias")))
+
+
+def _hooked(modules: tuple) -> bool:
+    """Whether a hook would run inside the layer (the fused call would skip it)."""
+    return any(module._forward_hooks or module._forward_pre_hooks for module in modules[1:] if module is not None) \
+        or bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+
+
+def _describe(layer: nn.Module) -> _Described:
+    """The layer's description (with the reason it does not fuse, if it does not)."""
+    modules = _modules(layer)
+    reason = _why_not(modules, _LAYERS[type(layer).__name__])
+    if reason is not None:
+        return _Described(modules, reason)
+    _, attn, mlp, act, input_norm, post_norm, *projections = modules
+    weights = [_weight(module) for module in projections]
+    for (_, name), weight in zip(_PROJECTIONS, weights):
+        if isinstance(weight, str):
+            return _Described(modules, f"{name}: {weight}")
+    config = attn.config
+    struct = cpu_lib.DecoderLayer(
+        hidden_size=int(input_norm.weight.shape[0]), num_heads=int(config.num_attention_heads),
+        num_kv_heads=int(config.num_key_value_heads), head_dim=int(attn.head_dim),
+        intermediate_size=int(projections[4].out_features), input_norm=input_norm.weight.data_ptr(),
+        post_norm=post_norm.weight.data_ptr(), norm_eps=float(input_norm.variance_epsilon),
+        **dict(zip(("q", "k", "v", "o", "gate", "up", "down"), weights)))
+    return _Described(modules, None, struct, int(_LAYERS[type(layer).__name__][3](attn)))
+
+
+def _why_not(modules: tuple, classes: tuple) -> str | None:
+    """Why a layer of a supported class is not what the C function computes, or None."""
+    attention_class, mlp_class, norm_class, _ = classes
+    if not modules or None in modules[3:]:
+        return "a submodule is missing"
+    _, attn, mlp, act, input_norm, post_norm, *_ = modules
+    if type(attn).__name__ != attention_class or type(mlp).__name__ != mlp_class:
+        return f"its attention or MLP is {type(attn).__name__} / {type(mlp).__name__}"
+    if type(act).__name__ not in ("SiLUActivation", "SiLU"):
+        return f"its activation is {type(act).__name__}, not SiLU"
+    if _hooked(modules):
+        return "a hook runs inside it"
+    for norm in (input_norm, post_norm):
+        weight = norm._parameters.get("weight")
+        if type(norm).__name__ != norm_class or not _plain_float32(weight) or weight.dim() != 1:
+            return f"a norm is {type(norm).__name__} with a weight it does not read"
+    if input_norm.variance_epsilon != post_norm.variance_epsilon:
+        return "its two norms have different epsilons"
+    return None
+
+
+def _plain_float32(tensor) -> bool:
+    return (type(tensor) in (nn.Parameter, torch.Tensor) and tensor.dtype is torch.float32 and tensor.is_cpu
+            and tensor.is_contiguous())
+
+
+def _weight(module: nn.Module) -> "cpu_lib.Weight | str":
+    """A projection's weight as the C function takes it, or why it cannot."""
+    bias = module.__dict__.get("bias", module._parameters.get("bias"))
+    if bias is not None and not (_plain_float32(bias) and bias.dim() == 1):
+        return "its bias is not a float32 CPU vector"
+    bias_ptr = None if bias is None else bias.data_ptr()
+    if type(module) is GGUFLinear:
+        blocks = module.blocks
+        return cpu_lib.Weight(blocks.data_ptr(), bias_ptr, quant_ops.GGML_TYPES[module.ggml_type],
+                              module.out_features, module.in_features, blocks.numel())
+    if type(module) is nn.Linear and "_hf_hook" not in module.__dict__ and _plain_float32(module.weight):
+        weight = module.weight
+        return cpu_lib.Weight(weight.data_ptr(), bias_ptr, 0, weight.shape[0], weight.shape[1], weight.numel() * 4)
+    return f"a {type(module).__name__} (adapters, quantized or offloaded layers run their own forward)"
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    logger.warning("chunk-llama: decoder layer runs op by op: %s", message)

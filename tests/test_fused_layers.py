@@ -1,0 +1,242 @@
+"""The fused decoder layer (`hf/fused_layers.py`, `csrc/cpu/layer.cpp`): a decode step of a
+Llama, Mistral or Qwen2 layer in one call is as close to the float64 truth as the op-by-op
+path is (float32 weights and GGUF blocks, biases, sliding windows, GQA, odd sizes, rows in
+the plan's order or not) and gives stock's greedy tokens; what it does not compute (a hook
+inside the layer, an adapter, a replaced weight) runs op by op, and bad input to the C
+function is a ValueError naming it."""
+
+import copy
+import ctypes
+import logging
+import random
+
+import pytest
+import torch
+import transformers
+from test_quant_linear import gguf_py_decoded, random_blocks
+from tolerances import assert_no_worse_than_stock
+from transformers import GenerationConfig
+
+from chunk_llama import ChunkLlamaEngine, patch_model
+from chunk_llama.hf import fused_layers
+from chunk_llama.hf.gguf_weights import GGUFLinear
+from chunk_llama.ops import cpu_lib, isa
+from chunk_llama.ops.cpu import build
+
+pytestmark = pytest.mark.skipif(build() is None or isa.host_arch() != "x86_64",
+                                reason="the fused layer runs with the CPU kernels' linear path (x86-64)")
+
+COMMON = dict(vocab_size=96, num_hidden_layers=2, max_position_embeddings=512, initializer_range=0.2,
+              bos_token_id=1, eos_token_id=5, pad_token_id=0)
+# odd sizes: hidden 96 with 3 query heads of 64 (q is wider than the hidden state), MLP 123
+FAMILIES = {
+    "llama": ("LlamaConfig", dict(hidden_size=96, intermediate_size=123, num_attention_heads=3,
+                                  num_key_value_heads=1, head_dim=64, mlp_bias=True)),
+    "qwen2": ("Qwen2Config", dict(hidden_size=96, intermediate_size=37, num_attention_heads=3,
+                                  num_key_value_heads=3)),  # head_dim 32, q/k/v biases
+    "mistral-windowed": ("MistralConfig", dict(hidden_size=96, intermediate_size=123, num_attention_heads=4,
+                                               num_key_value_heads=2, head_dim=64, sliding_window=7)),
+}
+GREEDY = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True)
+
+
+def tiny(family: str) -> torch.nn.Module:
+    config_name, geometry = FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_name)(**COMMON, **geometry)
+    return transformers.AutoModelForCausalLM.from_config(config).float().eval()
+
+
+def prompts(seed: int) -> list[list[int]]:
+    """Two system prompts (17 and 37 tokens), interleaved, each with its own question."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(6, 96) for _ in range(n)] for n in (17, 37)]
+    return [systems[i % 2] + [rng.randrange(6, 96) for _ in range(rng.randint(1, 9))] for i in range(5)]
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Spies on the C call: [(rows, whether the plan reorders them, the layer's K pool address)] per call."""
+    calls = []
+    original = cpu_lib.AttentionCall.decoder_layer
+
+    def spy(self, layer, hidden, cos, sin, writes, row_order, k_cache, v_cache):
+        calls.append((hidden.shape[0], row_order is not None, k_cache.data_ptr()))
+        return original(self, layer, hidden, cos, sin, writes, row_order, k_cache, v_cache)
+
+    monkeypatch.setattr(cpu_lib.AttentionCall, "decoder_layer", spy)
+    return calls
+
+
+def truth_logits(model: torch.nn.Module, prompt: list[int], new_tokens: list[int]) -> torch.Tensor:
+    """The float64 model's logits for each new token, teacher-forced: [len(new_tokens), vocab]."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + new_tokens[:-1]])).logits[0]
+    return logits[len(prompt) - 1:]
+
+
+def engine_outputs(model, batch, monkeypatch, fused: bool):
+    monkeypatch.setenv(fused_layers.ENV, "1" if fused else "0")
+    engine = ChunkLlamaEngine(model, max_batch_size=3, chunk_size=16, kv_cache_bytes=1 << 23)
+    try:
+        return engine.generate(batch, GREEDY)
+    finally:
+        engine.close()
+
+
+def check_fused_against_op_by_op(stock, truth_model, batch, monkeypatch, fused_calls, what):
+    op_by_op = engine_outputs(copy.deepcopy(stock), batch, monkeypatch, fused=False)
+    assert not fused_calls
+    fused = engine_outputs(copy.deepcopy(stock), batch, monkeypatch, fused=True)
+    num_layers = stock.config.num_hidden_layers
+    # every decode step of every layer fused: 7 requests x 7 decode steps, 3 at a time
+    assert len(fused_calls) >= num_layers * (GREEDY.max_new_tokens - 1) * len(batch) / 3, fused_calls
+    for i, (ours, theirs) in enumerate(zip(fused, op_by_op)):
+        assert ours.token_ids == theirs.token_ids, f"{what}: request {i}"
+    # the first token comes from the prefill (not fused): the decode steps' logits, all requests
+    # together (a worst element over many is a steadier measure of the two paths' rounding)
+    truth = torch.cat([truth_logits(truth_model, prompt, out.token_ids)[1:] for prompt, out in zip(batch, fused)])
+    assert_no_worse_than_stock(torch.cat([out.logits[1:] for out in fused]),
+                               torch.cat([out.logits[1:] for out in op_by_op]), truth, torch.float32, what=what)
+    return fused
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fused_layers_compute_what_the_op_by_op_path_does(family, monkeypatch, fused_calls):
+    stock = tiny(family)
+    batch = prompts(seed=len(family))
+    fused = check_fused_against_op_by_op(stock, copy.deepcopy(stock).double(), batch, monkeypatch, fused_calls,
+                                         family)
+    for prompt, out in zip(batch, fused):
+        with torch.no_grad():
+            want = stock.generate(torch.tensor([prompt]), generation_config=GREEDY, return_dict_in_generate=True,
+                                  attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        assert out.token_ids == want.sequences[0, len(prompt):].tolist()
+
+
+def test_gguf_block_layers_fuse(monkeypatch, fused_calls):
+    """Projections in four block formats (random blocks), against the float64 model of
+    their decoded weights."""
+    formats = {"q_proj": "Q4_1", "k_proj": "Q8_0", "v_proj": "Q6_K", "o_proj": "Q4_1", "gate_proj": "Q5_K",
+               "up_proj": "Q4_0", "down_proj": "Q8_0"}
+    sizes = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)  # K-quant super-blocks of 256
+    torch.manual_seed(0)
+    stock = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
+        **COMMON, **FAMILIES["llama"][1], **sizes})).float().eval()
+    truth_model = copy.deepcopy(stock).double()
+    for (layer, ours), theirs in zip(enumerate(stock.model.layers), truth_model.model.layers):
+        for owner in ("self_attn", "mlp"):
+            for name, module in list(getattr(ours, owner).named_children()):
+                if name not in formats:
+                    continue
+                blocks = random_blocks(formats[name], module.out_features, module.in_features, seed=layer)
+                bias = None if module.bias is None else module.bias.detach().clone()
+                setattr(getattr(ours, owner), name, GGUFLinear(torch.from_numpy(blocks), formats[name],
+                                                                module.in_features, bias))
+                with torch.no_grad():
+                    getattr(getattr(theirs, owner), name).weight.copy_(gguf_py_decoded(blocks, formats[name]))
+    check_fused_against_op_by_op(stock, truth_model, prompts(seed=3), monkeypatch, fused_calls, "GGUF blocks")
+
+
+def test_rows_out_of_the_plans_order(monkeypatch, fused_calls):
+    """Stock generate on a patched model: its rows interleave two system prompts, the plan
+    groups them, so the fused call reorders q and its attention."""
+    stock = tiny("llama")
+    batch = [p[:18] for p in prompts(seed=11)[:4]]  # equal lengths: no padding
+    patched = patch_model(copy.deepcopy(stock))
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        got = patched.generate(torch.tensor(batch), generation_config=config)
+        want = stock.generate(torch.tensor(batch), generation_config=config)
+    assert any(reordered for _, reordered, _ in fused_calls), fused_calls
+    assert torch.equal(got, want)
+
+
+def test_a_layer_it_does_not_describe_runs_op_by_op(monkeypatch, fused_calls, caplog):
+    """A hook inside layer 0, then a replaced weight, then a LoRA adapter: each is seen at
+    the next call (the hook runs, the new weight is used), logged once."""
+    stock = tiny("llama")
+    batch = prompts(seed=5)[:3]
+    engine = ChunkLlamaEngine(copy.deepcopy(stock), max_batch_size=3, chunk_size=16, kv_cache_bytes=1 << 23,
+                              retain_prefixes=False)
+    model = engine.model
+    seen = []
+    handle = model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda *args: seen.append(1))
+    with caplog.at_level(logging.WARNING, logger=fused_layers.__name__):
+        engine.generate(batch, GREEDY)
+    assert len(seen) >= GREEDY.max_new_tokens  # the prefill, then every decode step ran the hook
+    pools = [k.data_ptr() for k in engine.cache.pool.k]
+    assert fused_calls and {pool for _, _, pool in fused_calls} == {pools[1]}  # layer 1 still fused
+    assert caplog.text.count("a hook runs inside it") == 1
+    handle.remove()
+
+    fused_calls.clear()
+    for m in (stock, model):  # a new parameter object: the layer is described again, with it
+        with torch.no_grad():
+            m.model.layers[1].mlp.down_proj.weight = torch.nn.Parameter(m.model.layers[1].mlp.down_proj.weight * 1.5)
+    outputs = engine.generate(batch, GREEDY)
+    assert {pool for _, _, pool in fused_calls} == set(pools)  # the hook's removal seen too
+    for prompt, out in zip(batch, outputs):
+        with torch.no_grad():
+            want = stock.generate(torch.tensor([prompt]), generation_config=GREEDY, return_dict_in_generate=True)
+        assert out.token_ids == want.sequences[0, len(prompt):].tolist()
+    engine.close()
+
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False)
+    stock_lora = peft.get_peft_model(copy.deepcopy(stock), lora)
+    engine_lora = ChunkLlamaEngine(copy.deepcopy(stock_lora), max_batch_size=3, chunk_size=16,
+                                   kv_cache_bytes=1 << 23)
+    fused_calls.clear()
+    with caplog.at_level(logging.WARNING, logger=fused_layers.__name__):
+        outputs = engine_lora.generate(batch, GREEDY)
+    assert not fused_calls and caplog.text.count("q_proj: a Linear (adapters") == 1, caplog.text
+    for prompt, out in zip(batch, outputs):
+        with torch.no_grad():
+            want = stock_lora.generate(input_ids=torch.tensor([prompt]), generation_config=GREEDY,
+                                       return_dict_in_generate=True)
+        assert out.token_ids == want.sequences[0, len(prompt):].tolist()
+    engine_lora.close()
+
+
+def test_bad_input_to_the_c_function_is_a_value_error():
+    """Weights whose sizes do not fit the layer, and a write outside the pool, are named
+    before any pointer is made from them."""
+    lib = build()
+    hidden, heads, head_dim, inter, capacity, chunk = 64, 2, 32, 96, 4, 16
+    weights = {name: torch.zeros(out, inp) for name, out, inp in (
+        ("q", heads * head_dim, hidden), ("k", head_dim, hidden), ("v", head_dim, hidden),
+        ("o", hidden, heads * head_dim), ("gate", inter, hidden), ("up", inter, hidden), ("down", hidden, inter))}
+    norm = torch.ones(hidden)
+
+    def layer(**changed):
+        described = {name: cpu_lib.Weight(w.data_ptr(), None, 0, w.shape[0], w.shape[1], w.numel() * 4)
+                     for name, w in weights.items()}
+        described.update(changed)
+        return cpu_lib.DecoderLayer(hidden_size=hidden, num_heads=heads, num_kv_heads=1, head_dim=head_dim,
+                                    intermediate_size=inter, input_norm=norm.data_ptr(), post_norm=norm.data_ptr(),
+                                    norm_eps=1e-6, **described)
+
+    pool = torch.zeros(capacity + 1, 1, chunk, head_dim)  # a guard chunk behind the last
+    x, out, cos = torch.zeros(1, hidden), torch.zeros(1, hidden), torch.ones(1, head_dim)
+    writes = [torch.tensor([0]), torch.tensor([capacity]), torch.tensor([0])]  # chunk `capacity` is the guard
+
+    def call(described, write_chunk):
+        code = lib.decoder_layer_decode(
+            ctypes.byref(described), x.data_ptr(), out.data_ptr(), 1, cos.data_ptr(), cos.data_ptr(),
+            writes[0].data_ptr(), write_chunk.data_ptr(), writes[2].data_ptr(), 1, None, pool.data_ptr(),
+            pool.data_ptr(), capacity, 1, chunk, head_dim, pool.numel(), pool.numel(), 0, None, 0, None, 0, None, 0,
+            1.0, 0, 1, isa.selected_variant().encode(), 1)
+        with pytest.raises(ValueError) as error:
+            lib.raise_error(code)
+        return str(error.value)
+
+    wrong = weights["up"][:-1]
+    message = call(layer(up=cpu_lib.Weight(wrong.data_ptr(), None, 0, inter - 1, hidden, wrong.numel() * 4)),
+                   torch.tensor([0]))
+    assert "up_proj is [95, 64], the layer needs [96, 64]" in message
+    message = call(layer(q=cpu_lib.Weight(weights["q"].data_ptr(), None, 3, heads * head_dim, hidden, 100)),
+                   torch.tensor([0]))
+    assert "q_proj holds 100 bytes" in message
+    assert "is not inside 1 rows and the pool of 4 chunks" in call(layer(), writes[1])
