@@ -50,7 +50,8 @@ import llama_cpp_peer as peer  # noqa: E402
 
 # ------------------------------------------------------------------ the prompt
 def chat_prompt_ids(tokenizer, target: int) -> list[int]:
-    """A chat of `target` tokens (at most): the tool manual cut to fit, then the first question."""
+    """A chat of `target` tokens (at most): the tool manual cut to fit, then the first question
+    (for a model without a chat template, the two as plain text)."""
     with open(DEFAULT_SYSTEM, encoding="utf-8") as f:
         manual = tokenizer(f.read(), add_special_tokens=False)["input_ids"]
     while len(manual) < target:
@@ -58,6 +59,8 @@ def chat_prompt_ids(tokenizer, target: int) -> list[int]:
     question = read_prompts(DEFAULT_PROMPTS)[0]
 
     def ids(k: int) -> list[int]:
+        if tokenizer.chat_template is None:  # a base model (Gemma 3 270M): the manual, then "Q: ...\nA:"
+            return tokenizer(f"{tokenizer.decode(manual[:k])}\nQ: {question}\nA:")["input_ids"]
         chat = [{"role": "system", "content": tokenizer.decode(manual[:k])},
                 {"role": "user", "content": question}]
         text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)

@@ -1,7 +1,7 @@
 """The fused decoder layer (`hf/fused_layers.py`, `csrc/cpu/layer.cpp`): a decode step of a
-Llama, Mistral or Qwen2 layer in one call is as close to the float64 truth as the op-by-op
-path is (float32 weights and GGUF blocks, biases, sliding windows, GQA, odd sizes, rows in
-the plan's order or not) and gives stock's greedy tokens; what it does not compute (a hook
+Llama, Mistral, Qwen2, Qwen3 or Gemma 3 layer in one call is as close to the float64 truth
+as the op-by-op path is (float32 weights and GGUF blocks, biases, q/k norms, Gemma's
+sandwich norms and GELU, sliding windows, GQA, odd sizes, rows in the plan's order or not) and gives stock's greedy tokens; what it does not compute (a hook
 inside the layer, an adapter, a replaced weight) runs op by op, and bad input to the C
 function is a ValueError naming it."""
 
@@ -36,6 +36,12 @@ FAMILIES = {
                                   num_key_value_heads=3)),  # head_dim 32, q/k/v biases
     "mistral-windowed": ("MistralConfig", dict(hidden_size=96, intermediate_size=123, num_attention_heads=4,
                                                num_key_value_heads=2, head_dim=64, sliding_window=7)),
+    "qwen3": ("Qwen3Config", dict(hidden_size=96, intermediate_size=123, num_attention_heads=3,
+                                  num_key_value_heads=1, head_dim=64)),  # per-head q/k norms
+    # (1 + w) norms around both blocks, GELU-tanh, a sliding layer (window 13) and a global one
+    "gemma3_text": ("Gemma3TextConfig", dict(hidden_size=96, intermediate_size=123, num_attention_heads=2,
+                                             num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=64,
+                                             sliding_window=13, layer_types=["sliding_attention", "full_attention"])),
 }
 GREEDY = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True)
 
@@ -44,7 +50,12 @@ def tiny(family: str) -> torch.nn.Module:
     config_name, geometry = FAMILIES[family]
     torch.manual_seed(0)
     config = getattr(transformers, config_name)(**COMMON, **geometry)
-    return transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():  # norms of their own (initialized equal, a norm read for another would pass)
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.add_(torch.randn_like(parameter) * 0.2)
+    return model
 
 
 def prompts(seed: int) -> list[list[int]]:
@@ -215,7 +226,7 @@ def test_bad_input_to_the_c_function_is_a_value_error():
                      for name, w in weights.items()}
         described.update(changed)
         return cpu_lib.DecoderLayer(hidden_size=hidden, num_heads=heads, num_kv_heads=1, head_dim=head_dim,
-                                    intermediate_size=inter, input_norm=norm.data_ptr(), post_norm=norm.data_ptr(),
+                                    intermediate_size=inter, input_norm=norm.data_ptr(), mlp_norm=norm.data_ptr(),
                                     norm_eps=1e-6, **described)
 
     pool = torch.zeros(capacity + 1, 1, chunk, head_dim)  # a guard chunk behind the last

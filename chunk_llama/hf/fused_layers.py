@@ -3,11 +3,12 @@
 At batch 1 on the CPU a decode step of the default model spends more time in Python and
 torch's dispatch around its kernels (about 30 ops and 7 linear calls per layer) than
 reading the weights. In a decode step on the CPU kernels, a decoder layer whose structure
-`csrc/cpu/layer.cpp` computes (Llama, Mistral, Qwen2: RMSNorm, rotate-half rotary
-attention, a gated SiLU MLP; float32 or GGUF-block weights, biases allowed) runs as one
+`csrc/cpu/layer.cpp` computes (Llama, Mistral, Qwen2, Qwen3, Gemma 3: RMSNorm, rotate-half
+rotary attention, a gated SiLU or GELU-tanh MLP, per-head q/k norms and sandwich norms
+where the family has them; float32 or GGUF-block weights, biases allowed) runs as one
 call instead: the same linear and attention kernels the op-by-op path runs, and the
 elementwise steps in transformers' order, so results equal that path's up to the float32
-rounding of the norm's sum and of SiLU's exp.
+rounding of the norms' sums and of the activation's exp or tanh.
 
 Everything else runs the layer's own forward: prefill, other devices and dtypes, more rows
 than `SMALL_ROWS`, `CHUNK_LLAMA_LINEAR=torch`, `CHUNK_LLAMA_FUSED_LAYERS=0`, and a layer
@@ -21,6 +22,8 @@ from __future__ import annotations
 import functools
 import logging
 import operator
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -35,15 +38,43 @@ from chunk_llama.step import current_step
 
 logger = logging.getLogger(__name__)
 ENV = "CHUNK_LLAMA_FUSED_LAYERS"
-# decoder layer class -> (attention, MLP, norm) classes and the attention's window (0: none)
-_LAYERS = {
-    "LlamaDecoderLayer": ("LlamaAttention", "LlamaMLP", "LlamaRMSNorm", lambda attn: 0),
-    "MistralDecoderLayer": ("MistralAttention", "MistralMLP", "MistralRMSNorm",
-                            lambda attn: getattr(attn.config, "sliding_window", None) or 0),
-    "Qwen2DecoderLayer": ("Qwen2Attention", "Qwen2MLP", "Qwen2RMSNorm", lambda attn: attn.sliding_window or 0),
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a decoder layer class is made of, as the C function computes it: its attention,
+    MLP and norm classes, the layer's norms by attribute (input, attention output, MLP
+    input, MLP output; None where the family has none), whether the attention has q/k
+    norms, the norm's epsilon attribute and offset (Llama's w * t: 0, Gemma's (1 + w) t:
+    1), the MLP's activation (`ACTIVATIONS`) and the attention's window (0: none)."""
+
+    attention: str
+    mlp: str
+    norm: str
+    norms: tuple
+    qk_norms: bool = False
+    eps: str = "variance_epsilon"
+    norm_offset: float = 0.0
+    activation: str = "silu"
+    window: Callable = lambda attn: attn.sliding_window or 0
+
+
+_LLAMA_NORMS = ("input_layernorm", None, "post_attention_layernorm", None)
+FAMILIES = {  # decoder layer class -> Family
+    "LlamaDecoderLayer": Family("LlamaAttention", "LlamaMLP", "LlamaRMSNorm", _LLAMA_NORMS, window=lambda attn: 0),
+    "MistralDecoderLayer": Family("MistralAttention", "MistralMLP", "MistralRMSNorm", _LLAMA_NORMS,
+                                  window=lambda attn: getattr(attn.config, "sliding_window", None) or 0),
+    "Qwen2DecoderLayer": Family("Qwen2Attention", "Qwen2MLP", "Qwen2RMSNorm", _LLAMA_NORMS),
+    "Qwen3DecoderLayer": Family("Qwen3Attention", "Qwen3MLP", "Qwen3RMSNorm", _LLAMA_NORMS, qk_norms=True),
+    "Gemma3DecoderLayer": Family("Gemma3Attention", "Gemma3MLP", "Gemma3RMSNorm",
+                                 ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                                  "post_feedforward_layernorm"), qk_norms=True, eps="eps", norm_offset=1.0,
+                                 activation="gelu_tanh"),
 }
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # chunk_llama_cpu_decoder_layer.activation
 _PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
                 ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+_NUM_FIXED = 4 + 4 + 2  # layer, attention, MLP, activation; the four norm slots; q and k norms
 
 
 def fuse_decoder_layers(model: nn.Module) -> int:
@@ -51,7 +82,7 @@ def fuse_decoder_layers(model: nn.Module) -> int:
     how many are wrapped. The wrapped forward is the layer's own outside the cases above."""
     wrapped = 0
     for module in model.modules():
-        if type(module).__name__ in _LAYERS and "_chunk_llama_fused" not in module.__dict__:
+        if type(module).__name__ in FAMILIES and "_chunk_llama_fused" not in module.__dict__:
             module._chunk_llama_fused = None  # described on first use
             module.forward = functools.partial(_forward, module, module.forward)
         wrapped += "_chunk_llama_fused" in module.__dict__
@@ -125,7 +156,7 @@ class _Described:
             self.scale, self.head_dim = float(modules[1].scaling), int(struct.head_dim)
 
     def stale(self, layer: nn.Module) -> bool:
-        modules = _modules(layer)
+        modules = _modules(layer, FAMILIES[type(layer).__name__])
         return not (_same(modules, self.modules) and _same(_tensors(modules), self.tensors)) \
             or _hooked(modules) != self.hooked
 
@@ -135,13 +166,15 @@ def _same(a: tuple, b: tuple) -> bool:
     return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
-def _modules(layer: nn.Module) -> tuple:
-    """(layer, attention, MLP, its activation, the two norms, the seven projections)."""
+def _modules(layer: nn.Module, family: Family) -> tuple:
+    """(layer, attention, MLP, activation, the four norm slots, q and k norms, the seven
+    projections), None where the layer has none."""
     attn, mlp = layer._modules.get("self_attn"), layer._modules.get("mlp")
     if attn is None or mlp is None:
         return ()
-    return (layer, attn, mlp, mlp._modules.get("act_fn"), layer._modules.get("input_layernorm"),
-            layer._modules.get("post_attention_layernorm"),
+    qk = (attn._modules.get("q_norm"), attn._modules.get("k_norm")) if family.qk_norms else (None, None)
+    return (layer, attn, mlp, mlp._modules.get("act_fn"),
+            *(None if name is None else layer._modules.get(name) for name in family.norms), *qk,
             *(attn._modules.get(name) if owner == "self_attn" else mlp._modules.get(name) for owner, name in _PROJECTIONS))
 
 
@@ -159,43 +192,65 @@ def _hooked(modules: tuple) -> bool:
 
 def _describe(layer: nn.Module) -> _Described:
     """The layer's description (with the reason it does not fuse, if it does not)."""
-    modules = _modules(layer)
-    reason = _why_not(modules, _LAYERS[type(layer).__name__])
+    family = FAMILIES[type(layer).__name__]
+    modules = _modules(layer, family)
+    reason = _why_not(modules, family)
     if reason is not None:
         return _Described(modules, reason)
-    _, attn, mlp, act, input_norm, post_norm, *projections = modules
+    attn, act = modules[1], modules[3]
+    norms = [None if norm is None else norm.weight.data_ptr() for norm in modules[4:_NUM_FIXED]]
+    projections = modules[_NUM_FIXED:]
     weights = [_weight(module) for module in projections]
     for (_, name), weight in zip(_PROJECTIONS, weights):
         if isinstance(weight, str):
             return _Described(modules, f"{name}: {weight}")
     config = attn.config
     struct = cpu_lib.DecoderLayer(
-        hidden_size=int(input_norm.weight.shape[0]), num_heads=int(config.num_attention_heads),
+        hidden_size=int(modules[4].weight.shape[0]), num_heads=int(config.num_attention_heads),
         num_kv_heads=int(config.num_key_value_heads), head_dim=int(attn.head_dim),
-        intermediate_size=int(projections[4].out_features), input_norm=input_norm.weight.data_ptr(),
-        post_norm=post_norm.weight.data_ptr(), norm_eps=float(input_norm.variance_epsilon),
-        **dict(zip(("q", "k", "v", "o", "gate", "up", "down"), weights)))
-    return _Described(modules, None, struct, int(_LAYERS[type(layer).__name__][3](attn)))
+        intermediate_size=int(projections[4].out_features), activation=ACTIVATIONS[family.activation],
+        norm_eps=float(getattr(modules[4], family.eps)), norm_offset=family.norm_offset,
+        input_norm=norms[0], attn_out_norm=norms[1], mlp_norm=norms[2], mlp_out_norm=norms[3], q_norm=norms[4],
+        k_norm=norms[5], **dict(zip(("q", "k", "v", "o", "gate", "up", "down"), weights)))
+    return _Described(modules, None, struct, int(family.window(attn)))
 
 
-def _why_not(modules: tuple, classes: tuple) -> str | None:
+def _why_not(modules: tuple, family: Family) -> str | None:
     """Why a layer of a supported class is not what the C function computes, or None."""
-    attention_class, mlp_class, norm_class, _ = classes
-    if not modules or None in modules[3:]:
-        return "a submodule is missing"
-    _, attn, mlp, act, input_norm, post_norm, *_ = modules
-    if type(attn).__name__ != attention_class or type(mlp).__name__ != mlp_class:
+    if not modules:
+        return "it has no self_attn or mlp"
+    expected = (*family.norms, *(("q_norm", "k_norm") if family.qk_norms else (None, None)))
+    for name, module in zip(expected, modules[4:_NUM_FIXED]):
+        if name is not None and module is None:
+            return f"it has no {name}"
+    if None in modules[_NUM_FIXED:] or modules[3] is None:
+        return "a projection or the activation is missing"
+    _, attn, mlp, act = modules[:4]
+    if type(attn).__name__ != family.attention or type(mlp).__name__ != family.mlp:
         return f"its attention or MLP is {type(attn).__name__} / {type(mlp).__name__}"
-    if type(act).__name__ not in ("SiLUActivation", "SiLU"):
-        return f"its activation is {type(act).__name__}, not SiLU"
+    if _activation(act) != family.activation:
+        return f"its activation is {type(act).__name__}, not {family.activation}"
     if _hooked(modules):
         return "a hook runs inside it"
-    for norm in (input_norm, post_norm):
+    norms = [module for module in modules[4:_NUM_FIXED] if module is not None]
+    for norm in norms:
         weight = norm._parameters.get("weight")
-        if type(norm).__name__ != norm_class or not _plain_float32(weight) or weight.dim() != 1:
+        if type(norm).__name__ != family.norm or not _plain_float32(weight) or weight.dim() != 1:
             return f"a norm is {type(norm).__name__} with a weight it does not read"
-    if input_norm.variance_epsilon != post_norm.variance_epsilon:
-        return "its two norms have different epsilons"
+    if len({getattr(norm, family.eps, None) for norm in norms}) != 1:
+        return "its norms have different epsilons"
+    return None
+
+
+def _activation(act: nn.Module) -> str | None:
+    """The activation module's kind as `ACTIVATIONS` names it, or None."""
+    name = type(act).__name__
+    if name in ("SiLUActivation", "SiLU"):
+        return "silu"
+    # transformers' GELUTanh runs F.gelu(approximate="tanh") unless built with its Python formula
+    gelu = getattr(act, "act", None)
+    if name == "GELUTanh" and isinstance(gelu, functools.partial) and gelu.keywords == {"approximate": "tanh"}:
+        return "gelu_tanh"
     return None
 
 

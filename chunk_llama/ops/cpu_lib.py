@@ -51,7 +51,9 @@ class Weight(ctypes.Structure):
 class DecoderLayer(ctypes.Structure):
     """chunk_llama_cpu_decoder_layer: a Llama-family layer's sizes, norms and weights."""
     _fields_ = [("hidden_size", I64), ("num_heads", I64), ("num_kv_heads", I64), ("head_dim", I64),
-                ("intermediate_size", I64), ("input_norm", P), ("post_norm", P), ("norm_eps", F64),
+                ("intermediate_size", I64), ("activation", I64), ("norm_eps", F64), ("norm_offset", F64),
+                *((name, P) for name in ("input_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_norm",
+                                         "mlp_out_norm")),
                 *((name, Weight) for name in ("q", "k", "v", "o", "gate", "up", "down"))]
 
 

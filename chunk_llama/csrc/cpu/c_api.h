@@ -99,12 +99,20 @@ typedef struct {
 } chunk_llama_cpu_weight;
 
 /* A Llama-family decoder layer: RMSNorm before attention and before the MLP, rotary
- * attention (rotate-half), a gated SiLU MLP, residuals around both. */
+ * attention (rotate-half), a gated MLP, residuals around both; optionally RMSNorm on each
+ * head of q and k before the rotation (Qwen3, Gemma 3) and on the attention's and the MLP's
+ * outputs before their residuals (Gemma 3). A norm multiplies by (norm_offset + weight):
+ * offset 0 as Llama's, 1 as Gemma's. All norms take norm_eps. */
 typedef struct {
   int64_t hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size;
-  const float* input_norm; /* [hidden_size] */
-  const float* post_norm;  /* [hidden_size] */
-  double norm_eps;
+  int64_t activation; /* the MLP's gate: 0 SiLU, 1 GELU (tanh approximation) */
+  double norm_eps, norm_offset;
+  const float* input_norm;    /* [hidden_size] */
+  const float* q_norm;        /* [head_dim] or NULL */
+  const float* k_norm;        /* [head_dim] or NULL */
+  const float* attn_out_norm; /* [hidden_size] or NULL */
+  const float* mlp_norm;      /* [hidden_size] */
+  const float* mlp_out_norm;  /* [hidden_size] or NULL */
   chunk_llama_cpu_weight q, k, v, o, gate, up, down;
 } chunk_llama_cpu_decoder_layer;
 

@@ -1,4 +1,4 @@
-// One decoder layer of the Llama family for a decode step, in one call
+// One decoder layer of the Llama family (Llama, Mistral, Qwen2, Qwen3, Gemma 3) for a decode step, in one call
 // (chunk_llama_cpu_decoder_layer_decode, c_api.h). A decode step of one sequence on a
 // small model spends more time in Python and torch's dispatch around its kernels than in
 // them (about 30 ops per layer); this runs the whole layer behind one ctypes call, with
@@ -42,16 +42,18 @@ void check_weight(const chunk_llama_cpu_weight& w, const char* name, int64_t out
               " its shape and type need");
 }
 
-// transformers' LlamaRMSNorm: t = x * rsqrt(mean(x^2) + eps), then weight * t (two roundings).
-void rms_norm(const float* x, const float* weight, double eps, float* out, int64_t rows, int64_t n) {
+// transformers' RMSNorm of each of `rows` vectors of n: t = x * rsqrt(mean(x^2) + eps), then
+// t * (offset + weight) (Llama's weight * t with offset 0, Gemma's t * (1 + weight) with 1;
+// the sum rounded once more). In place when out == x.
+void rms_norm(const float* x, const float* weight, float offset, float eps, float* out, int64_t rows, int64_t n) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * n;
     double sum = 0.0;  // the mean of n floats, more exact than torch's float sum (within its error)
     for (int64_t i = 0; i < n; ++i) sum += static_cast<double>(xr[i]) * xr[i];
-    const float inv = 1.0f / std::sqrt(static_cast<float>(sum / n) + static_cast<float>(eps));
+    const float inv = 1.0f / std::sqrt(static_cast<float>(sum / n) + eps);
     for (int64_t i = 0; i < n; ++i) {
-      const float t = xr[i] * inv;
-      out[r * n + i] = weight[i] * t;
+      const float t = xr[i] * inv, scale = offset + weight[i];
+      out[r * n + i] = t * scale;
     }
   }
 }
@@ -71,12 +73,20 @@ void rotate(float* x, int64_t heads, int64_t d, const float* cos, const float* s
   }
 }
 
-// The MLP's gate: gate <- silu(gate) * up, silu(g) = g / (1 + exp(-g)) as torch computes it.
-void silu_mul(float* gate, const float* up, int64_t n) {
+// The MLP's gate: gate <- act(gate) * up, act as torch computes it: SiLU g / (1 + exp(-g)),
+// or GELU's tanh approximation 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))).
+void gate_mul(int64_t activation, float* gate, const float* up, int64_t n) {
+  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;
   for (int64_t i = 0; i < n; ++i) {
     const float g = gate[i];
-    const float silu = g / (1.0f + std::exp(-g));
-    gate[i] = silu * up[i];
+    float act;
+    if (activation == 0) {
+      act = g / (1.0f + std::exp(-g));
+    } else {
+      const float cube = g * g * g, inner = kBeta * (g + kKappa * cube);
+      act = 0.5f * g * (1.0f + std::tanh(inner));
+    }
+    gate[i] = act * up[i];
   }
 }
 
@@ -108,6 +118,10 @@ int chunk_llama_cpu_decoder_layer_decode(
     const int64_t q_width = L.num_heads * d, kv_width = num_kv_heads * d;
     CHECK_VALUE(hidden > 0 && inter > 0 && d % 2 == 0 && num_threads >= 1, "decoder layer: bad sizes (hidden ",
                 hidden, ", intermediate ", inter, ", head_dim ", d, ")");
+    CHECK_VALUE(L.activation == 0 || L.activation == 1, "decoder layer: activation ", L.activation,
+                " is not 0 (SiLU) or 1 (GELU, tanh)");
+    CHECK_VALUE(L.input_norm != nullptr && L.mlp_norm != nullptr && (L.q_norm == nullptr) == (L.k_norm == nullptr),
+                "decoder layer: the input and MLP norms are needed, q and k norms both or neither");
     check_weight(L.q, "q_proj", q_width, hidden);
     check_weight(L.k, "k_proj", kv_width, hidden);
     check_weight(L.v, "v_proj", kv_width, hidden);
@@ -137,11 +151,16 @@ int chunk_llama_cpu_decoder_layer_decode(
     float *k = attn + rows * q_width, *v = k + rows * kv_width, *gate = v + rows * kv_width, *up = gate + rows * inter;
     float* quant_scratch = up + rows * inter;
 
+    const float eps = static_cast<float>(L.norm_eps), offset = static_cast<float>(L.norm_offset);
     // attention
-    rms_norm(hidden_in, L.input_norm, L.norm_eps, h, rows, hidden);
+    rms_norm(hidden_in, L.input_norm, offset, eps, h, rows, hidden);
     linear(variant, L.q, h, q, rows, quant_scratch, num_threads);
     linear(variant, L.k, h, k, rows, quant_scratch, num_threads);
     linear(variant, L.v, h, v, rows, quant_scratch, num_threads);
+    if (L.q_norm != nullptr) {  // each head's vector
+      rms_norm(q, L.q_norm, offset, eps, q, rows * L.num_heads, d);
+      rms_norm(k, L.k_norm, offset, eps, k, rows * num_kv_heads, d);
+    }
     for (int64_t r = 0; r < rows; ++r) {
       rotate(q + r * q_width, L.num_heads, d, cos + r * d, sin + r * d);
       rotate(k + r * kv_width, num_kv_heads, d, cos + r * d, sin + r * d);
@@ -165,15 +184,17 @@ int chunk_llama_cpu_decoder_layer_decode(
     if (row_order != nullptr)
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t j = 0; j < q_width; ++j) attn[row_order[r] * q_width + j] = attn_plan[r * q_width + j];
-    linear(variant, L.o, attn, hidden_out, rows, quant_scratch, num_threads);
-    for (int64_t i = 0; i < rows * hidden; ++i) hidden_out[i] = hidden_in[i] + hidden_out[i];
+    linear(variant, L.o, attn, h, rows, quant_scratch, num_threads);
+    if (L.attn_out_norm != nullptr) rms_norm(h, L.attn_out_norm, offset, eps, h, rows, hidden);
+    for (int64_t i = 0; i < rows * hidden; ++i) hidden_out[i] = hidden_in[i] + h[i];
 
     // MLP
-    rms_norm(hidden_out, L.post_norm, L.norm_eps, h, rows, hidden);
+    rms_norm(hidden_out, L.mlp_norm, offset, eps, h, rows, hidden);
     linear(variant, L.gate, h, gate, rows, quant_scratch, num_threads);
     linear(variant, L.up, h, up, rows, quant_scratch, num_threads);
-    silu_mul(gate, up, rows * inter);
+    gate_mul(L.activation, gate, up, rows * inter);
     linear(variant, L.down, gate, h, rows, quant_scratch, num_threads);
+    if (L.mlp_out_norm != nullptr) rms_norm(h, L.mlp_out_norm, offset, eps, h, rows, hidden);
     for (int64_t i = 0; i < rows * hidden; ++i) hidden_out[i] = hidden_out[i] + h[i];
   });
 }
