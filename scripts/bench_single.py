@@ -221,8 +221,8 @@ def main() -> None:
     runs = args.repeat + 1
 
     rows, reference, tokenizer = [], None, None
-    if "stock" in args.systems or "chunk-llama" in args.systems:
-        model, tokenizer = load_model(gguf, device="cpu", dtype=torch.float32)
+    if "stock" in args.systems or "chunk-llama" in args.systems:  # stock's: transformers' float32 copy
+        model, tokenizer = load_model(gguf, device="cpu", dtype=torch.float32, gguf_weights="dequantized")
     else:
         from transformers import AutoTokenizer
 
@@ -250,9 +250,8 @@ def main() -> None:
             named = ", ".join(f"{k}={v}" for k, v in kwargs.items())
             name = f"chunk-llama ({named})" if kwargs else "chunk-llama"
             try:
-                if kwargs or "stock" in args.systems:  # a fresh model: stock's stays unpatched
-                    model = None  # stock's (or the previous form's) freed first
-                    model, _ = load_model(gguf, device="cpu", dtype=torch.float32, **kwargs)
+                model = None  # stock's (or the previous form's) freed first; load_model's default form unless told
+                model, _ = load_model(gguf, device="cpu", dtype=torch.float32, **kwargs)
                 add(name, run_chunk_llama(model, tokenizer, prompt, args.new_tokens, runs))
             except (TypeError, ValueError) as error:  # e.g. a keyword this load_model does not take yet
                 rows.append(dict(system=name, error=f"{type(error).__name__}: {str(error)[:200]}"))
