@@ -211,6 +211,28 @@ def test_a_layer_it_does_not_describe_runs_op_by_op(monkeypatch, fused_calls, ca
     engine_lora.close()
 
 
+def test_weights_moved_in_place_are_read_where_they_are_now(fused_calls):
+    """`model.half().float()` keeps every Parameter object but gives each new memory
+    (`param.data = ...`): the layers are described again, not read at the old addresses."""
+    stock = tiny("llama")
+    batch = prompts(seed=9)[:3]
+    engine = ChunkLlamaEngine(copy.deepcopy(stock), max_batch_size=3, chunk_size=16, kv_cache_bytes=1 << 23,
+                              retain_prefixes=False)
+    engine.generate(batch, GREEDY)  # described at the first addresses
+    parameters = list(engine.model.parameters())
+    for model in (stock, engine.model):
+        model.half().float()
+    assert [p is q for p, q in zip(parameters, engine.model.parameters())] == [True] * len(parameters)
+    fused_calls.clear()
+    outputs = engine.generate(batch, GREEDY)
+    assert fused_calls
+    for prompt, out in zip(batch, outputs):
+        with torch.no_grad():
+            want = stock.generate(torch.tensor([prompt]), generation_config=GREEDY, return_dict_in_generate=True)
+        assert out.token_ids == want.sequences[0, len(prompt):].tolist()
+    engine.close()
+
+
 def test_bad_input_to_the_c_function_is_a_value_error():
     """Weights whose sizes do not fit the layer, and a write outside the pool, are named
     before any pointer is made from them."""

@@ -116,15 +116,14 @@ def _fused(layer: nn.Module, step, hidden: torch.Tensor, position_embeddings) ->
     cos, sin = position_embeddings
     rows = hidden.shape[0]
     if not (hidden.dtype is torch.float32 and hidden.is_cpu and hidden.dim() == 3 and hidden.shape[1] == 1
-            and rows <= SMALL_ROWS and hidden.is_contiguous() and cos.dtype is torch.float32 and cos.is_cpu
+            and hidden.shape[2] == described.hidden_size and rows <= SMALL_ROWS and hidden.is_contiguous() and cos.dtype is torch.float32 and cos.is_cpu
             and sin.dtype is torch.float32 and cos.shape == (rows, 1, described.head_dim) and cos.is_contiguous()
             and sin.shape == cos.shape and sin.is_contiguous()):
         return None
     pool, index = step.pool, layer.self_attn.layer_idx
     call = step.attention.call(described.scale, described.window)
-    out = call.decoder_layer(described.struct, hidden, cos, sin, writes, step.row_order, pool.k[index],
-                             pool.v[index])
-    return out
+    return call.decoder_layer(described.struct, hidden, cos, sin, writes, step.row_order, pool.k[index],
+                              pool.v[index])
 
 
 def _step_reason(step) -> str | None:
@@ -137,27 +136,33 @@ def _step_reason(step) -> str | None:
         return "the linear layers run F.linear here (CHUNK_LLAMA_LINEAR=torch or not x86-64)"
     if step.pool.dtype != torch.float32:
         return f"the KV pool is {step.pool.dtype}"
-    if step.write_token_index.dtype != torch.int64 or step.row_order is not None and (
-            step.row_order.dtype != torch.int64 or not step.row_order.is_contiguous()):
-        return "the step's write slots or row order are not int64"
+    indices = (step.write_token_index, step.write_chunk, step.write_offset,
+               *(() if step.row_order is None else (step.row_order,)))
+    if any(t.dtype != torch.int64 or not t.is_cpu or not t.is_contiguous() for t in indices):
+        return "the step's write slots or row order are not contiguous int64 CPU tensors"
     return None
 
 
 class _Described:
     """A layer as the C function takes it (`struct`), or why it cannot (`reason`), and the
-    modules, tensors and hooks it was read from: kept alive, and compared by identity at each
-    call (a replaced one, or a hook added or removed, makes the description stale)."""
+    modules, tensors and hooks it was read from: kept alive, and compared at each call (a
+    module or tensor replaced, a tensor's memory moved as `param.data = ...` moves it, or a
+    hook added or removed, makes the description stale: the struct holds raw pointers)."""
 
     def __init__(self, modules: tuple, reason: str | None, struct: "cpu_lib.DecoderLayer | None" = None,
                  window: int = 0):
         self.modules, self.tensors, self.hooked = modules, _tensors(modules), _hooked(modules)
+        self.pointers = _pointers(self.tensors)
         self.reason, self.struct, self.window = reason, struct, window
         if struct is not None:
-            self.scale, self.head_dim = float(modules[1].scaling), int(struct.head_dim)
+            self.scale, self.head_dim, self.hidden_size = float(modules[1].scaling), struct.head_dim, struct.hidden_size
 
     def stale(self, layer: nn.Module) -> bool:
         modules = _modules(layer, FAMILIES[type(layer).__name__])
-        return not (_same(modules, self.modules) and _same(_tensors(modules), self.tensors)) \
+        if not _same(modules, self.modules):
+            return True
+        tensors = _tensors(modules)
+        return not _same(tensors, self.tensors) or _pointers(tensors) != self.pointers \
             or _hooked(modules) != self.hooked
 
 
@@ -184,6 +189,11 @@ def _tensors(modules: tuple) -> tuple:
                  for tensor in (*module._parameters.values(), *module._buffers.values(), module.__dict__.get("bias")))
 
 
+def _pointers(tensors: tuple) -> tuple:
+    """Where each tensor's memory is, and how many elements it holds."""
+    return tuple((t.data_ptr(), t.numel()) if t is not None else None for t in tensors)
+
+
 def _hooked(modules: tuple) -> bool:
     """Whether a hook would run inside the layer (the fused call would skip it)."""
     return any(module._forward_hooks or module._forward_pre_hooks for module in modules[1:] if module is not None) \
@@ -197,7 +207,7 @@ def _describe(layer: nn.Module) -> _Described:
     reason = _why_not(modules, family)
     if reason is not None:
         return _Described(modules, reason)
-    attn, act = modules[1], modules[3]
+    attn = modules[1]
     norms = [None if norm is None else norm.weight.data_ptr() for norm in modules[4:_NUM_FIXED]]
     projections = modules[_NUM_FIXED:]
     weights = [_weight(module) for module in projections]
@@ -267,6 +277,8 @@ def _weight(module: nn.Module) -> "cpu_lib.Weight | str":
     bias_ptr = None if bias is None else bias.data_ptr()
     if type(module) is GGUFLinear:
         blocks = module.blocks
+        if not (blocks.dtype is torch.uint8 and blocks.is_cpu and blocks.is_contiguous()):
+            return "its GGUF blocks are not a contiguous uint8 CPU tensor"
         return cpu_lib.Weight(blocks.data_ptr(), bias_ptr, quant_ops.GGML_TYPES[module.ggml_type],
                               module.out_features, module.in_features, blocks.numel())
     if type(module) is nn.Linear and "_hf_hook" not in module.__dict__ and _plain_float32(module.weight):
