@@ -17,7 +17,7 @@ from test_quant_linear import gguf_py_decoded, random_blocks
 from tolerances import assert_no_worse_than_stock
 from transformers import GenerationConfig
 
-from chunk_llama import ChunkLlamaEngine, patch_model
+from chunk_llama import ChunkCache, ChunkLlamaEngine, patch_model
 from chunk_llama.hf import fused_layers
 from chunk_llama.hf.gguf_weights import GGUFLinear
 from chunk_llama.ops import cpu_lib, isa
@@ -125,17 +125,17 @@ def test_fused_layers_compute_what_the_op_by_op_path_does(family, monkeypatch, f
         assert out.token_ids == want.sequences[0, len(prompt):].tolist()
 
 
-def test_gguf_block_layers_fuse(monkeypatch, fused_calls):
-    """Projections in four block formats (random blocks), against the float64 model of
-    their decoded weights."""
+def gguf_llama():
+    """A tiny Llama whose projections are GGUF blocks in five formats (random blocks), and
+    the float64 model of their decoded weights."""
     formats = {"q_proj": "Q4_1", "k_proj": "Q8_0", "v_proj": "Q6_K", "o_proj": "Q4_1", "gate_proj": "Q5_K",
                "up_proj": "Q4_0", "down_proj": "Q8_0"}
     sizes = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)  # K-quant super-blocks of 256
     torch.manual_seed(0)
-    stock = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
         **COMMON, **FAMILIES["llama"][1], **sizes})).float().eval()
-    truth_model = copy.deepcopy(stock).double()
-    for (layer, ours), theirs in zip(enumerate(stock.model.layers), truth_model.model.layers):
+    truth_model = copy.deepcopy(model).double()
+    for (layer, ours), theirs in zip(enumerate(model.model.layers), truth_model.model.layers):
         for owner in ("self_attn", "mlp"):
             for name, module in list(getattr(ours, owner).named_children()):
                 if name not in formats:
@@ -146,7 +146,42 @@ def test_gguf_block_layers_fuse(monkeypatch, fused_calls):
                                                                 module.in_features, bias))
                 with torch.no_grad():
                     getattr(getattr(theirs, owner), name).weight.copy_(gguf_py_decoded(blocks, formats[name]))
-    check_fused_against_op_by_op(stock, truth_model, prompts(seed=3), monkeypatch, fused_calls, "GGUF blocks")
+    return model, truth_model
+
+
+def test_gguf_block_layers_fuse(monkeypatch, fused_calls):
+    model, truth_model = gguf_llama()
+    check_fused_against_op_by_op(model, truth_model, prompts(seed=3), monkeypatch, fused_calls, "GGUF blocks")
+
+
+def test_where_float32_layers_run_f_linear_they_stay_op_by_op(monkeypatch, fused_calls):
+    """CHUNK_LLAMA_LINEAR=torch (as on CPUs other than x86-64): float32 projections keep
+    F.linear, GGUF blocks (the same kernel either way) still fuse."""
+    monkeypatch.setenv("CHUNK_LLAMA_LINEAR", "torch")
+    batch = prompts(seed=4)[:3]
+    for model, fuses in ((tiny("llama"), False), (gguf_llama()[0], True)):
+        fused_calls.clear()
+        engine = ChunkLlamaEngine(copy.deepcopy(model), max_batch_size=3, chunk_size=16, kv_cache_bytes=1 << 23)
+        outputs = engine.generate(batch, GREEDY)
+        engine.close()
+        assert bool(fused_calls) is fuses
+        for prompt, out in zip(batch, outputs):
+            with torch.no_grad():
+                want = model.generate(torch.tensor([prompt]), generation_config=GREEDY, return_dict_in_generate=True)
+            assert out.token_ids == want.sequences[0, len(prompt):].tolist()
+
+
+def test_forwards_with_autograd_on_stay_op_by_op(fused_calls):
+    """The C function records no graph: a decode forward with grad enabled runs op by op."""
+    patched = patch_model(tiny("llama"))
+    prompt = torch.tensor([prompts(seed=2)[0]])
+    for grad in (True, False):
+        fused_calls.clear()
+        cache = ChunkCache(patched, chunk_size=16, kv_cache_bytes=1 << 22)
+        with torch.set_grad_enabled(grad):
+            patched(input_ids=prompt, past_key_values=cache)  # the prompt (the name 5.23 and 5.24 take)
+            patched(input_ids=torch.tensor([[7]]), past_key_values=cache)  # one decode step
+        assert bool(fused_calls) is not grad
 
 
 def test_rows_out_of_the_plans_order(monkeypatch, fused_calls):

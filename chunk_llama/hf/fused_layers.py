@@ -11,7 +11,9 @@ elementwise steps in transformers' order, so results equal that path's up to the
 rounding of the norms' sums and of the activation's exp or tanh.
 
 Everything else runs the layer's own forward: prefill, other devices and dtypes, more rows
-than `SMALL_ROWS`, `CHUNK_LLAMA_LINEAR=torch`, `CHUNK_LLAMA_FUSED_LAYERS=0`, and a layer
+than `SMALL_ROWS`, autograd, `CHUNK_LLAMA_FUSED_LAYERS=0`, float32 projections where the
+op-by-op path runs them with `F.linear` (`CHUNK_LLAMA_LINEAR=torch`, CPUs other than
+x86-64; GGUF blocks run the same kernel either way), and a layer
 that is no longer the one described (a projection wrapped by an adapter, a replaced
 weight, a hook on a submodule: their effect would be skipped). Why a layer of a supported
 class does not fuse is logged once per reason.
@@ -106,13 +108,17 @@ def _fused(layer: nn.Module, step, hidden: torch.Tensor, position_embeddings) ->
         if reason is not None and isinstance(step.attention, CpuDecode) and not reason.startswith(ENV):
             _log_once(reason)  # (an attention that is not the CPU kernel's says why itself)
         writes = step.fused_writes = reason or (step.write_token_index, step.write_chunk, step.write_offset)
-    if isinstance(writes, str) or position_embeddings is None:
-        return None
+    if isinstance(writes, str) or position_embeddings is None or torch.is_grad_enabled():
+        return None  # (the C function records no autograd graph)
     described = layer._chunk_llama_fused
     if described is None or described.stale(layer):
         described = layer._chunk_llama_fused = _describe(layer)
     if described.reason is not None:
         return _log_once(f"{type(layer).__name__}: {described.reason}")
+    if described.float32_weights and step.linear is None:
+        # float32 projections op by op run F.linear here (CHUNK_LLAMA_LINEAR=torch, or not x86-64);
+        # GGUF blocks run the same kernel either way
+        return _log_once("float32 linear layers run F.linear here (CHUNK_LLAMA_LINEAR=torch or not x86-64)")
     cos, sin = position_embeddings
     rows = hidden.shape[0]
     if not (hidden.dtype is torch.float32 and hidden.is_cpu and hidden.dim() == 3 and hidden.shape[1] == 1
@@ -132,8 +138,6 @@ def _step_reason(step) -> str | None:
         return f"{ENV}=0"
     if not isinstance(step.attention, CpuDecode):
         return f"the step's attention runs on {getattr(step.attention, 'backend', type(step.attention).__name__)}"
-    if step.linear is None:
-        return "the linear layers run F.linear here (CHUNK_LLAMA_LINEAR=torch or not x86-64)"
     if step.pool.dtype != torch.float32:
         return f"the KV pool is {step.pool.dtype}"
     indices = (step.write_token_index, step.write_chunk, step.write_offset,
@@ -156,6 +160,8 @@ class _Described:
         self.reason, self.struct, self.window = reason, struct, window
         if struct is not None:
             self.scale, self.head_dim, self.hidden_size = float(modules[1].scaling), struct.head_dim, struct.hidden_size
+            self.float32_weights = any(getattr(struct, name).type == 0 for name in ("q", "k", "v", "o", "gate", "up",
+                                                                                    "down"))
 
     def stale(self, layer: nn.Module) -> bool:
         modules = _modules(layer, FAMILIES[type(layer).__name__])
