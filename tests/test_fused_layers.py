@@ -1,9 +1,10 @@
 """The fused decoder layer (`hf/fused_layers.py`, `csrc/cpu/layer.cpp`): a decode step of a
 Llama, Mistral, Qwen2, Qwen3 or Gemma 3 layer in one call is as close to the float64 truth
 as the op-by-op path is (float32 weights and GGUF blocks, biases, q/k norms, Gemma's
-sandwich norms and GELU, sliding windows, GQA, odd sizes, rows in the plan's order or not) and gives stock's greedy tokens; what it does not compute (a hook
-inside the layer, an adapter, a replaced weight) runs op by op, and bad input to the C
-function is a ValueError naming it."""
+sandwich norms and GELU, sliding windows, GQA, odd sizes, rows in the plan's order or not)
+and gives stock's greedy tokens; what it does not compute (a hook inside the layer, an
+adapter, a replaced weight, autograd) runs op by op, and bad input to the C function is a
+ValueError naming it."""
 
 import copy
 import ctypes
@@ -130,7 +131,8 @@ def gguf_llama():
     the float64 model of their decoded weights."""
     formats = {"q_proj": "Q4_1", "k_proj": "Q8_0", "v_proj": "Q6_K", "o_proj": "Q4_1", "gate_proj": "Q5_K",
                "up_proj": "Q4_0", "down_proj": "Q8_0"}
-    sizes = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)  # K-quant super-blocks of 256
+    # whole K-quant super-blocks of 256
+    sizes = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
         **COMMON, **FAMILIES["llama"][1], **sizes})).float().eval()

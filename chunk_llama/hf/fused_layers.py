@@ -76,6 +76,7 @@ FAMILIES = {  # decoder layer class -> Family
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # chunk_llama_cpu_decoder_layer.activation
 _PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
                 ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+_WEIGHT_FIELDS = tuple(name.removesuffix("_proj") for _, name in _PROJECTIONS)  # cpu_lib.DecoderLayer's
 _NUM_FIXED = 4 + 4 + 2  # layer, attention, MLP, activation; the four norm slots; q and k norms
 
 
@@ -122,8 +123,9 @@ def _fused(layer: nn.Module, step, hidden: torch.Tensor, position_embeddings) ->
     cos, sin = position_embeddings
     rows = hidden.shape[0]
     if not (hidden.dtype is torch.float32 and hidden.is_cpu and hidden.dim() == 3 and hidden.shape[1] == 1
-            and hidden.shape[2] == described.hidden_size and rows <= SMALL_ROWS and hidden.is_contiguous() and cos.dtype is torch.float32 and cos.is_cpu
-            and sin.dtype is torch.float32 and cos.shape == (rows, 1, described.head_dim) and cos.is_contiguous()
+            and hidden.shape[2] == described.hidden_size and rows <= SMALL_ROWS and hidden.is_contiguous()
+            and cos.dtype is torch.float32 and cos.is_cpu and sin.dtype is torch.float32
+            and cos.shape == (rows, 1, described.head_dim) and cos.is_contiguous()
             and sin.shape == cos.shape and sin.is_contiguous()):
         return None
     pool, index = step.pool, layer.self_attn.layer_idx
@@ -159,9 +161,9 @@ class _Described:
         self.pointers = _pointers(self.tensors)
         self.reason, self.struct, self.window = reason, struct, window
         if struct is not None:
-            self.scale, self.head_dim, self.hidden_size = float(modules[1].scaling), struct.head_dim, struct.hidden_size
-            self.float32_weights = any(getattr(struct, name).type == 0 for name in ("q", "k", "v", "o", "gate", "up",
-                                                                                    "down"))
+            self.scale, self.head_dim = float(modules[1].scaling), struct.head_dim
+            self.hidden_size = struct.hidden_size
+            self.float32_weights = any(getattr(struct, field).type == 0 for field in _WEIGHT_FIELDS)
 
     def stale(self, layer: nn.Module) -> bool:
         modules = _modules(layer, FAMILIES[type(layer).__name__])
@@ -186,7 +188,7 @@ def _modules(layer: nn.Module, family: Family) -> tuple:
     qk = (attn._modules.get("q_norm"), attn._modules.get("k_norm")) if family.qk_norms else (None, None)
     return (layer, attn, mlp, mlp._modules.get("act_fn"),
             *(None if name is None else layer._modules.get(name) for name in family.norms), *qk,
-            *(attn._modules.get(name) if owner == "self_attn" else mlp._modules.get(name) for owner, name in _PROJECTIONS))
+            *((attn if owner == "self_attn" else mlp)._modules.get(name) for owner, name in _PROJECTIONS))
 
 
 def _tensors(modules: tuple) -> tuple:
@@ -227,7 +229,7 @@ def _describe(layer: nn.Module) -> _Described:
         intermediate_size=int(projections[4].out_features), activation=ACTIVATIONS[family.activation],
         norm_eps=float(getattr(modules[4], family.eps)), norm_offset=family.norm_offset,
         input_norm=norms[0], attn_out_norm=norms[1], mlp_norm=norms[2], mlp_out_norm=norms[3], q_norm=norms[4],
-        k_norm=norms[5], **dict(zip(("q", "k", "v", "o", "gate", "up", "down"), weights)))
+        k_norm=norms[5], **dict(zip(_WEIGHT_FIELDS, weights)))
     return _Described(modules, None, struct, int(family.window(attn)))
 
 

@@ -6,9 +6,8 @@ bytes of the weights: 4.5 to 8.5 bits a weight in these blocks against 32 in flo
 CPU kernel (`csrc/cpu/quant.h`) decodes the blocks in registers just before multiplying
 them as `small_linear` does (up to SMALL_ROWS rows; beyond a few, through a buffer in L1),
 so they are read once, from memory, in their compact form. Many rows (a prefill) instead
-decode the whole weight to
-float32 once per call and run oneDNN's GEMM (`ops/linear.py`), whose arithmetic then
-dominates. Both compute with the weights of the float32-dequantized model (what
+decode the whole weight to float32 once per call and run oneDNN's GEMM (`ops/linear.py`),
+whose arithmetic then dominates. Both compute with the weights of the float32-dequantized model (what
 transformers loads a GGUF file as), so results differ from it by summation order only.
 
 `GGUFLinear` and `GGUFEmbedding` hold such weights in a model (`hf/gguf_weights.py` puts

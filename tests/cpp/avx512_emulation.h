@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "quant_params.h"
 
@@ -30,29 +31,20 @@ static inline float _mm512_reduce_max_ps(__m512 a) {
   for (float lane : x) m = lane > m ? lane : m;
   return m;
 }
-// vpmovzxwd: 16 unsigned 16-bit lanes zero-extended to 32 bits
-static inline __m512i _mm512_cvtepu16_epi32(__m256i a) {
-  uint16_t x[16];
+// 16 lanes of `Lane` (the whole of `a`) zero- or sign-extended to 32 bits, as Lane's type says
+template <typename Lane, typename Narrow>
+static inline __m512i widen_to_epi32(Narrow a) {
+  static_assert(sizeof(Narrow) == 16 * sizeof(Lane), "16 lanes fill the narrow vector");
+  Lane x[16];
   int32_t r[16];
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), a);
+  std::memcpy(x, &a, sizeof x);
   for (int i = 0; i < 16; ++i) r[i] = x[i];
   return _mm512_loadu_si512(r);
 }
-// vpmovzxbd / vpmovsxbd: 16 bytes zero- / sign-extended to 32 bits
-static inline __m512i _mm512_cvtepu8_epi32(__m128i a) {
-  uint8_t x[16];
-  int32_t r[16];
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(x), a);
-  for (int i = 0; i < 16; ++i) r[i] = x[i];
-  return _mm512_loadu_si512(r);
-}
-static inline __m512i _mm512_cvtepi8_epi32(__m128i a) {
-  int8_t x[16];
-  int32_t r[16];
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(x), a);
-  for (int i = 0; i < 16; ++i) r[i] = x[i];
-  return _mm512_loadu_si512(r);
-}
+// vpmovzxwd, vpmovzxbd, vpmovsxbd
+static inline __m512i _mm512_cvtepu16_epi32(__m256i a) { return widen_to_epi32<uint16_t>(a); }
+static inline __m512i _mm512_cvtepu8_epi32(__m128i a) { return widen_to_epi32<uint8_t>(a); }
+static inline __m512i _mm512_cvtepi8_epi32(__m128i a) { return widen_to_epi32<int8_t>(a); }
 // vcvtdq2ps: 16 int32 lanes to float (exact for the small integers the kernels convert)
 static inline __m512 _mm512_cvtepi32_ps(__m512i a) {
   int32_t x[16];

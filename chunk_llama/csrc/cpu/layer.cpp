@@ -6,6 +6,7 @@
 // decode attention) and the elementwise steps written the way transformers computes them.
 // Compiled with baseline flags, like c_api.cpp: the elementwise steps are a few thousand
 // floats per row, next to the weights' millions.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -143,7 +144,7 @@ int chunk_llama_cpu_decoder_layer_decode(
     // one buffer for every intermediate: h [rows, hidden], q and its plan-ordered copy and
     // the attention's output [rows, q_width], k and v [rows, kv_width], gate and up
     // [rows, inter], and the quantized kernels' per-thread scratch
-    const int64_t widest_in = inter > q_width ? (inter > hidden ? inter : hidden) : (q_width > hidden ? q_width : hidden);
+    const int64_t widest_in = std::max({inter, q_width, hidden});
     const int64_t floats = rows * (hidden + 3 * q_width + 2 * kv_width + 2 * inter) +
                            chunk_attn_cpu::kQuantScratchRows * widest_in * num_threads;
     std::unique_ptr<float[]> buffer(new float[floats]);
