@@ -261,7 +261,8 @@ def load_model(name_or_path: str | None = None, *, device: str | torch.device | 
     keeps each layer's K/V on that layer's device). `gguf_weights` (a `.gguf` file only):
     "quantized" keeps the file's quantized tensors in their blocks (`hf/gguf_weights.py`:
     the weights take about the file's size, and a decode step reads that much), on the CPU
-    in float32 only; "dequantized" is transformers' float32 copy; "auto" (default) is
+    in float32 only, read one tensor at a time (`hf/gguf_load.py`: never a float32 copy of
+    the whole model); "dequantized" is transformers' float32 copy; "auto" (default) is
     "quantized" where it can be."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -279,28 +280,56 @@ def load_model(name_or_path: str | None = None, *, device: str | torch.device | 
     if path.endswith(".gguf"):
         require("gguf", f"loading {os.path.basename(path)} (a .gguf model)")
         path, kwargs["gguf_file"] = os.path.split(os.path.abspath(path))
-    check_supported(AutoConfig.from_pretrained(path, **kwargs))  # before any weights are read
+    config = AutoConfig.from_pretrained(path, **kwargs)
+    check_supported(config)  # before any weights are read
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    keep_blocks = "gguf_file" in kwargs and gguf_weights != "dequantized"
+    if keep_blocks and unquantizable:
+        logger.info("the GGUF weights are dequantized: quantized blocks run on the CPU in float32, not %s",
+                    unquantizable)
+    elif keep_blocks:
+        model = _gguf_model_kept_quantized(os.path.join(path, kwargs["gguf_file"]), config, trust_remote_code,
+                                           from_pretrained_kwargs)
+        if model is not None:
+            return model, tokenizer
     if device_map is not None:
         kwargs["device_map"] = device_map
     elif device.type == "cuda":
         kwargs["device_map"] = str(device)  # weights loaded straight onto the GPU
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs, **from_pretrained_kwargs)
     model.eval()
-    if "gguf_file" in kwargs and gguf_weights != "dequantized":
-        if unquantizable:
-            logger.info("the GGUF weights are dequantized: quantized blocks run on the CPU in float32, not %s",
-                        unquantizable)
-        else:
-            from chunk_llama.hf.gguf_weights import keep_gguf_quantized
+    if keep_blocks and not unquantizable:
+        from chunk_llama.hf.gguf_weights import keep_gguf_quantized
 
-            kept = keep_gguf_quantized(model, os.path.join(path, kwargs["gguf_file"]))
-            logger.info("GGUF tensors kept quantized: %s",
-                        ", ".join(f"{n} {t}" for t, n in sorted(kept.items())) or "none")
+        kept = keep_gguf_quantized(model, os.path.join(path, kwargs["gguf_file"]))
+        logger.info("GGUF tensors kept quantized: %s",
+                    ", ".join(f"{n} {t}" for t, n in sorted(kept.items())) or "none")
     return model, tokenizer
 
 
 GGUF_WEIGHTS = ("auto", "quantized", "dequantized")
+# from_pretrained keywords the tensor-by-tensor GGUF load takes (to from_config); any other sends it to from_pretrained
+_FROM_CONFIG_KWARGS = ("attn_implementation",)
+
+
+def _gguf_model_kept_quantized(gguf_path: str, config, trust_remote_code: bool, from_pretrained_kwargs: dict):
+    """The model of a .gguf file loaded tensor by tensor with its blocks kept
+    (`hf/gguf_load.py`: without transformers' float32 copy of the whole file), or None,
+    logged with the reason, where it needs `from_pretrained`."""
+    from chunk_llama.hf.gguf_load import load_gguf_model
+
+    others = sorted(set(from_pretrained_kwargs) - set(_FROM_CONFIG_KWARGS))
+    if others:
+        model, why = None, f"from_pretrained is given {', '.join(others)}"
+    else:
+        model, why = load_gguf_model(gguf_path, config, trust_remote_code=trust_remote_code,
+                                     **from_pretrained_kwargs)
+    if model is None:
+        logger.info("%s is loaded by from_pretrained (a float32 copy of every tensor on the way): %s",
+                    os.path.basename(gguf_path), why)
+        return None
+    logger.info("GGUF tensors kept quantized: %s", why)
+    return model
 
 
 def _why_not_quantized(device: torch.device, dtype: torch.dtype, device_map) -> str | None:

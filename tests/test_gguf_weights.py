@@ -82,13 +82,20 @@ def dequantized_default():
     return load_model(None, gguf_weights="dequantized")[0]
 
 
-def test_default_model_keeps_its_blocks_and_computes_what_stock_does(dequantized_default):
-    quantized, tokenizer = load_model(None, gguf_weights="quantized")
+@pytest.fixture(scope="module")
+def quantized_default():
+    """The default model as load_model loads it: tensor by tensor, blocks kept (hf/gguf_load.py)."""
+    return load_model(None, gguf_weights="quantized")
+
+
+def test_default_model_keeps_its_blocks_and_computes_what_stock_does(quantized_default, dequantized_default):
+    quantized, tokenizer = quantized_default
     stock = dequantized_default
     check_against_dequantized(quantized, tokenizer, stock, default_model_path(), {"Q4_1", "Q8_0"}, 300, bos=False)
 
 
-def test_a_tensor_that_does_not_decode_to_the_loaded_weight_stays_float32(caplog, dequantized_default):
+def test_a_tensor_that_does_not_decode_to_the_loaded_weight_stays_float32(caplog, quantized_default,
+                                                                           dequantized_default):
     model = copy.deepcopy(dequantized_default)
     changed = model.model.layers[3].mlp.up_proj
     with torch.no_grad():
@@ -98,6 +105,11 @@ def test_a_tensor_that_does_not_decode_to_the_loaded_weight_stays_float32(caplog
     assert type(model.model.layers[3].mlp.up_proj) is nn.Linear  # not replaced
     assert isinstance(model.model.layers[3].mlp.down_proj, GGUFLinear)
     assert kept == {"Q4_1": 209, "Q8_0": 2} and "blk.3.ffn_up.weight" in caplog.text
+    # everything else as load_model's tensor-by-tensor load has it (tests/test_gguf_load.py: other families)
+    loaded = dict(quantized_default[0].state_dict())
+    for key, value in model.state_dict().items():
+        if not key.startswith("model.layers.3.mlp.up_proj"):
+            assert torch.equal(value, loaded[key]), key
 
 
 def test_quantized_weights_need_the_cpu_in_float32():

@@ -7,25 +7,26 @@ reads those. This module gives the quantized tensors back their blocks: each `nn
 kernel decodes (`ops/quant_linear.py`) is replaced by a `GGUFLinear` (`GGUFEmbedding`)
 holding that tensor's bytes, and the float32 copy is dropped.
 
-Nothing is trusted to a name alone: gguf-py's name map (what transformers maps with) says
-which module a tensor is, transformers' tensor processor, run on the row numbers, how it
-reordered the rows (Llama's query and key heads), and each kept tensor is decoded and
-compared with the float32 weight transformers loaded for that module: a tensor that does
-not match stays float32, with a warning. So the model computes with the weights stock transformers
-computes with, up to summation order.
+Nothing is trusted to a name alone: transformers' name map (`get_gguf_hf_weights_map`,
+what its loader maps with) says which module a tensor is, transformers' tensor processor,
+run on the row numbers, how it reordered the rows (Llama's query and key heads), and each
+kept tensor is decoded and compared with the float32 weight transformers loaded for that
+module: a tensor that does not match stays float32, with a warning. So the model computes
+with the weights stock transformers computes with, up to summation order.
+`hf/gguf_load.py` loads a file the same way one tensor at a time (`keep_blocks`,
+`file_tensors`).
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 import logging
-import os
 
 import numpy as np
 import torch
 from torch import nn
 
+from chunk_llama.hf.gguf_file import file_tensors
 from chunk_llama.ops import quant_linear as ops
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class GGUFEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim, self.ggml_type = blocks.shape[0], embedding_dim, ggml_type
         self.padding_idx = padding_idx
         self.register_buffer("blocks", blocks)
-        self.scale = scale
+        self.register_buffer("scale", None if scale is None else scale.detach().clone(), persistent=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         rows = self.blocks.index_select(0, input_ids.reshape(-1).to(self.blocks.device))  # [n, row_bytes]
@@ -116,22 +117,32 @@ def _close(value: torch.Tensor, truth: torch.Tensor) -> bool:
 
 
 def _matches(blocks: torch.Tensor, ggml_type: str, weight: torch.Tensor) -> bool:
-    if blocks.shape[0] != weight.shape[0] or weight.dim() != 2:
+    if blocks.shape[0] != weight.shape[0] or weight.dim() != 2 or weight.numel() == 0:
         return False
-    try:
-        decoded = ops.dequantize(blocks, ops.GGML_TYPES[ggml_type], weight.shape[1])
-    except ValueError:  # the row is not whole blocks of this format at this width
-        return False
-    return _close(decoded, weight)
+    low, high = torch.aminmax(weight)
+    scale = max(-low.item(), high.item()) or 1.0
+    rows = max(1, (1 << 20) // weight.shape[1])  # a slice at a time: no second float32 copy of a large table
+    for start in range(0, weight.shape[0], rows):
+        try:
+            decoded = ops.dequantize(blocks[start:start + rows], ops.GGML_TYPES[ggml_type], weight.shape[1])
+        except ValueError:  # the row is not whole blocks of this format at this width
+            return False
+        if (decoded - weight[start:start + rows]).abs().max().item() > MATCH_TOLERANCE * scale:
+            return False
+    return True
 
 
 def keep_gguf_quantized(model: nn.Module, gguf_path: str) -> dict[str, int]:
     """Replace the float32 weights transformers loaded from `gguf_path` by the file's blocks
     wherever the CPU kernel decodes them (module doc). The model must be on the CPU in
     float32 (ValueError otherwise). Returns how many tensors of each GGML type were kept;
-    empty, with a warning, where the kernels are not available."""
-    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+    empty, with a warning, where the kernels are not available. (`hf/gguf_load.py` does the
+    same while it loads, without transformers' float32 copy of the whole file.)"""
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
 
     parameter = next(model.parameters())
     if parameter.device.type != "cpu" or parameter.dtype != torch.float32:
@@ -141,66 +152,66 @@ def keep_gguf_quantized(model: nn.Module, gguf_path: str) -> dict[str, int]:
     if reason is not None:
         logger.warning("chunk-llama: the GGUF weights are dequantized to float32: %s", reason)
         return {}
-    stat = os.stat(gguf_path)
-    reader = _reader(os.path.abspath(gguf_path), stat.st_mtime_ns, stat.st_size)
-    architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    arch_ids = {name: arch for arch, name in MODEL_ARCH_NAMES.items()}
-    if architecture not in arch_ids:
-        logger.warning("chunk-llama: the GGUF weights are dequantized to float32: gguf-py does not know the "
-                       "architecture %r", architecture)
-        return {}
-    name_map = get_tensor_name_map(arch_ids[architecture], model.config.num_hidden_layers)
+    architecture, tensors = file_tensors(gguf_path)
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
-    modules = {}  # GGUF tensor name -> (module name, module), for the layers a kept tensor can replace
-    for module_name, module in model.named_modules():
-        gguf_name = name_map.get_name(module_name) if module_name else None
-        if gguf_name is not None and (type(module) is nn.Linear or isinstance(module, nn.Embedding)):
-            modules.setdefault(gguf_name + ".weight", (module_name, module))
+    try:
+        parameter_of = get_gguf_hf_weights_map(model, processor)  # GGUF tensor name -> the model's name
+    except NotImplementedError as error:  # gguf-py does not know the model type
+        logger.warning("chunk-llama: the GGUF weights are dequantized to float32: %s", error)
+        return {}
     kept: collections.Counter[str] = collections.Counter()
     refused: list[str] = []
-    output = model.get_output_embeddings()
-    for tensor in reader.tensors:
-        ggml_type = tensor.tensor_type.name
-        if ggml_type not in ops.GGML_TYPES or tensor.name not in modules:
-            continue
-        module_name, module = modules[tensor.name]
-        reproducible, scale = _embedding_scale(module)
-        if not (type(module) is nn.Linear or reproducible):
-            continue
-        permutation = _row_permutation(processor, tensor.name, tensor.data.shape[0])
-        blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))  # [rows, row_bytes], a copy
-        if permutation is not None:
-            blocks = blocks[torch.from_numpy(permutation)].contiguous()
-        if permutation is None or not _matches(blocks, ggml_type, module.weight):
+    for tensor in tensors:
+        replaced = keep_blocks(model, parameter_of.get(tensor.name), tensor, processor)
+        if replaced:
+            kept[tensor.tensor_type.name] += replaced
+        elif replaced == 0:
             refused.append(tensor.name)
-            continue
-        if type(module) is nn.Linear:
-            replacement = GGUFLinear(blocks, ggml_type, module.in_features, module.bias)
-        else:
-            replacement = GGUFEmbedding(blocks, ggml_type, module.embedding_dim, scale, module.padding_idx)
-            ids = torch.randint(0, module.num_embeddings, (64,), generator=torch.Generator().manual_seed(0))
-            if not _close(replacement(ids), module(ids)):  # the lookup, and the scale, as the module's own
-                refused.append(tensor.name)
-                continue
-            if isinstance(output, nn.Linear) and output.weight is module.weight:  # a tied LM head: the same blocks
-                _replace(model, _name_of(model, output), GGUFLinear(blocks, ggml_type, output.in_features,
-                                                                    output.bias))
-                kept[ggml_type] += 1
-        _replace(model, module_name, replacement)
-        kept[ggml_type] += 1
-    if refused:
-        logger.warning("chunk-llama: %d GGUF tensors stay float32: their decoded blocks differ from the weights "
-                       "transformers loaded (%s)", len(refused), ", ".join(refused[:5]))
+    warn_refused(refused)
     return dict(kept)
 
 
-@functools.lru_cache(maxsize=4)
-def _reader(path: str, mtime_ns: int, size: int):
-    """A GGUF file's reader (memory-mapped; parsing its metadata takes seconds, so a process
-    that loads the same file again reuses it; a changed file is read again)."""
-    from gguf import GGUFReader
+def keep_blocks(model: nn.Module, name: str | None, tensor, processor) -> int | None:
+    """Replace the module whose parameter `name` the GGUF `tensor` (a `FileTensor`)
+    was loaded into (by transformers' `processor`) with one holding the tensor's blocks,
+    if they decode to that parameter. Returns how many modules now hold them (2 for an
+    embedding tied to the LM head), 0 where they do not decode to it (it stays float32),
+    None where they cannot replace it (not a `.weight`, a format the kernel does not
+    decode, a module whose forward is not a plain lookup or product)."""
+    ggml_type = tensor.tensor_type.name
+    if name is None or ggml_type not in ops.GGML_TYPES or not name.endswith(".weight"):
+        return None
+    module_name = name.removesuffix(".weight")
+    module = model.get_submodule(module_name)
+    reproducible, scale = _embedding_scale(module)
+    if not (type(module) is nn.Linear or reproducible):
+        return None
+    permutation = _row_permutation(processor, tensor.name, tensor.data.shape[0])
+    blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))  # [rows, row_bytes], a copy
+    if permutation is not None:
+        blocks = blocks[torch.from_numpy(permutation)].contiguous()
+    if permutation is None or not _matches(blocks, ggml_type, module.weight):
+        return 0
+    if type(module) is nn.Linear:
+        _replace(model, module_name, GGUFLinear(blocks, ggml_type, module.in_features, module.bias))
+        return 1
+    replacement = GGUFEmbedding(blocks, ggml_type, module.embedding_dim, scale, module.padding_idx)
+    ids = torch.randint(0, module.num_embeddings, (64,), generator=torch.Generator().manual_seed(0))
+    if not _close(replacement(ids), module(ids)):  # the lookup, and the scale, as the module's own
+        return 0
+    replaced = 1
+    output = model.get_output_embeddings()
+    if isinstance(output, nn.Linear) and output.weight is module.weight:  # a tied LM head: the same blocks
+        _replace(model, _name_of(model, output), GGUFLinear(blocks, ggml_type, output.in_features, output.bias))
+        replaced += 1
+    _replace(model, module_name, replacement)
+    return replaced
 
-    return GGUFReader(path)
+
+def warn_refused(refused: list[str]) -> None:
+    if refused:
+        logger.warning("chunk-llama: %d GGUF tensors stay float32: their decoded blocks differ from the weights "
+                       "transformers loaded (%s)", len(refused), ", ".join(refused[:5]))
 
 
 def gguf_blocks(model: nn.Module) -> dict[str, int]:

@@ -1,0 +1,161 @@
+"""A GGUF model loaded one tensor at a time, its quantized tensors kept in blocks: `load_gguf_model`.
+
+transformers' GGUF loader (`load_gguf_checkpoint`, which reads Llama, Mistral, Qwen2/3,
+Gemma 3 files and most others) dequantizes every tensor of the file into one float32 state
+dict before the model takes it: the default model's 98 MB file needs about 1.1 GB on the
+way, an 8B model's 5 GB Q4 file over 32 GB, more than the machine may have. Here the model is
+built with its parameters on the meta device (accelerate's `init_empty_weights`; buffers
+such as the rotary frequencies are computed as usual) and the file is read one tensor at a
+time, through the same name map and tensor processor transformers loads with: each tensor
+becomes the parameter transformers would have made of it, and then, where
+`gguf_weights.keep_blocks` accepts it (its blocks decode to that parameter), the module's
+blocks replace it. At most one tensor is float32 beside the blocks at any moment.
+
+Where transformers does more than this for a file (its newer per-architecture conversions,
+a tensor processor that does more than reorder rows, a parameter the file lacks), the model
+is not built here: `load_gguf_model` returns None and why, and `load_model` loads it through
+`from_pretrained` as before.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import functools
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+from chunk_llama.hf import gguf_weights
+from chunk_llama.hf.gguf_file import FileTensor, file_tensors
+
+logger = logging.getLogger(__name__)
+
+
+def _plain_processors() -> tuple[type, ...]:
+    """transformers' tensor processors that only reorder a tensor (Llama's q/k rows) or
+    shift it (Gemma's norms): the model's parameters are then exactly what `process` returns."""
+    from transformers.modeling_gguf_pytorch_utils import (
+        Gemma2TensorProcessor,
+        LlamaTensorProcessor,
+        TensorProcessor,
+    )
+
+    return TensorProcessor, LlamaTensorProcessor, Gemma2TensorProcessor
+
+
+def load_gguf_model(gguf_path: str, config, **from_config_kwargs) -> tuple[nn.Module | None, str]:
+    """(model, what was kept) for the `.gguf` file at `gguf_path` with transformers'
+    `config` of it, on the CPU in float32, in eval mode: the parameters transformers'
+    `from_pretrained` gives, each quantized tensor that `gguf_weights.keep_blocks` accepts
+    kept in its blocks. (None, why) where this file needs `from_pretrained` (module doc).
+    `from_config_kwargs` (`attn_implementation`, `trust_remote_code`) go to `from_config`."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.gguf import is_gguf_arch_supported
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
+    reason = gguf_weights.ops.unavailable_reason()
+    if reason is not None:
+        return None, f"the quantized kernels are not available ({reason})"
+    try:
+        architecture, tensors = file_tensors(gguf_path)
+    except ValueError as error:  # a tensor type transformers' header reader does not know
+        return None, str(error)
+    if is_gguf_arch_supported(architecture):  # transformers' newer per-architecture conversions
+        return None, f"transformers converts {architecture} files with its own per-architecture conversions"
+    processor_class = TENSOR_PROCESSORS.get(architecture, TensorProcessor)
+    if processor_class not in _plain_processors():
+        return None, f"transformers' {processor_class.__name__} does more than reorder or shift a tensor"
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **from_config_kwargs)
+    model.tie_weights()  # tied parameters are one Parameter, loaded once under each name
+    processor = processor_class(config=model.config.to_dict())
+    try:
+        parameter_of = get_gguf_hf_weights_map(model, processor)  # GGUF tensor name -> the model's name
+    except NotImplementedError as error:  # gguf-py does not know the model type
+        return None, str(error)
+    names_of = collections.defaultdict(list)  # id(Parameter) -> all its names (tied weights share one)
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names_of[id(parameter)].append(name)
+    kept: collections.Counter[str] = collections.Counter()
+    refused: list[str] = []
+    for tensor in tensors:
+        # what load_gguf_checkpoint does with each tensor, without keeping them all
+        processed = processor.process(weights=_dequantized(tensor), name=tensor.name,
+                                      tensor_key_mapping=parameter_of, parsed_parameters={"tensors": {}})
+        if processed.name not in parameter_of:
+            continue
+        name = parameter_of[processed.name]
+        value = torch.from_numpy(np.ascontiguousarray(processed.weights, dtype=np.float32))
+        if not _load(model, name, value, names_of):
+            return None, f"the file's {tensor.name} has shape {tuple(value.shape)}, the model's {name} another"
+        replaced = gguf_weights.keep_blocks(model, name, tensor, processor)
+        if replaced:
+            kept[tensor.tensor_type.name] += replaced
+        elif replaced == 0:
+            refused.append(tensor.name)
+        del processed, value
+        _return_freed_memory()
+    missing = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if missing:
+        return None, f"the file has no tensor for {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
+    gguf_weights.warn_refused(refused)
+    return model.eval(), ", ".join(f"{n} {t}" for t, n in sorted(kept.items())) or "none"
+
+
+def _dequantized(tensor: FileTensor) -> np.ndarray:
+    """gguf-py's `dequantize` of the tensor (what load_gguf_checkpoint runs), into a new
+    float32 array a slice of rows at a time: its temporaries (three times the float32
+    size: Gemma 3's 262,144-row embedding would take 2 GB) never exist for the whole."""
+    from gguf import dequantize
+
+    if tensor.data.ndim < 2:
+        return np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    first = dequantize(tensor.data[:1], tensor.tensor_type)
+    out = np.empty((tensor.data.shape[0], *first.shape[1:]), dtype=np.float32)
+    rows = max(1, (1 << 22) // first.size)  # 16 MB of float32 a slice
+    for start in range(0, out.shape[0], rows):
+        out[start:start + rows] = dequantize(tensor.data[start:start + rows], tensor.tensor_type)
+    return out
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def _return_freed_memory() -> None:
+    """Give the float32 transients of the last tensor back to the system: glibc keeps freed
+    blocks under 32 MB in its heap, where the blocks kept between them fragment it, and the
+    load's peak would grow by about the float32 model's size (measured: 359 MiB against
+    203 MiB for tests/test_gguf_load.py's 73 MB file)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def _load(model: nn.Module, name: str, value: torch.Tensor, names_of: dict[int, list[str]]) -> bool:
+    """Set parameter (or buffer) `name`, and every name tied to it, to `value`; False where
+    the shapes differ."""
+    module_name, _, attribute = name.rpartition(".")
+    current = getattr(model.get_submodule(module_name), attribute)
+    if current.shape != value.shape:
+        return False
+    if not isinstance(current, nn.Parameter):  # a buffer: assigning keeps it one, persistent or not
+        setattr(model.get_submodule(module_name), attribute, value)
+        return True
+    parameter = nn.Parameter(value, requires_grad=current.requires_grad)
+    for tied in names_of.get(id(current), [name]):
+        owner, _, attribute = tied.rpartition(".")
+        setattr(model.get_submodule(owner), attribute, parameter)
+    return True

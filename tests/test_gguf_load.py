@@ -1,0 +1,134 @@
+"""Loading a .gguf model tensor by tensor (`hf/gguf_load.py`): the model equals what
+`from_pretrained` followed by `keep_gguf_quantized` makes of the same file (every parameter
+and buffer bit for bit, the same modules, the LM head tied to the embedding's blocks, the
+same config and generation config), for the families transformers' GGUF loader reads with
+a plain tensor processor; its peak memory is the file's size plus transients, not a float32
+copy of the model; where the loader cannot build the model, `load_model` says why and goes
+through `from_pretrained`. GGUF files are written by tests/gguf_files.py (gguf-py)."""
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+from gguf_files import write_gguf
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from chunk_llama import load_model
+from chunk_llama.hf import gguf_load
+from chunk_llama.hf.gguf_load import load_gguf_model
+from chunk_llama.hf.gguf_weights import GGUFEmbedding, GGUFLinear, keep_gguf_quantized
+
+SIZES = {"vocab_size": 320, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+# (config class, GGUF architecture, config overrides, GGML type)
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, "llama", {}, "Q4_1"),
+    "llama_untied": (transformers.LlamaConfig, "llama", {"tie_word_embeddings": False}, "Q8_0"),
+    "qwen2": (transformers.Qwen2Config, "qwen2", {}, "Q5_0"),  # q/k/v biases
+    "qwen3": (transformers.Qwen3Config, "qwen3", {}, "Q4_0"),  # q/k norms, head_dim 128 (what a qwen3 file gives)
+}
+
+
+def written(tmp_path, family: str):
+    config_class, arch, overrides, ggml_type = FAMILIES[family]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config_class(**SIZES, **overrides)).float()
+    path = str(tmp_path / f"{family}.gguf")
+    write_gguf(path, model, arch, ggml_type)
+    return path, ggml_type
+
+
+def tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tensor_by_tensor_equals_from_pretrained_then_blocks(tmp_path, family):
+    path, ggml_type = written(tmp_path, family)
+    folder, name = os.path.split(path)
+    ours, kept = load_gguf_model(path, AutoConfig.from_pretrained(folder, gguf_file=name))
+    assert ours is not None, kept
+    theirs = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    assert keep_gguf_quantized(theirs, path) == {ggml_type: 16}
+    assert kept == f"16 {ggml_type}" and not ours.training
+
+    ours_tensors, their_tensors = tensors(ours), tensors(theirs)
+    assert ours_tensors.keys() == their_tensors.keys()
+    for key, value in ours_tensors.items():
+        assert value.dtype == their_tensors[key].dtype and torch.equal(value, their_tensors[key]), key
+        assert value.requires_grad == their_tensors[key].requires_grad, key
+    assert [(n, type(m)) for n, m in ours.named_modules()] == [(n, type(m)) for n, m in theirs.named_modules()]
+    assert isinstance(ours.lm_head, GGUFLinear) and isinstance(ours.model.embed_tokens, GGUFEmbedding)
+    tied = ours.config.tie_word_embeddings
+    assert (ours.lm_head.blocks is ours.model.embed_tokens.blocks) == tied
+    ours_config, their_config = ours.config.to_dict(), theirs.config.to_dict()
+    their_config.pop("quantization_config")  # from_pretrained's record of the GGUF file it read
+    assert ours_config == their_config
+    assert ours.generation_config.to_dict() == theirs.generation_config.to_dict()
+    ids = torch.tensor([[1, 5, 9, 33, 200, 17]])
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, theirs(ids).logits)
+
+
+def test_load_model_falls_back_to_from_pretrained_with_the_reason(tmp_path, monkeypatch, caplog):
+    path, _ = written(tmp_path, "llama")
+    monkeypatch.setattr(gguf_load, "_plain_processors", lambda: ())
+    with caplog.at_level(logging.INFO, logger="chunk_llama.models"):
+        model, why = load_gguf_model(path, AutoConfig.from_pretrained(tmp_path, gguf_file="llama.gguf"))
+    assert model is None and why == "transformers' LlamaTensorProcessor does more than reorder or shift a tensor"
+    with pytest.raises(ValueError, match="gguf_weights must be one of"):
+        load_model(path, gguf_weights="int4")
+
+
+def test_a_parameter_the_file_lacks_sends_the_load_to_from_pretrained(tmp_path):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SIZES)).float()
+    path = str(tmp_path / "no_norm.gguf")
+    write_gguf(path, model, "llama", omit=("model.norm.weight",))
+    model, why = load_gguf_model(path, AutoConfig.from_pretrained(tmp_path, gguf_file="no_norm.gguf"))
+    assert model is None and why == "the file has no tensor for model.norm.weight"
+
+
+MEMORY_CHILD = """
+import os, sys
+from transformers import AutoConfig
+from chunk_llama.hf.gguf_load import load_gguf_model
+path = sys.argv[1]
+config = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # VmHWM (the peak resident set) starts again from here
+def status(field):
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))
+base = status("VmRSS")
+model, why = load_gguf_model(path, config)
+assert model is not None, why
+print((status("VmHWM") - base) * 1024)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
+def test_peak_memory_is_the_file_and_one_tensor_not_a_float32_model(tmp_path):
+    """8 layers of hidden size 1024 in Q4_0: about 500 MB in float32, a 70 MB file, 17 MB
+    the largest tensor in float32. from_pretrained holds the whole float32 state dict and
+    the float32 model (over 1 GB) on the way."""
+    config = transformers.LlamaConfig(vocab_size=4096, hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
+                                      num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    float32_bytes = sum(p.numel() * 4 for p in model.parameters())
+    largest = max(p.numel() * 4 for p in model.parameters())
+    path = str(tmp_path / "llama.gguf")
+    write_gguf(path, model, "llama", "Q4_0")
+    del model
+    child = subprocess.run([sys.executable, "-c", MEMORY_CHILD, path], capture_output=True, text=True, check=True)
+    peak = int(child.stdout.strip().splitlines()[-1])
+    # the blocks, the file's pages as they are read, gguf-py's dequantized tensor, its processed copy, and
+    # the interpreter's and reader's own
+    bound = 2 * os.path.getsize(path) + 3 * largest + (128 << 20)  # measured 225 MiB of 316
+    assert peak <= bound < float32_bytes, f"peak {peak / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB, " \
+                                          f"float32 model {float32_bytes / 2**20:.0f} MiB"
