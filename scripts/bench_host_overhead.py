@@ -3,8 +3,9 @@ step's time is the Python and dispatch work around the kernels (what a GPU's eag
 forward is bound by), chunk-llama's step against stock's forward on the same batch.
 
     python scripts/bench_host_overhead.py --batch 1 32 --layers 16 --repeat 50
+    python scripts/bench_host_overhead.py --family phi3      # fused qkv and gate/up projections
 
-Tiny random Llama (hidden 128, 2/1 heads of 64 dims, `--layers`), a 36-token prompt per
+Tiny random Llama or Phi-3 (hidden 128, 2/1 heads of 64 dims, `--layers`), a 36-token prompt per
 sequence; stock: one forward of one token per sequence on a DynamicCache (SDPA); chunk-llama:
 `begin_decode`, the same forward on a ChunkCache, `end_step`. One thread; medians.
 """
@@ -15,18 +16,19 @@ import argparse
 
 import torch
 from bench_decode_step import median_ms
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+import transformers
+from transformers import AutoModelForCausalLM, DynamicCache
 
 import chunk_llama
 from chunk_llama import ChunkCache
 
 
 @torch.no_grad()
-def run(batch: int, layers: int, repeat: int) -> tuple[float, float]:
+def run(batch: int, layers: int, repeat: int, family: str = "llama") -> tuple[float, float]:
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=64, vocab_size=1000)
-    model = LlamaForCausalLM(config).eval()
+    config = FAMILIES[family](hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=2,
+                              num_key_value_heads=1, vocab_size=1000, pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(config).eval()
     prompt = list(range(5, 41))
     model.set_attn_implementation("sdpa")
     cache = DynamicCache(config=config)
@@ -59,17 +61,21 @@ def run(batch: int, layers: int, repeat: int) -> tuple[float, float]:
     return stock_ms, median_ms(chunk_step, repeat)
 
 
+FAMILIES = {"llama": transformers.LlamaConfig, "phi3": transformers.Phi3Config}  # head_dim 128 / 2 = 64
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="llama")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"| batch | stock ms per step | chunk-llama ms | chunk-llama / stock |  ({args.layers} layers, "
+    print(f"| batch | stock ms per step | chunk-llama ms | chunk-llama / stock |  ({args.family}, {args.layers} layers, "
           f"torch {torch.__version__}, 1 thread)\n|---|---|---|---|")
     for batch in args.batch:
-        stock_ms, chunk_ms = run(batch, args.layers, args.repeat)
+        stock_ms, chunk_ms = run(batch, args.layers, args.repeat, args.family)
         print(f"| {batch} | {stock_ms:.2f} | {chunk_ms:.2f} | {chunk_ms / stock_ms:.2f}x |")
 
 

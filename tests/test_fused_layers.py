@@ -1,5 +1,5 @@
 """The fused decoder layer (`hf/fused_layers.py`, `csrc/cpu/layer.cpp`): a decode step of a
-Llama, Mistral, Qwen2, Qwen3 or Gemma 3 layer in one call is as close to the float64 truth
+Llama, Mistral, Qwen2, Qwen3, Gemma 3 or Phi-3 layer in one call is as close to the float64 truth
 as the op-by-op path is (float32 weights and GGUF blocks, biases, q/k norms, Gemma's
 sandwich norms and GELU, sliding windows, GQA, odd sizes, rows in the plan's order or not)
 and gives stock's greedy tokens; what it does not compute (a hook inside the layer, an
@@ -43,6 +43,9 @@ FAMILIES = {
     "gemma3_text": ("Gemma3TextConfig", dict(hidden_size=96, intermediate_size=123, num_attention_heads=2,
                                              num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=64,
                                              sliding_window=13, layer_types=["sliding_attention", "full_attention"])),
+    # q, k, v in one qkv_proj, gate and up in one gate_up_proj (row ranges of one weight), window 7
+    "phi3": ("Phi3Config", dict(hidden_size=96, intermediate_size=123, num_attention_heads=3, num_key_value_heads=1,
+                                sliding_window=7)),
 }
 GREEDY = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True)
 
@@ -126,16 +129,24 @@ def test_fused_layers_compute_what_the_op_by_op_path_does(family, monkeypatch, f
         assert out.token_ids == want.sequences[0, len(prompt):].tolist()
 
 
-def gguf_llama():
-    """A tiny Llama whose projections are GGUF blocks in five formats (random blocks), and
-    the float64 model of their decoded weights."""
-    formats = {"q_proj": "Q4_1", "k_proj": "Q8_0", "v_proj": "Q6_K", "o_proj": "Q4_1", "gate_proj": "Q5_K",
-               "up_proj": "Q4_0", "down_proj": "Q8_0"}
-    # whole K-quant super-blocks of 256
-    sizes = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+GGUF_FORMATS = {  # family -> (the projections' GGML formats, sizes in whole K-quant super-blocks of 256)
+    "llama": ({"q_proj": "Q4_1", "k_proj": "Q8_0", "v_proj": "Q6_K", "o_proj": "Q4_1", "gate_proj": "Q5_K",
+               "up_proj": "Q4_0", "down_proj": "Q8_0"},
+              dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)),
+    # row ranges of fused blocks: q/k/v of one Q8_0 tensor, gate/up of one Q5_K
+    "phi3": ({"qkv_proj": "Q8_0", "o_proj": "Q4_1", "gate_up_proj": "Q5_K", "down_proj": "Q6_K"},
+             dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)),
+}
+
+
+def gguf_model(family: str):
+    """A tiny model of `family` whose projections are GGUF blocks (GGUF_FORMATS, random
+    blocks), and the float64 model of their decoded weights."""
+    formats, sizes = GGUF_FORMATS[family]
+    config_name, geometry = FAMILIES[family]
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
-        **COMMON, **FAMILIES["llama"][1], **sizes})).float().eval()
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_name)(**{
+        **COMMON, **geometry, **sizes})).float().eval()
     truth_model = copy.deepcopy(model).double()
     for (layer, ours), theirs in zip(enumerate(model.model.layers), truth_model.model.layers):
         for owner in ("self_attn", "mlp"):
@@ -151,9 +162,11 @@ def gguf_llama():
     return model, truth_model
 
 
-def test_gguf_block_layers_fuse(monkeypatch, fused_calls):
-    model, truth_model = gguf_llama()
-    check_fused_against_op_by_op(model, truth_model, prompts(seed=3), monkeypatch, fused_calls, "GGUF blocks")
+@pytest.mark.parametrize("family", list(GGUF_FORMATS))
+def test_gguf_block_layers_fuse(family, monkeypatch, fused_calls):
+    model, truth_model = gguf_model(family)
+    check_fused_against_op_by_op(model, truth_model, prompts(seed=3), monkeypatch, fused_calls,
+                                 f"{family} GGUF blocks")
 
 
 def test_where_float32_layers_run_f_linear_they_stay_op_by_op(monkeypatch, fused_calls):
@@ -161,7 +174,7 @@ def test_where_float32_layers_run_f_linear_they_stay_op_by_op(monkeypatch, fused
     F.linear, GGUF blocks (the same kernel either way) still fuse."""
     monkeypatch.setenv("CHUNK_LLAMA_LINEAR", "torch")
     batch = prompts(seed=4)[:3]
-    for model, fuses in ((tiny("llama"), False), (gguf_llama()[0], True)):
+    for model, fuses in ((tiny("llama"), False), (gguf_model("llama")[0], True)):
         fused_calls.clear()
         engine = ChunkLlamaEngine(copy.deepcopy(model), max_batch_size=3, chunk_size=16, kv_cache_bytes=1 << 23)
         outputs = engine.generate(batch, GREEDY)
@@ -246,6 +259,24 @@ def test_a_layer_it_does_not_describe_runs_op_by_op(monkeypatch, fused_calls, ca
                                        return_dict_in_generate=True)
         assert out.token_ids == want.sequences[0, len(prompt):].tolist()
     engine_lora.close()
+
+
+def test_a_partial_rotary_embedding_runs_op_by_op(monkeypatch, fused_calls, caplog):
+    """Phi-4-mini's partial_rotary_factor (part of each head turned): the C function turns
+    whole heads, so such layers stay op by op, said once, and the tokens are stock's."""
+    config_name, geometry = FAMILIES["phi3"]
+    torch.manual_seed(0)
+    stock = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_name)(
+        **COMMON, **geometry, partial_rotary_factor=0.5)).float().eval()
+    batch = prompts(seed=7)[:2]
+    with caplog.at_level(logging.WARNING, logger=fused_layers.__name__):
+        outputs = engine_outputs(copy.deepcopy(stock), batch, monkeypatch, fused=True)
+    assert not fused_calls and caplog.text.count("turns part of each head only") == 1, caplog.text
+    for prompt, out in zip(batch, outputs):
+        with torch.no_grad():
+            want = stock.generate(torch.tensor([prompt]), generation_config=GREEDY, return_dict_in_generate=True,
+                                  attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        assert out.token_ids == want.sequences[0, len(prompt):].tolist()
 
 
 def test_weights_moved_in_place_are_read_where_they_are_now(fused_calls):

@@ -3,9 +3,10 @@
 At batch 1 on the CPU a decode step of the default model spends more time in Python and
 torch's dispatch around its kernels (about 30 ops and 7 linear calls per layer) than
 reading the weights. In a decode step on the CPU kernels, a decoder layer whose structure
-`csrc/cpu/layer.cpp` computes (Llama, Mistral, Qwen2, Qwen3, Gemma 3: RMSNorm, rotate-half
-rotary attention, a gated SiLU or GELU-tanh MLP, per-head q/k norms and sandwich norms
-where the family has them; float32 or GGUF-block weights, biases allowed) runs as one
+`csrc/cpu/layer.cpp` computes (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3: RMSNorm,
+rotate-half rotary attention, a gated SiLU or GELU-tanh MLP, per-head q/k norms and sandwich
+norms where the family has them; float32 or GGUF-block weights, biases allowed; Phi-3's
+fused qkv and gate/up projections as row ranges of one weight) runs as one
 call instead: the same linear and attention kernels the op-by-op path runs, and the
 elementwise steps in transformers' order, so results equal that path's up to the float32
 rounding of the norms' sums and of the activation's exp or tanh.
@@ -48,7 +49,10 @@ class Family:
     MLP and norm classes, the layer's norms by attribute (input, attention output, MLP
     input, MLP output; None where the family has none), whether the attention has q/k
     norms, the norm's epsilon attribute and offset (Llama's w * t: 0, Gemma's (1 + w) t:
-    1), the MLP's activation (`ACTIVATIONS`) and the attention's window (0: none)."""
+    1), the MLP's activation (`ACTIVATIONS`) and its attribute, the attention's window (0:
+    none), and the seven projections q, k, v, o, gate, up, down by (owner, attribute): the
+    same attribute for several where one weight holds them (Phi-3's qkv_proj, gate_up_proj),
+    each then a range of its rows (`_row_ranges`)."""
 
     attention: str
     mlp: str
@@ -59,24 +63,35 @@ class Family:
     norm_offset: float = 0.0
     activation: str = "silu"
     window: Callable = lambda attn: attn.sliding_window or 0
+    projections: tuple = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
+                          ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+    act: str = "act_fn"
 
 
 _LLAMA_NORMS = ("input_layernorm", None, "post_attention_layernorm", None)
+
+
+def _config_window(attn) -> int:
+    return getattr(attn.config, "sliding_window", None) or 0
+
+
 FAMILIES = {  # decoder layer class -> Family
     "LlamaDecoderLayer": Family("LlamaAttention", "LlamaMLP", "LlamaRMSNorm", _LLAMA_NORMS, window=lambda attn: 0),
     "MistralDecoderLayer": Family("MistralAttention", "MistralMLP", "MistralRMSNorm", _LLAMA_NORMS,
-                                  window=lambda attn: getattr(attn.config, "sliding_window", None) or 0),
+                                  window=_config_window),
     "Qwen2DecoderLayer": Family("Qwen2Attention", "Qwen2MLP", "Qwen2RMSNorm", _LLAMA_NORMS),
     "Qwen3DecoderLayer": Family("Qwen3Attention", "Qwen3MLP", "Qwen3RMSNorm", _LLAMA_NORMS, qk_norms=True),
     "Gemma3DecoderLayer": Family("Gemma3Attention", "Gemma3MLP", "Gemma3RMSNorm",
                                  ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                                   "post_feedforward_layernorm"), qk_norms=True, eps="eps", norm_offset=1.0,
                                  activation="gelu_tanh"),
+    "Phi3DecoderLayer": Family("Phi3Attention", "Phi3MLP", "Phi3RMSNorm", _LLAMA_NORMS, window=_config_window,
+                               projections=(*(("self_attn", "qkv_proj"),) * 3, ("self_attn", "o_proj"),
+                                            *(("mlp", "gate_up_proj"),) * 2, ("mlp", "down_proj")),
+                               act="activation_fn"),
 }
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # chunk_llama_cpu_decoder_layer.activation
-_PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
-                ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
-_WEIGHT_FIELDS = tuple(name.removesuffix("_proj") for _, name in _PROJECTIONS)  # cpu_lib.DecoderLayer's
+_WEIGHT_FIELDS = tuple(name.removesuffix("_proj") for _, name in Family.projections)  # cpu_lib.DecoderLayer's
 _NUM_FIXED = 4 + 4 + 2  # layer, attention, MLP, activation; the four norm slots; q and k norms
 
 
@@ -109,8 +124,8 @@ def _fused(layer: nn.Module, step, hidden: torch.Tensor, position_embeddings) ->
         if reason is not None and isinstance(step.attention, CpuDecode) and not reason.startswith(ENV):
             _log_once(reason)  # (an attention that is not the CPU kernel's says why itself)
         writes = step.fused_writes = reason or (step.write_token_index, step.write_chunk, step.write_offset)
-    if isinstance(writes, str) or position_embeddings is None or torch.is_grad_enabled():
-        return None  # (the C function records no autograd graph)
+    if isinstance(writes, str) or position_embeddings is None or torch.is_grad_enabled() or layer.training:
+        return None  # (the C function records no autograd graph, and runs no dropout)
     described = layer._chunk_llama_fused
     if described is None or described.stale(layer):
         described = layer._chunk_llama_fused = _describe(layer)
@@ -186,9 +201,9 @@ def _modules(layer: nn.Module, family: Family) -> tuple:
     if attn is None or mlp is None:
         return ()
     qk = (attn._modules.get("q_norm"), attn._modules.get("k_norm")) if family.qk_norms else (None, None)
-    return (layer, attn, mlp, mlp._modules.get("act_fn"),
+    return (layer, attn, mlp, mlp._modules.get(family.act),
             *(None if name is None else layer._modules.get(name) for name in family.norms), *qk,
-            *((attn if owner == "self_attn" else mlp)._modules.get(name) for owner, name in _PROJECTIONS))
+            *((attn if owner == "self_attn" else mlp)._modules.get(name) for owner, name in family.projections))
 
 
 def _tensors(modules: tuple) -> tuple:
@@ -217,20 +232,42 @@ def _describe(layer: nn.Module) -> _Described:
         return _Described(modules, reason)
     attn = modules[1]
     norms = [None if norm is None else norm.weight.data_ptr() for norm in modules[4:_NUM_FIXED]]
-    projections = modules[_NUM_FIXED:]
-    weights = [_weight(module) for module in projections]
-    for (_, name), weight in zip(_PROJECTIONS, weights):
+    projections, config = modules[_NUM_FIXED:], attn.config
+    rows = _row_ranges(projections, config, int(attn.head_dim))
+    if isinstance(rows, str):
+        return _Described(modules, rows)
+    weights = [_weight(module, *span) for module, span in zip(projections, rows)]
+    for (_, name), weight in zip(family.projections, weights):
         if isinstance(weight, str):
             return _Described(modules, f"{name}: {weight}")
-    config = attn.config
     struct = cpu_lib.DecoderLayer(
         hidden_size=int(modules[4].weight.shape[0]), num_heads=int(config.num_attention_heads),
         num_kv_heads=int(config.num_key_value_heads), head_dim=int(attn.head_dim),
-        intermediate_size=int(projections[4].out_features), activation=ACTIVATIONS[family.activation],
+        intermediate_size=rows[4][1] - rows[4][0], activation=ACTIVATIONS[family.activation],
         norm_eps=float(getattr(modules[4], family.eps)), norm_offset=family.norm_offset,
         input_norm=norms[0], attn_out_norm=norms[1], mlp_norm=norms[2], mlp_out_norm=norms[3], q_norm=norms[4],
         k_norm=norms[5], **dict(zip(_WEIGHT_FIELDS, weights)))
     return _Described(modules, None, struct, int(family.window(attn)))
+
+
+def _row_ranges(projections: tuple, config, head_dim: int) -> list[tuple[int, int]] | str:
+    """Each projection's rows in its weight: all of them, or, where one module holds several
+    (q, k, v in qkv_proj; gate, up in gate_up_proj, as Phi-3 splits their outputs), its
+    range; or why the fused weight is not that split."""
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
+        return "its rotary embedding turns part of each head only"
+    spans = [(0, int(module.out_features)) for module in projections]
+    if projections[0] is projections[1]:  # q, k, v in one weight
+        if not (projections[1] is projections[2] and spans[0][1] == q + 2 * kv):
+            return f"its fused qkv projection has {spans[0][1]} rows, not {q} + 2 x {kv}"
+        spans[:3] = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
+    if projections[4] is projections[5]:  # gate, up in one weight
+        if spans[4][1] % 2:
+            return f"its fused gate/up projection has an odd number of rows ({spans[4][1]})"
+        half = spans[4][1] // 2
+        spans[4:6] = [(0, half), (half, 2 * half)]
+    return spans
 
 
 def _why_not(modules: tuple, family: Family) -> str | None:
@@ -277,21 +314,24 @@ def _plain_float32(tensor) -> bool:
             and tensor.is_contiguous())
 
 
-def _weight(module: nn.Module) -> "cpu_lib.Weight | str":
-    """A projection's weight as the C function takes it, or why it cannot."""
+def _weight(module: nn.Module, start: int, stop: int) -> "cpu_lib.Weight | str":
+    """Rows [start, stop) of a projection's weight (and bias) as the C function takes them,
+    or why it cannot."""
     bias = module.__dict__.get("bias", module._parameters.get("bias"))
     if bias is not None and not (_plain_float32(bias) and bias.dim() == 1):
         return "its bias is not a float32 CPU vector"
-    bias_ptr = None if bias is None else bias.data_ptr()
+    bias_ptr = None if bias is None else bias.data_ptr() + 4 * start
     if type(module) is GGUFLinear:
         blocks = module.blocks
-        if not (blocks.dtype is torch.uint8 and blocks.is_cpu and blocks.is_contiguous()):
-            return "its GGUF blocks are not a contiguous uint8 CPU tensor"
-        return cpu_lib.Weight(blocks.data_ptr(), bias_ptr, quant_ops.GGML_TYPES[module.ggml_type],
-                              module.out_features, module.in_features, blocks.numel())
+        if not (blocks.dtype is torch.uint8 and blocks.is_cpu and blocks.is_contiguous() and blocks.dim() == 2):
+            return "its GGUF blocks are not a contiguous uint8 CPU matrix"
+        row_bytes = blocks.shape[1]
+        return cpu_lib.Weight(blocks.data_ptr() + start * row_bytes, bias_ptr, quant_ops.GGML_TYPES[module.ggml_type],
+                              stop - start, module.in_features, (stop - start) * row_bytes)
     if type(module) is nn.Linear and "_hf_hook" not in module.__dict__ and _plain_float32(module.weight):
-        weight = module.weight
-        return cpu_lib.Weight(weight.data_ptr(), bias_ptr, 0, weight.shape[0], weight.shape[1], weight.numel() * 4)
+        weight, width = module.weight, module.weight.shape[1]
+        return cpu_lib.Weight(weight.data_ptr() + 4 * start * width, bias_ptr, 0, stop - start, width,
+                              (stop - start) * width * 4)
     return f"a {type(module).__name__} (adapters, quantized or offloaded layers run their own forward)"
 
 

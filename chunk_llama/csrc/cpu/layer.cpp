@@ -1,4 +1,4 @@
-// One decoder layer of the Llama family (Llama, Mistral, Qwen2, Qwen3, Gemma 3) for a decode step, in one call
+// One decoder layer of the Llama family (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3) for a decode step, in one call
 // (chunk_llama_cpu_decoder_layer_decode, c_api.h). A decode step of one sequence on a
 // small model spends more time in Python and torch's dispatch around its kernels than in
 // them (about 30 ops per layer); this runs the whole layer behind one ctypes call, with
