@@ -24,6 +24,7 @@ from transformers import DynamicCache
 from e2e_systems import GEOMETRIES, random_weight_model
 
 import chunk_llama
+from chunk_llama.hf.gguf_weights import gguf_blocks
 from chunk_llama import ChunkCache
 from chunk_llama.ops import prepare_backend
 
@@ -114,8 +115,10 @@ def main() -> None:
     }
     floor = rows[f"chunk-llama {backend}, empty context"]
     machine = torch.cuda.get_device_name() if model.device.type == "cuda" else f"{torch.get_num_threads()} threads"
+    # every system runs the same weights: the default model's GGUF blocks where they run (not stock's float32)
+    blocks = ", ".join(f"{n} {t}" for t, n in sorted(gguf_blocks(model).items())) or "none"
     print(f"\ndecode step, {args.geometry or 'default model'}, b={args.batch}, {args.n_shared} shared + "
-          f"{args.n_private} own tokens, {args.dtype}, torch {torch.__version__}, {machine}")
+          f"{args.n_private} own tokens, {args.dtype}, GGUF blocks: {blocks}, torch {torch.__version__}, {machine}")
     print("| system | ms per step | vs empty context |\n|---|---|---|")
     for name, ms in rows.items():
         print(f"| {name} | {ms:.1f} | {ms / floor:.2f}x |")

@@ -122,10 +122,12 @@ def main() -> None:
     if args.geometry:
         model, tokenizer = random_weight_model(args.geometry, dtype, args.device, args.seed), None
     else:
-        model, tokenizer = chunk_llama.load_default_model(dtype)
-        model.to(args.device)
+        # the baselines run transformers' own float32 load of the file; the engine what load_model
+        # gives (the GGUF blocks where they run: a CPU in float32)
+        model, tokenizer = chunk_llama.load_model(None, device=args.device, dtype=dtype, gguf_weights="dequantized")
     model.set_attn_implementation("sdpa")
-    engine_model = copy.deepcopy(model)  # patched by the engine; the others run stock
+    engine_model = (copy.deepcopy(model) if args.geometry else  # patched by the engine; the others run stock
+                    chunk_llama.load_model(None, device=args.device, dtype=dtype)[0])
     if args.geometry:
         if args.prompt_set or args.n_prompt:
             parser.error("--geometry runs random token ids: no --prompt-set or --n-prompt")

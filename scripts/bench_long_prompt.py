@@ -33,6 +33,7 @@ from bench_e2e import build_prompts
 from transformers import DynamicCache, GenerationConfig
 
 import chunk_llama
+from chunk_llama.hf.gguf_weights import gguf_blocks
 from chunk_llama import ChunkLlamaEngine
 
 
@@ -135,7 +136,10 @@ def main() -> None:
     prompt = build_prompts(tokenizer, 0, args.n_prompt, 1)[0]
     short = build_prompts(tokenizer, 0, 64, 2)[1]
     backend = chunk_llama.ops.backend_info(model.device, model.dtype, 64, 64)
-    print(f"# {len(prompt)}-token prompt, default model, fp32, {torch.get_num_threads()} threads, "
+    # both systems run the same weights: the GGUF blocks where they run ("stock forward" is transformers'
+    # forward on them, not on its own float32 load)
+    blocks = ", ".join(f"{n} {t}" for t, n in sorted(gguf_blocks(model).items())) or "none"
+    print(f"# {len(prompt)}-token prompt, default model, fp32, GGUF blocks: {blocks}, {torch.get_num_threads()} threads, "
           f"{platform.processor() or platform.machine()}, decode backend {backend['backend']}:{backend['isa']}, "
           f"{datetime.date.today()}")
     run_stock(model, prompt[:256])  # warm-up: first-touch of weights and thread pools

@@ -422,8 +422,10 @@ def main() -> None:
     arrivals = poisson_arrivals(args.rps, len(chats), args.seed)
     rows, reference = [], None
     logs = tempfile.mkdtemp(prefix="bench_serve_")
-    if "hf-serve" in args.systems:  # saved before the engine patches the model
-        save_local_copy(model, tokenizer, os.path.join(logs, "model"))
+    if "hf-serve" in args.systems:  # transformers' own float32 load (the engine's model holds GGUF blocks)
+        stock = chunk_llama.load_model(None, dtype=getattr(torch, args.dtype), gguf_weights="dequantized")[0]
+        save_local_copy(stock, tokenizer, os.path.join(logs, "model"))
+        del stock
     engine = chunk_llama.ChunkLlamaEngine(
         model, tokenizer, max_batch_size=args.max_batch_size, kv_cache_bytes=args.kv_cache_bytes
     )

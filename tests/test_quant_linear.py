@@ -100,6 +100,27 @@ def test_an_input_of_another_dtype_multiplies_the_decoded_weight(caplog):
     assert "bfloat16 input" in caplog.text
 
 
+def test_kernels_forced_off_after_loading_decode_with_gguf_py(monkeypatch, caplog):
+    """CHUNK_LLAMA_FORCE_REFERENCE set once the blocks are kept (the kernels' library is then
+    None): the layers and the embedding decode with gguf-py and multiply with F.linear, on
+    few rows and many, said once."""
+    from chunk_llama.hf.gguf_weights import GGUFEmbedding, GGUFLinear
+
+    blocks = torch.from_numpy(random_blocks("Q4_1", 70, 128))
+    weight = gguf_py_decoded(blocks.numpy(), "Q4_1")
+    layer, embedding = GGUFLinear(blocks, "Q4_1", 128), GGUFEmbedding(blocks, "Q4_1", 128)
+    monkeypatch.setenv("CHUNK_LLAMA_FORCE_REFERENCE", "1")
+    assert build() is None
+    ops._log_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="chunk_llama.ops.quant_linear"):
+        for rows in (1, SMALL_ROWS + 5):
+            x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
+            assert torch.equal(layer(x), torch.nn.functional.linear(x, weight))
+        ids = torch.tensor([[3, 69, 0]])
+        assert torch.equal(embedding(ids), weight[ids])
+    assert caplog.text.count("decoded by gguf-py") == 1
+
+
 def test_a_bias_of_another_dtype_is_never_read_as_float32():
     blocks = random_blocks("Q4_0", 9, 64)
     x, bias = torch.randn(3, 64), torch.randn(9).bfloat16()

@@ -19,10 +19,11 @@ from __future__ import annotations
 import functools
 import logging
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from chunk_llama.ops import isa
+from chunk_llama.ops import isa, jit
 from chunk_llama.ops.cpu import build, build_failed
 from chunk_llama.ops.linear import SMALL_ROWS, _onednn, onednn_unavailable_reason
 
@@ -39,8 +40,25 @@ def unavailable_reason() -> str | None:
 
 
 def dequantize(blocks: torch.Tensor, ggml_type: int, in_features: int) -> torch.Tensor:
-    """blocks [num_rows, row_bytes] uint8 -> float32 [num_rows, in_features]."""
-    return build().dequantize(blocks, ggml_type, in_features, isa.selected_variant())
+    """blocks [num_rows, row_bytes] uint8 -> float32 [num_rows, in_features]: the CPU
+    kernel's decode, or gguf-py's (the same values) where the kernels are off
+    (`CHUNK_LLAMA_FORCE_REFERENCE` set after the blocks were kept)."""
+    library = build()
+    if library is None:
+        return reference_dequantize(blocks, ggml_type, in_features)
+    return library.dequantize(blocks, ggml_type, in_features, isa.selected_variant())
+
+
+def reference_dequantize(blocks: torch.Tensor, ggml_type: int, in_features: int) -> torch.Tensor:
+    """gguf-py's numpy decode of `blocks` (what transformers loads a GGUF file with), as
+    `dequantize` returns it."""
+    from gguf import GGMLQuantizationType
+    from gguf import dequantize as gguf_dequantize
+
+    _log_once(f"the CPU kernels are off ({build_failed() or 'CHUNK_LLAMA_FORCE_REFERENCE is set'}): the blocks are "
+              "decoded by gguf-py and multiplied with F.linear")
+    decoded = gguf_dequantize(blocks.cpu().numpy(), GGMLQuantizationType(ggml_type))  # [num_rows, in_features]
+    return torch.from_numpy(np.array(decoded, dtype=np.float32)).reshape(blocks.shape[0], in_features)
 
 
 class QuantLinear:
@@ -56,9 +74,10 @@ class QuantLinear:
     def __call__(self, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # the kernel reads raw float32 memory: anything else multiplies the decoded weight
         if not (x.dtype is torch.float32 and x.is_cpu and (bias is None or (
-                bias.dtype is torch.float32 and bias.is_cpu and bias.is_contiguous()))):
-            _log_once(f"a {x.dtype} input on {x.device} (bias {None if bias is None else bias.dtype}) multiplies "
-                      "the dequantized weight with F.linear")
+                bias.dtype is torch.float32 and bias.is_cpu and bias.is_contiguous()))) or jit.force_reference():
+            if not jit.force_reference():
+                _log_once(f"a {x.dtype} input on {x.device} (bias {None if bias is None else bias.dtype}) "
+                          "multiplies the dequantized weight with F.linear")
             weight = dequantize(blocks, self.ggml_type, self.in_features)
             return F.linear(x, weight.to(x.device, x.dtype), None if bias is None else bias.to(x.device, x.dtype))
         flat = x.reshape(-1, self.in_features).contiguous()  # [rows, in_features]
