@@ -108,7 +108,8 @@ def main() -> None:
             child = subprocess.run([sys.executable, __file__, "--measure", path, way], capture_output=True, check=False,
                                    text=True, cwd=ROOT)
             if child.returncode != 0:
-                print(f"| {way} | failed: {child.stderr.strip().splitlines()[-1]} | | | |")
+                last = (child.stderr.strip().splitlines() or [f"exit status {child.returncode} (killed?)"])[-1]
+                print(f"| {way} | failed: {last} | | | |")
                 continue
             result = json.loads(child.stdout.strip().splitlines()[-1])
             print(f"| {way} | {result['peak_mb']:.0f} | {result['peak_mb'] / file_mb:.1f} | "

@@ -29,14 +29,16 @@ def write_gguf(path: str, model, arch: str, ggml_type: str = "Q8_0", name: str =
     `arch` ("llama", "qwen2", "qwen3"; `name` "mistral" makes transformers read a llama
     file as Mistral): 2-D weights in `ggml_type` (a format gguf-py quantizes: Q4_0, Q4_1,
     Q5_0, Q8_0) where their width is whole blocks, the rest float32. A tied LM head is left
-    out, as the converter leaves it, and so are the parameters named in `omit`."""
+    out, as the converter leaves it, and so are the parameters and metadata writers
+    (`_CONFIG_KEYS`) named in `omit`."""
     import gguf
 
     config = model.config
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name(name)
     for add, field in _CONFIG_KEYS.items():
-        getattr(writer, add)(getattr(config, field))
+        if add not in omit:
+            getattr(writer, add)(getattr(config, field))
     rope_theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", getattr(config, "rope_theta", None))
     writer.add_rope_freq_base(float(rope_theta))
     arch_id = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == arch)

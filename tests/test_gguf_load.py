@@ -1,8 +1,8 @@
 """Loading a .gguf model tensor by tensor (`hf/gguf_load.py`): the model equals what
 `from_pretrained` followed by `keep_gguf_quantized` makes of the same file (every parameter
 and buffer bit for bit, the same modules, the LM head tied to the embedding's blocks, the
-same config and generation config), for the families transformers' GGUF loader reads with
-a plain tensor processor; its peak memory is the file's size plus transients, not a float32
+same config and generation config), for Llama (tied and untied), Qwen2, Qwen3 and Phi-3
+(Gemma 3's processor, which shifts its norms, in test_gguf_weights' Gemma 3 270M check); its peak memory is the file's size plus transients, not a float32
 copy of the model; where the loader cannot build the model, `load_model` says why and goes
 through `from_pretrained`. GGUF files are written by tests/gguf_files.py (gguf-py)."""
 
@@ -18,8 +18,9 @@ from gguf_files import write_gguf
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from chunk_llama import load_model
+from chunk_llama import models
 from chunk_llama.hf import gguf_load
+from chunk_llama.hf.gguf_file import file_tensors
 from chunk_llama.hf.gguf_load import load_gguf_model
 from chunk_llama.hf.gguf_weights import GGUFEmbedding, GGUFLinear, keep_gguf_quantized
 
@@ -31,13 +32,15 @@ FAMILIES = {
     "llama_untied": (transformers.LlamaConfig, "llama", {"tie_word_embeddings": False}, "Q8_0"),
     "qwen2": (transformers.Qwen2Config, "qwen2", {}, "Q5_0"),  # q/k/v biases
     "qwen3": (transformers.Qwen3Config, "qwen3", {}, "Q4_0"),  # q/k norms, head_dim 128 (what a qwen3 file gives)
+    # fused qkv_proj, gate_up_proj; a vocabulary holding the ids Phi-3's config defaults to (a GGUF gives none)
+    "phi3": (transformers.Phi3Config, "phi3", {"vocab_size": 32064}, "Q8_0"),
 }
 
 
 def written(tmp_path, family: str):
     config_class, arch, overrides, ggml_type = FAMILIES[family]
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config_class(**SIZES, **overrides)).float()
+    model = AutoModelForCausalLM.from_config(config_class(**{**SIZES, **overrides})).float()
     path = str(tmp_path / f"{family}.gguf")
     write_gguf(path, model, arch, ggml_type)
     return path, ggml_type
@@ -54,8 +57,9 @@ def test_tensor_by_tensor_equals_from_pretrained_then_blocks(tmp_path, family):
     ours, kept = load_gguf_model(path, AutoConfig.from_pretrained(folder, gguf_file=name))
     assert ours is not None, kept
     theirs = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    assert keep_gguf_quantized(theirs, path) == {ggml_type: 16}
-    assert kept == f"16 {ggml_type}" and not ours.training
+    expected = sum(type(m) in (nn.Linear, nn.Embedding) for m in theirs.modules())  # every one kept in blocks
+    assert keep_gguf_quantized(theirs, path) == {ggml_type: expected}
+    assert kept == f"{expected} {ggml_type}" and not ours.training
 
     ours_tensors, their_tensors = tensors(ours), tensors(theirs)
     assert ours_tensors.keys() == their_tensors.keys()
@@ -77,12 +81,40 @@ def test_tensor_by_tensor_equals_from_pretrained_then_blocks(tmp_path, family):
 
 def test_load_model_falls_back_to_from_pretrained_with_the_reason(tmp_path, monkeypatch, caplog):
     path, _ = written(tmp_path, "llama")
-    monkeypatch.setattr(gguf_load, "_plain_processors", lambda: ())
+    config = AutoConfig.from_pretrained(tmp_path, gguf_file="llama.gguf")
     with caplog.at_level(logging.INFO, logger="chunk_llama.models"):
-        model, why = load_gguf_model(path, AutoConfig.from_pretrained(tmp_path, gguf_file="llama.gguf"))
-    assert model is None and why == "transformers' LlamaTensorProcessor does more than reorder or shift a tensor"
-    with pytest.raises(ValueError, match="gguf_weights must be one of"):
-        load_model(path, gguf_weights="int4")
+        assert models._gguf_model_kept_quantized(path, config, False, {"low_cpu_mem_usage": True}) is None
+        monkeypatch.setattr(gguf_load, "_plain_processors", lambda: ())
+        assert models._gguf_model_kept_quantized(path, config, False, {}) is None
+    assert "llama.gguf is loaded by from_pretrained (a float32 copy of every tensor on the way): " \
+           "from_pretrained is given low_cpu_mem_usage" in caplog.text
+    assert "transformers' LlamaTensorProcessor does more than reorder or shift a tensor" in caplog.text
+    monkeypatch.undo()
+    model = models._gguf_model_kept_quantized(path, config, False, {"attn_implementation": "eager"})
+    assert model is not None and model.config._attn_implementation == "eager"
+
+
+def test_a_file_without_its_kv_heads_goes_to_from_pretrained(tmp_path):
+    """transformers' Llama processor reorders no q/k rows when the file does not give the
+    head counts: the model from_pretrained makes of such a file is left to it."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SIZES)).float()
+    write_gguf(str(tmp_path / "old.gguf"), model, "llama", omit=("add_head_count_kv",))
+    config = AutoConfig.from_pretrained(tmp_path, gguf_file="old.gguf")
+    loaded, why = load_gguf_model(str(tmp_path / "old.gguf"), config)
+    assert loaded is None and why == "the file does not give llama.attention.head_count_kv"
+
+
+def test_a_cut_short_file_is_a_value_error(tmp_path):
+    path, _ = written(tmp_path, "llama")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 100)
+    with pytest.raises(ValueError, match="ends inside tensor"):
+        file_tensors(path)
+    with open(path, "r+b") as f:
+        f.truncate(40)
+    with pytest.raises(ValueError, match="is not a readable GGUF file"):
+        file_tensors(path)
 
 
 def test_a_parameter_the_file_lacks_sends_the_load_to_from_pretrained(tmp_path):

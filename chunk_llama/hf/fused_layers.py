@@ -255,8 +255,6 @@ def _row_ranges(projections: tuple, config, head_dim: int) -> list[tuple[int, in
     (q, k, v in qkv_proj; gate, up in gate_up_proj, as Phi-3 splits their outputs), its
     range; or why the fused weight is not that split."""
     q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
-        return "its rotary embedding turns part of each head only"
     spans = [(0, int(module.out_features)) for module in projections]
     if projections[0] is projections[1]:  # q, k, v in one weight
         if not (projections[1] is projections[2] and spans[0][1] == q + 2 * kv):
@@ -287,6 +285,11 @@ def _why_not(modules: tuple, family: Family) -> str | None:
         return f"its activation is {type(act).__name__}, not {family.activation}"
     if _hooked(modules):
         return "a hook runs inside it"
+    config = attn.config
+    partial = getattr(config, "partial_rotary_factor", None) or (getattr(config, "rope_parameters", None) or {}).get(
+        "partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        return "its rotary embedding turns part of each head only"
     norms = [module for module in modules[4:_NUM_FIXED] if module is not None]
     for norm in norms:
         weight = norm._parameters.get("weight")

@@ -26,21 +26,29 @@ class FileTensor(NamedTuple):
     data: np.ndarray
 
 
-def file_tensors(gguf_path: str) -> tuple[str, list[FileTensor]]:
-    """(architecture, tensors) of a GGUF file (v2 or v3, little-endian), its data
-    memory-mapped, not read. Only the tensor table and the two metadata values needed are
-    kept: gguf-py's GGUFReader keeps every metadata value as numpy arrays (650 MB for Gemma
-    3 270M's 262,144-token vocabulary). ValueError for what is not such a file."""
+def file_tensors(gguf_path: str) -> tuple[str, list[FileTensor], frozenset[str]]:
+    """(architecture, tensors, the metadata's keys) of a GGUF file (v2 or v3,
+    little-endian), its data memory-mapped, not read; of the metadata's values only the
+    architecture and alignment are kept. ValueError for what is not such a file (a
+    truncated or corrupt one included)."""
+    try:
+        return _file_tensors(gguf_path)
+    except (struct.error, IndexError, KeyError, UnicodeDecodeError, RecursionError) as error:
+        raise ValueError(f"{gguf_path} is not a readable GGUF file ({type(error).__name__}: {error})") from error
+
+
+def _file_tensors(gguf_path: str) -> tuple[str, list[FileTensor], frozenset[str]]:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quant_shape_to_byte_shape
 
     blob = np.memmap(gguf_path, mode="r", dtype=np.uint8)
     if bytes(blob[:4]) != b"GGUF" or struct.unpack_from("<I", blob, 4)[0] not in (2, 3):
         raise ValueError(f"{gguf_path} is not a little-endian GGUF v2/v3 file")
     tensor_count, value_count = struct.unpack_from("<QQ", blob, 8)
-    position, wanted = 24, {"general.architecture": None, "general.alignment": 32}
+    position, wanted, keys = 24, {"general.architecture": None, "general.alignment": 32}, set()
     for _ in range(value_count):
         key, position = _string(blob, position)
         value, position = _value(blob, position + 4, struct.unpack_from("<I", blob, position)[0])
+        keys.add(key)
         if key in wanted:
             wanted[key] = value
     table = []
@@ -50,20 +58,28 @@ def file_tensors(gguf_path: str) -> tuple[str, list[FileTensor]]:
         shape = tuple(reversed(struct.unpack_from(f"<{dims}Q", blob, position + 4)))  # torch's order
         tensor_type, offset = struct.unpack_from("<IQ", blob, position + 4 + 8 * dims)
         position += 4 + 8 * dims + 12
-        table.append((name, shape, GGMLQuantizationType(tensor_type), offset))
+        try:
+            table.append((name, shape, GGMLQuantizationType(tensor_type), offset))
+        except ValueError:
+            raise ValueError(f"{gguf_path}: tensor {name} has GGML type {tensor_type}, unknown to gguf-py") from None
     alignment = wanted["general.alignment"]
+    if not isinstance(alignment, int) or alignment <= 0:
+        raise ValueError(f"{gguf_path}: general.alignment is {alignment!r}")
     data_start = (position + alignment - 1) // alignment * alignment
     tensors = []
     for name, shape, tensor_type, offset in table:
         block, block_bytes = GGML_QUANT_SIZES[tensor_type]
         start = data_start + offset
-        raw = blob[start:start + math.prod(shape) // block * block_bytes]
+        size = math.prod(shape) // block * block_bytes
+        raw = blob[start:start + size]
+        if len(raw) != size:
+            raise ValueError(f"{gguf_path} ends inside tensor {name}: the file is cut short")
         values = _VALUE_TYPES.get(tensor_type.name)
         tensors.append(FileTensor(name, tensor_type, raw.view(values).reshape(shape) if values is not None else
                                   raw.reshape(quant_shape_to_byte_shape(shape, tensor_type))))
-    if wanted["general.architecture"] is None:
+    if not isinstance(wanted["general.architecture"], str):
         raise ValueError(f"{gguf_path} names no general.architecture")
-    return wanted["general.architecture"], tensors
+    return wanted["general.architecture"], tensors, frozenset(keys)
 
 
 # GGML types gguf-py's reader gives as values (the others, bfloat16 included, as bytes)

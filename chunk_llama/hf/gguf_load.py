@@ -65,14 +65,17 @@ def load_gguf_model(gguf_path: str, config, **from_config_kwargs) -> tuple[nn.Mo
     if reason is not None:
         return None, f"the quantized kernels are not available ({reason})"
     try:
-        architecture, tensors = file_tensors(gguf_path)
-    except ValueError as error:  # a tensor type transformers' header reader does not know
+        architecture, tensors, keys = file_tensors(gguf_path)
+    except ValueError as error:  # not a file this reader reads (from_pretrained says what it makes of it)
         return None, str(error)
     if is_gguf_arch_supported(architecture):  # transformers' newer per-architecture conversions
         return None, f"transformers converts {architecture} files with its own per-architecture conversions"
     processor_class = TENSOR_PROCESSORS.get(architecture, TensorProcessor)
     if processor_class not in _plain_processors():
         return None, f"transformers' {processor_class.__name__} does more than reorder or shift a tensor"
+    heads = {f"{architecture}.attention.head_count", f"{architecture}.attention.head_count_kv"}
+    if not heads <= keys:  # transformers' processor then reorders no rows (its config lacks the heads)
+        return None, f"the file does not give {' and '.join(sorted(heads - keys))}"
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **from_config_kwargs)
     model.tie_weights()  # tied parameters are one Parameter, loaded once under each name
@@ -81,21 +84,23 @@ def load_gguf_model(gguf_path: str, config, **from_config_kwargs) -> tuple[nn.Mo
         parameter_of = get_gguf_hf_weights_map(model, processor)  # GGUF tensor name -> the model's name
     except NotImplementedError as error:  # gguf-py does not know the model type
         return None, str(error)
-    names_of = collections.defaultdict(list)  # id(Parameter) -> all its names (tied weights share one)
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        names_of[id(parameter)].append(name)
+    tied = {}  # parameter name -> all names of its Parameter (tied weights share one)
+    for names in _names_by_parameter(model):
+        tied.update(dict.fromkeys(names, names))
     kept: collections.Counter[str] = collections.Counter()
     refused: list[str] = []
+    loaded: set[str] = set()
     for tensor in tensors:
-        # what load_gguf_checkpoint does with each tensor, without keeping them all
+        # what load_gguf_checkpoint does with each tensor (a plain processor keeps its name), one at a time
+        if tensor.name not in parameter_of:
+            continue
         processed = processor.process(weights=_dequantized(tensor), name=tensor.name,
                                       tensor_key_mapping=parameter_of, parsed_parameters={"tensors": {}})
-        if processed.name not in parameter_of:
-            continue
         name = parameter_of[processed.name]
         value = torch.from_numpy(np.ascontiguousarray(processed.weights, dtype=np.float32))
-        if not _load(model, name, value, names_of):
-            return None, f"the file's {tensor.name} has shape {tuple(value.shape)}, the model's {name} another"
+        problem = _load(model, name, value, tied.get(name, (name,)), loaded)
+        if problem is not None:
+            return None, f"the file's {tensor.name}: {problem}"
         replaced = gguf_weights.keep_blocks(model, name, tensor, processor)
         if replaced:
             kept[tensor.tensor_type.name] += replaced
@@ -144,18 +149,33 @@ def _return_freed_memory() -> None:
         trim(0)
 
 
-def _load(model: nn.Module, name: str, value: torch.Tensor, names_of: dict[int, list[str]]) -> bool:
-    """Set parameter (or buffer) `name`, and every name tied to it, to `value`; False where
-    the shapes differ."""
-    module_name, _, attribute = name.rpartition(".")
-    current = getattr(model.get_submodule(module_name), attribute)
+def _names_by_parameter(model: nn.Module) -> list[tuple[str, ...]]:
+    """Each Parameter's names (more than one for tied weights)."""
+    names: dict[int, tuple] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names[id(parameter)] = (*names.get(id(parameter), ()), name)
+    return list(names.values())
+
+
+def _load(model: nn.Module, name: str, value: torch.Tensor, names: tuple, loaded: set[str]) -> str | None:
+    """Set parameter or buffer `name` and the parameters tied to it (`names`) to `value`;
+    or why not: it was loaded already (a tensor for each of two tied names), it is neither
+    (its module holds blocks already), or its shape is not the value's."""
+    module = model.get_submodule(name.rpartition(".")[0])
+    attribute = name.rpartition(".")[2]
+    if name in loaded:
+        return f"{name} was loaded already (tied to {', '.join(names)})"
+    current = module._parameters.get(attribute, module._buffers.get(attribute))
+    if current is None:
+        return f"{name} is not a parameter or buffer of {type(module).__name__}"
     if current.shape != value.shape:
-        return False
-    if not isinstance(current, nn.Parameter):  # a buffer: assigning keeps it one, persistent or not
-        setattr(model.get_submodule(module_name), attribute, value)
-        return True
+        return f"shape {tuple(value.shape)}, the model's {name} {tuple(current.shape)}"
+    loaded.update(names)
+    if attribute in module._buffers:
+        module._buffers[attribute] = value  # persistent or not, as it was
+        return None
     parameter = nn.Parameter(value, requires_grad=current.requires_grad)
-    for tied in names_of.get(id(current), [name]):
-        owner, _, attribute = tied.rpartition(".")
-        setattr(model.get_submodule(owner), attribute, parameter)
-    return True
+    for tied in names:
+        owner, _, tied_attribute = tied.rpartition(".")
+        setattr(model.get_submodule(owner), tied_attribute, parameter)
+    return None

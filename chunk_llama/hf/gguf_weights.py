@@ -152,7 +152,11 @@ def keep_gguf_quantized(model: nn.Module, gguf_path: str) -> dict[str, int]:
     if reason is not None:
         logger.warning("chunk-llama: the GGUF weights are dequantized to float32: %s", reason)
         return {}
-    architecture, tensors = file_tensors(gguf_path)
+    try:
+        architecture, tensors, _ = file_tensors(gguf_path)
+    except ValueError as error:
+        logger.warning("chunk-llama: the GGUF weights are dequantized to float32: %s", error)
+        return {}
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
     try:
         parameter_of = get_gguf_hf_weights_map(model, processor)  # GGUF tensor name -> the model's name
