@@ -287,9 +287,9 @@ def load_model(name_or_path: str | None = None, *, device: str | torch.device | 
     if keep_blocks and unquantizable:
         logger.info("the GGUF weights are dequantized: quantized blocks run on the CPU in float32, not %s",
                     unquantizable)
-    elif keep_blocks:
-        model = _gguf_model_kept_quantized(os.path.join(path, kwargs["gguf_file"]), config, trust_remote_code,
-                                           from_pretrained_kwargs)
+    if keep_blocks and device_map is None:
+        model = _gguf_model_tensor_by_tensor(os.path.join(path, kwargs["gguf_file"]), config, dtype, device,
+                                             trust_remote_code, from_pretrained_kwargs)
         if model is not None:
             return model, tokenizer
     if device_map is not None:
@@ -312,17 +312,18 @@ GGUF_WEIGHTS = ("auto", "quantized", "dequantized")
 _FROM_CONFIG_KWARGS = ("attn_implementation",)
 
 
-def _gguf_model_kept_quantized(gguf_path: str, config, trust_remote_code: bool, from_pretrained_kwargs: dict):
-    """The model of a .gguf file loaded tensor by tensor with its blocks kept
-    (`hf/gguf_load.py`: without transformers' float32 copy of the whole file), or None,
-    logged with the reason, where it needs `from_pretrained`."""
+def _gguf_model_tensor_by_tensor(gguf_path: str, config, dtype: torch.dtype, device: torch.device,
+                                 trust_remote_code: bool, from_pretrained_kwargs: dict):
+    """The model of a .gguf file loaded tensor by tensor (`hf/gguf_load.py`: without
+    transformers' float32 copy of the whole file), its blocks kept on a float32 CPU model,
+    or None, logged with the reason, where it needs `from_pretrained`."""
     from chunk_llama.hf.gguf_load import load_gguf_model
 
     others = sorted(set(from_pretrained_kwargs) - set(_FROM_CONFIG_KWARGS))
     if others:
         model, why = None, f"from_pretrained is given {', '.join(others)}"
     else:
-        model, why = load_gguf_model(gguf_path, config, trust_remote_code=trust_remote_code,
+        model, why = load_gguf_model(gguf_path, config, dtype, device, trust_remote_code=trust_remote_code,
                                      **from_pretrained_kwargs)
     if model is None:
         logger.info("%s is loaded by from_pretrained (a float32 copy of every tensor on the way): %s",

@@ -28,7 +28,7 @@ SIZES = {"vocab_size": 320, "hidden_size": 128, "intermediate_size": 256, "num_h
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
 # (config class, GGUF architecture, config overrides, GGML type)
 FAMILIES = {
-    "llama": (transformers.LlamaConfig, "llama", {}, "Q4_1"),
+    "llama": (transformers.LlamaConfig, "llama", {"tie_word_embeddings": True}, "Q4_1"),  # no output.weight
     "llama_untied": (transformers.LlamaConfig, "llama", {"tie_word_embeddings": False}, "Q8_0"),
     "qwen2": (transformers.Qwen2Config, "qwen2", {}, "Q5_0"),  # q/k/v biases
     "qwen3": (transformers.Qwen3Config, "qwen3", {}, "Q4_0"),  # q/k norms, head_dim 128 (what a qwen3 file gives)
@@ -69,6 +69,7 @@ def test_tensor_by_tensor_equals_from_pretrained_then_blocks(tmp_path, family):
     assert [(n, type(m)) for n, m in ours.named_modules()] == [(n, type(m)) for n, m in theirs.named_modules()]
     assert isinstance(ours.lm_head, GGUFLinear) and isinstance(ours.model.embed_tokens, GGUFEmbedding)
     tied = ours.config.tie_word_embeddings
+    assert tied == (family == "llama")
     assert (ours.lm_head.blocks is ours.model.embed_tokens.blocks) == tied
     ours_config, their_config = ours.config.to_dict(), theirs.config.to_dict()
     their_config.pop("quantization_config")  # from_pretrained's record of the GGUF file it read
@@ -82,16 +83,38 @@ def test_tensor_by_tensor_equals_from_pretrained_then_blocks(tmp_path, family):
 def test_load_model_falls_back_to_from_pretrained_with_the_reason(tmp_path, monkeypatch, caplog):
     path, _ = written(tmp_path, "llama")
     config = AutoConfig.from_pretrained(tmp_path, gguf_file="llama.gguf")
+
+    def load(**kwargs):
+        return models._gguf_model_tensor_by_tensor(path, config, torch.float32, torch.device("cpu"), False, kwargs)
+
     with caplog.at_level(logging.INFO, logger="chunk_llama.models"):
-        assert models._gguf_model_kept_quantized(path, config, False, {"low_cpu_mem_usage": True}) is None
+        assert load(low_cpu_mem_usage=True) is None
         monkeypatch.setattr(gguf_load, "_plain_processors", lambda: ())
-        assert models._gguf_model_kept_quantized(path, config, False, {}) is None
+        assert load() is None
     assert "llama.gguf is loaded by from_pretrained (a float32 copy of every tensor on the way): " \
            "from_pretrained is given low_cpu_mem_usage" in caplog.text
     assert "transformers' LlamaTensorProcessor does more than reorder or shift a tensor" in caplog.text
     monkeypatch.undo()
-    model = models._gguf_model_kept_quantized(path, config, False, {"attn_implementation": "eager"})
+    model = load(attn_implementation="eager")
     assert model is not None and model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_in_bfloat16_every_tensor_is_cast_as_from_pretrained_casts_it(tmp_path, family):
+    """No blocks in bfloat16 (they run in float32 only): each tensor is read, cast and
+    loaded in turn, and the model is from_pretrained(dtype=bfloat16)'s, bit for bit."""
+    path, _ = written(tmp_path, family)
+    config = AutoConfig.from_pretrained(tmp_path, gguf_file=f"{family}.gguf")
+    ours, kept = load_gguf_model(path, config, torch.bfloat16)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=f"{family}.gguf", dtype=torch.bfloat16).eval()
+    assert kept == "none" and not any(isinstance(m, (GGUFLinear, GGUFEmbedding)) for m in ours.modules())
+    ours_tensors, their_tensors = tensors(ours), tensors(theirs)
+    assert ours_tensors.keys() == their_tensors.keys()
+    for key, value in ours_tensors.items():
+        assert value.dtype == their_tensors[key].dtype and torch.equal(value, their_tensors[key]), key
+    assert ours.config.tie_word_embeddings == (family == "llama")
+    assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == ours.config.tie_word_embeddings
+    assert (theirs.lm_head.weight is theirs.model.embed_tokens.weight) == ours.config.tie_word_embeddings
 
 
 def test_a_file_without_its_kv_heads_goes_to_from_pretrained(tmp_path):

@@ -46,12 +46,15 @@ def _plain_processors() -> tuple[type, ...]:
     return TensorProcessor, LlamaTensorProcessor, Gemma2TensorProcessor
 
 
-def load_gguf_model(gguf_path: str, config, **from_config_kwargs) -> tuple[nn.Module | None, str]:
+def load_gguf_model(gguf_path: str, config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                    **from_config_kwargs) -> tuple[nn.Module | None, str]:
     """(model, what was kept) for the `.gguf` file at `gguf_path` with transformers'
-    `config` of it, on the CPU in float32, in eval mode: the parameters transformers'
-    `from_pretrained` gives, each quantized tensor that `gguf_weights.keep_blocks` accepts
-    kept in its blocks. (None, why) where this file needs `from_pretrained` (module doc).
-    `from_config_kwargs` (`attn_implementation`, `trust_remote_code`) go to `from_config`."""
+    `config` of it, in eval mode: the parameters transformers' `from_pretrained(...,
+    dtype=dtype)` gives, on `device`. On the CPU in float32, each quantized tensor that
+    `gguf_weights.keep_blocks` accepts is kept in its blocks; elsewhere ("none" kept) each
+    tensor is cast and moved as it is read. (None, why) where this file needs
+    `from_pretrained` (module doc). `from_config_kwargs` (`attn_implementation`,
+    `trust_remote_code`) go to `from_config`."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
     from transformers.integrations.gguf import is_gguf_arch_supported
@@ -61,7 +64,9 @@ def load_gguf_model(gguf_path: str, config, **from_config_kwargs) -> tuple[nn.Mo
         get_gguf_hf_weights_map,
     )
 
-    reason = gguf_weights.ops.unavailable_reason()
+    device = torch.device(device)
+    blocks = device.type == "cpu" and dtype is torch.float32
+    reason = gguf_weights.ops.unavailable_reason() if blocks else None
     if reason is not None:
         return None, f"the quantized kernels are not available ({reason})"
     try:
@@ -77,7 +82,7 @@ def load_gguf_model(gguf_path: str, config, **from_config_kwargs) -> tuple[nn.Mo
     if not heads <= keys:  # transformers' processor then reorders no rows (its config lacks the heads)
         return None, f"the file does not give {' and '.join(sorted(heads - keys))}"
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **from_config_kwargs)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **from_config_kwargs)
     model.tie_weights()  # tied parameters are one Parameter, loaded once under each name
     processor = processor_class(config=model.config.to_dict())
     try:
@@ -97,11 +102,12 @@ def load_gguf_model(gguf_path: str, config, **from_config_kwargs) -> tuple[nn.Mo
         processed = processor.process(weights=_dequantized(tensor), name=tensor.name,
                                       tensor_key_mapping=parameter_of, parsed_parameters={"tensors": {}})
         name = parameter_of[processed.name]
+        # as load_gguf_checkpoint: float32, then the model's dtype
         value = torch.from_numpy(np.ascontiguousarray(processed.weights, dtype=np.float32))
-        problem = _load(model, name, value, tied.get(name, (name,)), loaded)
+        problem = _load(model, name, value if blocks else value.to(device, dtype), tied.get(name, (name,)), loaded)
         if problem is not None:
             return None, f"the file's {tensor.name}: {problem}"
-        replaced = gguf_weights.keep_blocks(model, name, tensor, processor)
+        replaced = gguf_weights.keep_blocks(model, name, tensor, processor) if blocks else None
         if replaced:
             kept[tensor.tensor_type.name] += replaced
         elif replaced == 0:
@@ -112,7 +118,7 @@ def load_gguf_model(gguf_path: str, config, **from_config_kwargs) -> tuple[nn.Mo
     if missing:
         return None, f"the file has no tensor for {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
     gguf_weights.warn_refused(refused)
-    return model.eval(), ", ".join(f"{n} {t}" for t, n in sorted(kept.items())) or "none"
+    return model.to(device).eval(), ", ".join(f"{n} {t}" for t, n in sorted(kept.items())) or "none"
 
 
 def _dequantized(tensor: FileTensor) -> np.ndarray:
