@@ -251,7 +251,7 @@ def main() -> None:
             name = f"chunk-llama ({named})" if kwargs else "chunk-llama"
             try:
                 model = None  # stock's (or the previous form's) freed first; load_model's default form unless told
-                model, _ = load_model(gguf, device="cpu", dtype=torch.float32, **kwargs)
+                model, _ = load_model(gguf, **{"device": "cpu", "dtype": torch.float32, **kwargs})
                 add(name, run_chunk_llama(model, tokenizer, prompt, args.new_tokens, runs))
             except (TypeError, ValueError) as error:  # e.g. a keyword this load_model does not take yet
                 rows.append(dict(system=name, error=f"{type(error).__name__}: {str(error)[:200]}"))
