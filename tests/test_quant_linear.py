@@ -30,6 +30,12 @@ def random_blocks(ggml_type: str, num_rows: int, in_features: int, seed: int = 0
     """[num_rows, row_bytes] uint8: random blocks of the format."""
     block_elems, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type]]
     rng = np.random.default_rng(seed)
+    if ggml_type == "BF16":  # every sign, exponent and mantissa but infinities and NaNs, scaled like weights
+        bits = rng.integers(0, 1 << 16, (num_rows, in_features), dtype=np.uint16)
+        exponent = (bits >> 7) & 0xFF
+        bits = (bits & 0x807F) | ((exponent % 16 + 112).astype(np.uint16) << 7)  # 2^-15 .. 2^0
+        bits.flat[0] = 0x0001  # a subnormal
+        return bits.view(np.uint8).reshape(num_rows, -1)
     blocks = rng.integers(0, 256, (num_rows, in_features // block_elems, block_bytes), dtype=np.uint8)
     for offset in HALF_SCALES[ggml_type]:
         halves = rng.uniform(-0.05, 0.05, blocks.shape[:2]).astype(np.float16)
@@ -43,7 +49,8 @@ def gguf_py_decoded(blocks: np.ndarray, ggml_type: str) -> torch.Tensor:
 
 
 def block_width(ggml_type: str) -> int:
-    return GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type]][0]
+    """The row width's step: a block, or for BF16 (blocks of one) the kernel's group of 32."""
+    return max(GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type]][0], 32)
 
 
 @pytest.mark.parametrize("variant", _variant_params())
