@@ -48,7 +48,8 @@ class EngineArgs:
     dtype: str = option("auto", "the model's and the KV cache's dtype; auto: bfloat16 on a GPU (float16 where "
                                 "bfloat16 is not supported), float32 on the CPU", choices=DTYPE_CHOICES)
     gguf_weights: str = option("auto", "a .gguf model's quantized tensors: quantized keeps their blocks (about "
-                                       "the file's size in memory, and what a decode step reads; CPU, float32), "
+                                       "the file's size in memory, and what a decode step reads; CPU, float32; "
+                                       "a bfloat16 checkpoint's weights stay bfloat16 the same way), "
                                        "dequantized is transformers' float32 copy, auto the first where it can",
                                choices=("auto", "quantized", "dequantized"))
     max_batch_size: int = option(32, "most sequences decoded at once")

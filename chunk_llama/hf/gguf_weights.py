@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from chunk_llama.hf.gguf_file import file_tensors
+from chunk_llama.hf.gguf_file import FileTensor, file_tensors
 from chunk_llama.ops import quant_linear as ops
 
 logger = logging.getLogger(__name__)
@@ -173,6 +173,32 @@ def keep_gguf_quantized(model: nn.Module, gguf_path: str) -> dict[str, int]:
             refused.append(tensor.name)
     warn_refused(refused)
     return dict(kept)
+
+
+def keep_bfloat16(model: nn.Module) -> int:
+    """Keep in bfloat16 each linear layer's (and the token embedding's) weight of a float32
+    CPU model whose values are bfloat16 ones (a bfloat16 checkpoint loaded in float32, as
+    transformers upcasts it: exactly), as BF16 blocks that the kernel widens back in
+    registers: the same float32 weights, half the bytes kept and read. A weight that is
+    not exactly bfloat16, or whose width is not whole groups of 32, stays float32. Returns
+    how many modules now hold bfloat16 (0 where the kernels are not available)."""
+    from gguf import GGMLQuantizationType
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor
+
+    if ops.unavailable_reason() is not None:
+        return 0
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        weight = getattr(module, "weight", None)
+        if not (isinstance(weight, torch.Tensor) and weight.dtype is torch.float32 and weight.is_cpu
+                and weight.dim() == 2 and weight.shape[1] % 32 == 0) or model.get_submodule(name) is not module:
+            continue  # (a module already replaced, as a tied LM head is with its embedding, is skipped)
+        bf16 = weight.detach().to(torch.bfloat16)
+        if not torch.equal(bf16.float(), weight):
+            continue
+        tensor = FileTensor(name, GGMLQuantizationType.BF16, bf16.view(torch.uint8).numpy())
+        replaced += keep_blocks(model, f"{name}.weight", tensor, TensorProcessor()) or 0
+    return replaced
 
 
 def keep_blocks(model: nn.Module, name: str | None, tensor, processor) -> int | None:

@@ -1,0 +1,80 @@
+"""A bfloat16 checkpoint loaded on the CPU in float32 (`load_model`, `gguf_weights.keep_bfloat16`):
+its linear weights and token embedding stay bfloat16, widened to float32 in registers by the
+kernel, so the model holds and reads half the bytes and computes with exactly the weights
+stock's float32 load has: every other tensor and every decoded weight bit for bit stock's,
+logits no further from the float64 truth than stock's float32 ones, greedy tokens equal
+through the engine; a weight that is not exactly bfloat16 or not whole groups of 32 wide
+stays float32; `gguf_weights="dequantized"` keeps stock's float32 load."""
+
+import copy
+
+import pytest
+import torch
+from helpers import tiny_llama, tiny_tokenizer
+from tolerances import assert_no_worse_than_stock
+from torch import nn
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from chunk_llama import ChunkLlamaEngine, load_model
+from chunk_llama.hf.gguf_weights import GGUFEmbedding, GGUFLinear, keep_bfloat16
+from chunk_llama.ops.cpu import build
+
+pytestmark = pytest.mark.skipif(build() is None, reason="the CPU kernels did not build here")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny Llama saved in bfloat16 (head dim 32, MLP 128: widths in whole groups of 32)
+    with its tokenizer; its LM head untied."""
+    folder = tmp_path_factory.mktemp("bf16")
+    model = tiny_llama(head_dim=32, num_heads=4, num_kv_heads=2, tie_word_embeddings=False)
+    model.to(torch.bfloat16).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def test_a_bfloat16_checkpoint_keeps_its_weights_in_bfloat16(checkpoint):
+    ours, tokenizer = load_model(checkpoint)
+    stock = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    kept = [m for m in ours.modules() if isinstance(m, (GGUFLinear, GGUFEmbedding))]
+    assert len(kept) == 2 * 7 + 2 and all(m.ggml_type == "BF16" for m in kept)  # 7 a layer, embedding, head
+    assert not any(type(m) is nn.Linear for m in ours.modules())
+    assert weight_bytes(ours) < 0.55 * weight_bytes(stock)
+
+    stock_modules = dict(stock.named_modules())
+    for name, module in ours.named_modules():  # the decoded weights: stock's, bit for bit
+        if isinstance(module, (GGUFLinear, GGUFEmbedding)):
+            assert torch.equal(module.weight, stock_modules[name].weight), name
+    stock_tensors = dict(stock.named_parameters()) | dict(stock.named_buffers())
+    for name, tensor in [*ours.named_parameters(), *ours.named_buffers()]:
+        if not name.endswith("blocks"):
+            assert tensor.dtype == stock_tensors[name].dtype and torch.equal(tensor, stock_tensors[name]), name
+
+    ids = torch.tensor([[1, 7, 33, 60, 12, 90, 4, 41]])
+    with torch.no_grad():
+        truth = copy.deepcopy(stock).double()(ids).logits
+        assert_no_worse_than_stock(ours(ids).logits, stock(ids).logits, truth, torch.float32,
+                                   what="bfloat16-kept logits")
+    prompts = [[1, 7, 33, 60, 12], [1, 7, 33, 9]]
+    config = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    engine = ChunkLlamaEngine(ours, tokenizer, max_batch_size=2, chunk_size=16, kv_cache_bytes=1 << 22)
+    for prompt, out in zip(prompts, engine.generate(prompts, config)):
+        with torch.no_grad():
+            want = stock.generate(torch.tensor([prompt]), generation_config=config,
+                                  attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        assert out.token_ids == want[0, len(prompt):].tolist()
+    engine.close()
+
+
+def test_weights_that_are_not_exactly_bfloat16_stay_float32(checkpoint):
+    stock = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        stock.model.layers[0].mlp.up_proj.weight[3, 5] += 1e-6  # no longer a bfloat16 value
+    assert keep_bfloat16(stock) == 2 * 7 + 2 - 1
+    assert type(stock.model.layers[0].mlp.up_proj) is nn.Linear
+    dequantized, _ = load_model(checkpoint, gguf_weights="dequantized")
+    assert not any(isinstance(m, (GGUFLinear, GGUFEmbedding)) for m in dequantized.modules())
