@@ -263,9 +263,10 @@ def load_model(name_or_path: str | None = None, *, device: str | torch.device | 
     the weights take about the file's size, and a decode step reads that much), on the CPU
     in float32 only, read one tensor at a time (`hf/gguf_load.py`: never a float32 copy of
     the whole model); "dequantized" is transformers' float32 copy; "auto" (default) is
-    "quantized" where it can be. A bfloat16 checkpoint (not GGUF) on the CPU in float32
-    keeps its linear weights and embedding in bfloat16 the same way (exactly the float32
-    weights, widened in registers: `gguf_weights.keep_bfloat16`) unless "dequantized"."""
+    "quantized" where it can be. A bfloat16 or float16 checkpoint (not GGUF) on the CPU in
+    float32 keeps its linear weights and embedding in that dtype the same way (exactly the
+    float32 weights, widened in registers: `gguf_weights.keep_half_precision`) unless
+    "dequantized"."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if gguf_weights not in GGUF_WEIGHTS:
@@ -300,11 +301,14 @@ def load_model(name_or_path: str | None = None, *, device: str | torch.device | 
         kwargs["device_map"] = str(device)  # weights loaded straight onto the GPU
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs, **from_pretrained_kwargs)
     model.eval()
+    stored = getattr(config, "dtype", None)
+    stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
     if "gguf_file" not in kwargs and gguf_weights != "dequantized" and not unquantizable \
-            and getattr(config, "dtype", None) in (torch.bfloat16, "bfloat16"):
-        from chunk_llama.hf.gguf_weights import keep_bfloat16
+            and stored in (torch.bfloat16, torch.float16):
+        from chunk_llama.hf.gguf_weights import keep_half_precision
 
-        logger.info("a bfloat16 checkpoint: %d weights kept in bfloat16 (widened in registers)", keep_bfloat16(model))
+        logger.info("a %s checkpoint: %d weights kept in it (widened to float32 in registers)",
+                    str(stored).removeprefix("torch."), keep_half_precision(model, stored))
     if keep_blocks and not unquantizable:
         from chunk_llama.hf.gguf_weights import keep_gguf_quantized
 

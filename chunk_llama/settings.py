@@ -49,7 +49,7 @@ class EngineArgs:
                                 "bfloat16 is not supported), float32 on the CPU", choices=DTYPE_CHOICES)
     gguf_weights: str = option("auto", "a .gguf model's quantized tensors: quantized keeps their blocks (about "
                                        "the file's size in memory, and what a decode step reads; CPU, float32; "
-                                       "a bfloat16 checkpoint's weights stay bfloat16 the same way), "
+                                       "a bfloat16 or float16 checkpoint's weights stay so the same way), "
                                        "dequantized is transformers' float32 copy, auto the first where it can",
                                choices=("auto", "quantized", "dequantized"))
     max_batch_size: int = option(32, "most sequences decoded at once")

@@ -32,6 +32,7 @@ FAMILIES = {
     "llama_untied": (transformers.LlamaConfig, "llama", {"tie_word_embeddings": False}, "Q8_0"),
     "qwen2": (transformers.Qwen2Config, "qwen2", {}, "Q5_0"),  # q/k/v biases
     "qwen2_bf16": (transformers.Qwen2Config, "qwen2", {}, "BF16"),  # a bfloat16 file: kept in bfloat16
+    "llama_f16": (transformers.LlamaConfig, "llama", {}, "F16"),  # a float16 file: kept in float16
     "qwen3": (transformers.Qwen3Config, "qwen3", {}, "Q4_0"),  # q/k norms, head_dim 128 (what a qwen3 file gives)
     # fused qkv_proj, gate_up_proj; a vocabulary holding the ids Phi-3's config defaults to (a GGUF gives none)
     "phi3": (transformers.Phi3Config, "phi3", {"vocab_size": 32064}, "Q8_0"),

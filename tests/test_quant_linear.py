@@ -30,10 +30,12 @@ def random_blocks(ggml_type: str, num_rows: int, in_features: int, seed: int = 0
     """[num_rows, row_bytes] uint8: random blocks of the format."""
     block_elems, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type]]
     rng = np.random.default_rng(seed)
-    if ggml_type == "BF16":  # every sign, exponent and mantissa but infinities and NaNs, scaled like weights
+    if ggml_type in ("BF16", "F16"):  # every sign and mantissa, exponents 2^-15 .. 2^0 (no infinity or NaN)
+        mantissa_bits, bias = (7, 127) if ggml_type == "BF16" else (10, 15)
         bits = rng.integers(0, 1 << 16, (num_rows, in_features), dtype=np.uint16)
-        exponent = (bits >> 7) & 0xFF
-        bits = (bits & 0x807F) | ((exponent % 16 + 112).astype(np.uint16) << 7)  # 2^-15 .. 2^0
+        sign_mantissa = bits & np.uint16(0x8000 | ((1 << mantissa_bits) - 1))
+        exponent = ((bits >> mantissa_bits) % 16 + (bias - 15)).astype(np.uint16)
+        bits = sign_mantissa | (exponent << np.uint16(mantissa_bits))
         bits.flat[0] = 0x0001  # a subnormal
         return bits.view(np.uint8).reshape(num_rows, -1)
     blocks = rng.integers(0, 256, (num_rows, in_features // block_elems, block_bytes), dtype=np.uint8)
@@ -139,8 +141,8 @@ def test_a_bias_of_another_dtype_is_never_read_as_float32():
 def test_bad_blocks_are_refused_with_the_reason():
     library = build()
     x = torch.randn(2, 64)
-    with pytest.raises(ValueError, match="GGML type 1 is not one the kernels decode"):
-        library.quant_linear_call(1, 64, "generic")(x, torch.zeros(3, 128, dtype=torch.uint8), None)
+    with pytest.raises(ValueError, match="GGML type 10 is not one the kernels decode"):
+        library.quant_linear_call(10, 64, "generic")(x, torch.zeros(3, 128, dtype=torch.uint8), None)
     with pytest.raises(ValueError, match="not a whole number of blocks of 256"):
         library.quant_row_bytes(ops.GGML_TYPES["Q6_K"], 300)
     with pytest.raises(ValueError, match="holds 72 bytes, not 3 rows of 36"):  # a row of 64 Q4_0 weights is 36 bytes

@@ -175,28 +175,33 @@ def keep_gguf_quantized(model: nn.Module, gguf_path: str) -> dict[str, int]:
     return dict(kept)
 
 
-def keep_bfloat16(model: nn.Module) -> int:
-    """Keep in bfloat16 each linear layer's (and the token embedding's) weight of a float32
-    CPU model whose values are bfloat16 ones (a bfloat16 checkpoint loaded in float32, as
-    transformers upcasts it: exactly), as BF16 blocks that the kernel widens back in
-    registers: the same float32 weights, half the bytes kept and read. A weight that is
-    not exactly bfloat16, or whose width is not whole groups of 32, stays float32. Returns
-    how many modules now hold bfloat16 (0 where the kernels are not available)."""
+HALF_TYPES = {torch.bfloat16: "BF16", torch.float16: "F16"}  # the 16-bit checkpoints float32 holds exactly
+
+
+def keep_half_precision(model: nn.Module, dtype: torch.dtype) -> int:
+    """Keep in `dtype` (bfloat16 or float16) each linear layer's (and the token
+    embedding's) weight of a float32 CPU model whose values are `dtype` ones (a checkpoint
+    of that dtype loaded in float32, as transformers upcasts it: exactly), as BF16 / F16
+    blocks that the kernel widens back in registers: the same float32 weights, half the
+    bytes kept and read. A weight that is not exactly `dtype` values, or whose width is not
+    whole groups of 32, stays float32. Returns how many modules now hold `dtype` (0 where
+    the kernels are not available)."""
     from gguf import GGMLQuantizationType
     from transformers.modeling_gguf_pytorch_utils import TensorProcessor
 
     if ops.unavailable_reason() is not None:
         return 0
+    ggml_type = GGMLQuantizationType[HALF_TYPES[dtype]]
     replaced = 0
     for name, module in list(model.named_modules()):
         weight = getattr(module, "weight", None)
         if not (isinstance(weight, torch.Tensor) and weight.dtype is torch.float32 and weight.is_cpu
                 and weight.dim() == 2 and weight.shape[1] % 32 == 0) or model.get_submodule(name) is not module:
             continue  # (a module already replaced, as a tied LM head is with its embedding, is skipped)
-        bf16 = weight.detach().to(torch.bfloat16)
-        if not torch.equal(bf16.float(), weight):
+        half = weight.detach().to(dtype)
+        if not torch.equal(half.float(), weight):
             continue
-        tensor = FileTensor(name, GGMLQuantizationType.BF16, bf16.view(torch.uint8).numpy())
+        tensor = FileTensor(name, ggml_type, half.view(torch.uint8).numpy())
         replaced += keep_blocks(model, f"{name}.weight", tensor, TensorProcessor()) or 0
     return replaced
 
@@ -217,7 +222,8 @@ def keep_blocks(model: nn.Module, name: str | None, tensor, processor) -> int | 
     if not (type(module) is nn.Linear or reproducible):
         return None
     permutation = _row_permutation(processor, tensor.name, tensor.data.shape[0])
-    blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))  # [rows, row_bytes], a copy
+    # [rows, row_bytes], a copy (an F16 tensor's data are float16 values: their bytes)
+    blocks = torch.from_numpy(np.array(tensor.data).view(np.uint8).reshape(tensor.data.shape[0], -1))
     if permutation is not None:
         blocks = blocks[torch.from_numpy(permutation)].contiguous()
     if permutation is None or not _matches(blocks, ggml_type, module.weight):

@@ -29,7 +29,8 @@ from chunk_llama.ops.linear import SMALL_ROWS, _onednn, onednn_unavailable_reaso
 
 logger = logging.getLogger(__name__)
 # GGML type ids the kernels decode (csrc/cpu/quant_params.h), by gguf-py's names.
-GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30}
+GGML_TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
+              "BF16": 30}
 
 
 def unavailable_reason() -> str | None:

@@ -47,6 +47,9 @@ inline Vec vhalf(const uint8_t* p) {  // every lane: the fp16 at p (F16C)
   std::memcpy(&h, p, sizeof h);
   return {_mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(h)))};
 }
+inline Vec vhalves(const uint8_t* p) {  // lane i: the fp16 at p + 2i (F16C)
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+}
 inline void vnibbles(const uint8_t* p, Vec* low, Vec* high) {  // one load for both halves
   const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   low->v = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0xF)));

@@ -44,6 +44,9 @@ inline Vec vhalf(const uint8_t* p) {  // every lane: the fp16 at p (vcvtph2ps is
   std::memcpy(&h, p, sizeof h);
   return {_mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(h)))};
 }
+inline Vec vhalves(const uint8_t* p) {  // lane i: the fp16 at p + 2i
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
 inline void vnibbles(const uint8_t* p, Vec* low, Vec* high) {  // one load for both halves
   const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   low->v = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0xF)));

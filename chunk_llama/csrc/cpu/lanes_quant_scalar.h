@@ -9,6 +9,11 @@ inline Vec vbyte_field(const uint8_t* p, int shift, int mask) {
   return vload(lanes);
 }
 inline Vec vhalf(const uint8_t* p) { return vset1(fp16_to_float(p)); }
+inline Vec vhalves(const uint8_t* p) {
+  alignas(64) float lanes[kLanes];
+  for (int i = 0; i < kLanes; ++i) lanes[i] = fp16_to_float(p + 2 * i);
+  return vload(lanes);
+}
 inline void vnibbles(const uint8_t* p, Vec* low, Vec* high) {
   *low = vbyte_field(p, 0, 0xF);
   *high = vbyte_field(p, 4, 0xF);

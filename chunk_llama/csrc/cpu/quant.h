@@ -3,7 +3,7 @@
 // chunk_attn_cpu::CHUNK_ATTN_ISA, after linear.h.
 //
 // Every format decodes in groups of 32 weights (a block of the 32-weight formats, a
-// sub-block of the K-quants, 32 bfloat16), kLanes at a time in registers (vbyte_field and friends),
+// sub-block of the K-quants, 32 float16 or bfloat16), kLanes at a time in registers (vbyte_field and friends),
 // with the operations, in the order, of gguf-py's numpy dequantizers (what transformers
 // loads a GGUF file with): the weights are the float32-dequantized model's, bit for bit
 // where vpin keeps the compiler from fusing a multiply and an add (not the generic lanes,
@@ -108,6 +108,11 @@ __attribute__((nothrow)) inline void decode_group(const uint8_t* row, int64_t gr
       const Vec q = vadd(vbyte_field(low + i, 4 * (t / 2), 0xF), vmul(vbyte_field(high + i, 2 * t, 3), vset1(16.f)));
       g[v] = vmul(vset1(d * static_cast<float>(scales[2 * k + i / 16])), vsub(q, vset1(32.f)));
     }
+  } else if constexpr (Type == kF16) {
+    // 32 float16: exact in float32
+    const uint8_t* b = row + group * quant_format(Type).block_bytes;
+#pragma GCC unroll 8
+    for (int v = 0; v < kGroupVecs; ++v) g[v] = vhalves(b + 2 * v * kLanes);
   } else if constexpr (Type == kBF16) {
     // 32 bfloat16: exact in float32 (the 16 bits in a float's high half, as the bf16 KV pool loads)
     const uint8_t* b = row + group * quant_format(Type).block_bytes;
@@ -229,6 +234,7 @@ void dequantize_of(const DequantizeParams& p) {
     case kQ4_K: return call<kQ4_K>(params);                      \
     case kQ5_K: return call<kQ5_K>(params);                      \
     case kQ6_K: return call<kQ6_K>(params);                      \
+    case kF16: return call<kF16>(params);                        \
     case kBF16: return call<kBF16>(params);                      \
     default: return;                                             \
   }

@@ -14,7 +14,8 @@ namespace chunk_attn_cpu {
 // GGML's type ids (ggml.h `enum ggml_type`, gguf-py GGMLQuantizationType): the formats
 // the kernels decode.
 enum QuantType : int {
-  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30,
+  kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+  kBF16 = 30,
 };
 
 struct QuantFormat {
@@ -33,7 +34,8 @@ inline QuantFormat quant_format(int type) {
     case kQ4_K: return {256, 144}; // fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
     case kQ5_K: return {256, 176}; // as Q4_K, then 32 bytes of high bits before the nibbles
     case kQ6_K: return {256, 210}; // 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8 scales, fp16 d
-    case kBF16: return {32, 64};   // 32 bfloat16 (GGML's own blocks are of 1; rows here are whole 32s)
+    case kF16: return {32, 64};    // 32 float16 (GGML's own blocks are of 1; rows here are whole 32s)
+    case kBF16: return {32, 64};   // 32 bfloat16 (likewise)
     default: return {0, 0};
   }
 }

@@ -1,10 +1,9 @@
-"""A bfloat16 checkpoint loaded on the CPU in float32 (`load_model`, `gguf_weights.keep_bfloat16`):
-its linear weights and token embedding stay bfloat16, widened to float32 in registers by the
-kernel, so the model holds and reads half the bytes and computes with exactly the weights
+"""A bfloat16 or float16 checkpoint loaded on the CPU in float32 (`load_model`,
+`gguf_weights.keep_half_precision`): its linear weights and token embedding stay in its
+dtype (BF16 / F16 blocks), widened to float32 in registers by the kernel, so the model holds and reads half the bytes and computes with exactly the weights
 stock's float32 load has: every other tensor and every decoded weight bit for bit stock's,
 logits no further from the float64 truth than stock's float32 ones, greedy tokens equal
-through the engine; a weight that is not exactly bfloat16 or not whole groups of 32 wide
-stays float32; `gguf_weights="dequantized"` keeps stock's float32 load."""
+through the engine; a weight that is not exactly of the dtype stays float32; `gguf_weights="dequantized"` keeps stock's float32 load."""
 
 import copy
 
@@ -16,32 +15,34 @@ from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from chunk_llama import ChunkLlamaEngine, load_model
-from chunk_llama.hf.gguf_weights import GGUFEmbedding, GGUFLinear, keep_bfloat16
+from chunk_llama.hf.gguf_weights import GGUFEmbedding, GGUFLinear, keep_half_precision
 from chunk_llama.ops.cpu import build
 
 pytestmark = pytest.mark.skipif(build() is None, reason="the CPU kernels did not build here")
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A tiny Llama saved in bfloat16 (head dim 32, MLP 128: widths in whole groups of 32)
-    with its tokenizer; its LM head untied."""
-    folder = tmp_path_factory.mktemp("bf16")
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def checkpoint(request, tmp_path_factory):
+    """A tiny Llama saved in bfloat16 or float16 (head dim 32, MLP 128: widths in whole
+    groups of 32) with its tokenizer; its LM head untied. (dtype, folder)"""
+    folder = tmp_path_factory.mktemp("half")
     model = tiny_llama(head_dim=32, num_heads=4, num_kv_heads=2, tie_word_embeddings=False)
-    model.to(torch.bfloat16).save_pretrained(folder)
+    model.to(request.param).save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
-    return str(folder)
+    return request.param, str(folder)
 
 
 def weight_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
-def test_a_bfloat16_checkpoint_keeps_its_weights_in_bfloat16(checkpoint):
+def test_a_half_precision_checkpoint_keeps_its_weights_in_it(checkpoint):
+    dtype, checkpoint = checkpoint
     ours, tokenizer = load_model(checkpoint)
     stock = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     kept = [m for m in ours.modules() if isinstance(m, (GGUFLinear, GGUFEmbedding))]
-    assert len(kept) == 2 * 7 + 2 and all(m.ggml_type == "BF16" for m in kept)  # 7 a layer, embedding, head
+    assert len(kept) == 2 * 7 + 2  # 7 a layer, the embedding, the head
+    assert {m.ggml_type for m in kept} == {"BF16" if dtype is torch.bfloat16 else "F16"}
     assert not any(type(m) is nn.Linear for m in ours.modules())
     assert weight_bytes(ours) < 0.55 * weight_bytes(stock)
 
@@ -58,7 +59,7 @@ def test_a_bfloat16_checkpoint_keeps_its_weights_in_bfloat16(checkpoint):
     with torch.no_grad():
         truth = copy.deepcopy(stock).double()(ids).logits
         assert_no_worse_than_stock(ours(ids).logits, stock(ids).logits, truth, torch.float32,
-                                   what="bfloat16-kept logits")
+                                   what=f"{dtype}-kept logits")
     prompts = [[1, 7, 33, 60, 12], [1, 7, 33, 9]]
     config = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
     engine = ChunkLlamaEngine(ours, tokenizer, max_batch_size=2, chunk_size=16, kv_cache_bytes=1 << 22)
@@ -70,11 +71,12 @@ def test_a_bfloat16_checkpoint_keeps_its_weights_in_bfloat16(checkpoint):
     engine.close()
 
 
-def test_weights_that_are_not_exactly_bfloat16_stay_float32(checkpoint):
+def test_weights_that_are_not_exactly_of_the_dtype_stay_float32(checkpoint):
+    dtype, checkpoint = checkpoint
     stock = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     with torch.no_grad():
-        stock.model.layers[0].mlp.up_proj.weight[3, 5] += 1e-6  # no longer a bfloat16 value
-    assert keep_bfloat16(stock) == 2 * 7 + 2 - 1
+        stock.model.layers[0].mlp.up_proj.weight[3, 5] += 1e-6  # no longer a 16-bit value
+    assert keep_half_precision(stock, dtype) == 2 * 7 + 2 - 1
     assert type(stock.model.layers[0].mlp.up_proj) is nn.Linear
     dequantized, _ = load_model(checkpoint, gguf_weights="dequantized")
     assert not any(isinstance(m, (GGUFLinear, GGUFEmbedding)) for m in dequantized.modules())
