@@ -3,7 +3,8 @@
 dtype (BF16 / F16 blocks), widened to float32 in registers by the kernel, so the model holds and reads half the bytes and computes with exactly the weights
 stock's float32 load has: every other tensor and every decoded weight bit for bit stock's,
 logits no further from the float64 truth than stock's float32 ones, greedy tokens equal
-through the engine; a weight that is not exactly of the dtype stays float32; `gguf_weights="dequantized"` keeps stock's float32 load."""
+through the engine; the state dict (what save_pretrained writes) is stock's; a weight that
+is not exactly of the dtype, or not finite, stays float32; `gguf_weights="dequantized"` keeps stock's float32 load."""
 
 import copy
 
@@ -21,27 +22,30 @@ from chunk_llama.ops.cpu import build
 pytestmark = pytest.mark.skipif(build() is None, reason="the CPU kernels did not build here")
 
 
-@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+@pytest.fixture(scope="module", params=[(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)],
+                ids=["bfloat16", "float16", "bfloat16-tied"])
 def checkpoint(request, tmp_path_factory):
     """A tiny Llama saved in bfloat16 or float16 (head dim 32, MLP 128: widths in whole
-    groups of 32) with its tokenizer; its LM head untied. (dtype, folder)"""
+    groups of 32) with its tokenizer, its LM head tied or not. (dtype, folder)"""
+    dtype, tied = request.param
     folder = tmp_path_factory.mktemp("half")
-    model = tiny_llama(head_dim=32, num_heads=4, num_kv_heads=2, tie_word_embeddings=False)
-    model.to(request.param).save_pretrained(folder)
+    model = tiny_llama(head_dim=32, num_heads=4, num_kv_heads=2, tie_word_embeddings=tied)
+    model.to(dtype).save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
-    return request.param, str(folder)
+    return dtype, str(folder)
 
 
 def weight_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
-def test_a_half_precision_checkpoint_keeps_its_weights_in_it(checkpoint):
+def test_a_half_precision_checkpoint_keeps_its_weights_in_it(checkpoint, tmp_path):
     dtype, checkpoint = checkpoint
     ours, tokenizer = load_model(checkpoint)
     stock = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     kept = [m for m in ours.modules() if isinstance(m, (GGUFLinear, GGUFEmbedding))]
     assert len(kept) == 2 * 7 + 2  # 7 a layer, the embedding, the head
+    assert (ours.lm_head.blocks is ours.model.embed_tokens.blocks) == stock.config.tie_word_embeddings
     assert {m.ggml_type for m in kept} == {"BF16" if dtype is torch.bfloat16 else "F16"}
     assert not any(type(m) is nn.Linear for m in ours.modules())
     assert weight_bytes(ours) < 0.55 * weight_bytes(stock)
@@ -54,6 +58,13 @@ def test_a_half_precision_checkpoint_keeps_its_weights_in_it(checkpoint):
     for name, tensor in [*ours.named_parameters(), *ours.named_buffers()]:
         if not name.endswith("blocks"):
             assert tensor.dtype == stock_tensors[name].dtype and torch.equal(tensor, stock_tensors[name]), name
+    # the state dict (what save_pretrained writes) is the float32 model's: stock's, key for key
+    ours_state, stock_state = ours.state_dict(), stock.state_dict()
+    assert ours_state.keys() == stock_state.keys()
+    assert all(torch.equal(ours_state[key], stock_state[key]) for key in stock_state)
+    ours.save_pretrained(tmp_path)  # a checkpoint transformers loads back as stock's float32 model
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).state_dict()
+    assert saved.keys() == stock_state.keys() and all(torch.equal(saved[k], stock_state[k]) for k in stock_state)
 
     ids = torch.tensor([[1, 7, 33, 60, 12, 90, 4, 41]])
     with torch.no_grad():
@@ -76,7 +87,8 @@ def test_weights_that_are_not_exactly_of_the_dtype_stay_float32(checkpoint):
     stock = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     with torch.no_grad():
         stock.model.layers[0].mlp.up_proj.weight[3, 5] += 1e-6  # no longer a 16-bit value
-    assert keep_half_precision(stock, dtype) == 2 * 7 + 2 - 1
-    assert type(stock.model.layers[0].mlp.up_proj) is nn.Linear
+        stock.model.layers[1].mlp.up_proj.weight[0, 0] = float("inf")  # exactly 16-bit, but not a weight to keep
+    assert keep_half_precision(stock, dtype) == 2 * 7 + 2 - 2
+    assert type(stock.model.layers[0].mlp.up_proj) is nn.Linear and type(stock.model.layers[1].mlp.up_proj) is nn.Linear
     dequantized, _ = load_model(checkpoint, gguf_weights="dequantized")
     assert not any(isinstance(m, (GGUFLinear, GGUFEmbedding)) for m in dequantized.modules())

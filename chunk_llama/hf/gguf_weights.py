@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -56,6 +57,9 @@ class GGUFLinear(nn.Module):
     def weight(self) -> torch.Tensor:
         return ops.dequantize(self.blocks, ops.GGML_TYPES[self.ggml_type], self.in_features)
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        _save_as_float32(self, destination, prefix, keep_vars)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"ggml_type={self.ggml_type}")
@@ -85,12 +89,27 @@ class GGUFEmbedding(nn.Module):
     def weight(self) -> torch.Tensor:
         return ops.dequantize(self.blocks, ops.GGML_TYPES[self.ggml_type], self.embedding_dim)
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        _save_as_float32(self, destination, prefix, keep_vars)
+
+
+def _save_as_float32(module: nn.Module, destination: dict, prefix: str, keep_vars: bool) -> None:
+    """A state dict as the float32 module's (`weight` decoded, `bias`), not the blocks: what
+    `save_pretrained` writes is then a checkpoint transformers loads, with the weights the
+    model computes with (the blocks load back only through chunk-llama's loaders)."""
+    destination[prefix + "weight"] = module.weight
+    bias = module.__dict__.get("bias", module._parameters.get("bias"))
+    if bias is not None:
+        destination[prefix + "bias"] = bias if keep_vars else bias.detach()
+
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, ggml_type={self.ggml_type}"
 
 
 def _embedding_scale(module: nn.Module) -> tuple[bool, torch.Tensor | None]:
     """(whether the embedding's forward is one GGUFEmbedding reproduces, its scale)."""
+    if getattr(module, "max_norm", None) is not None:  # renormalizes the rows it looks up
+        return False, None
     if type(module) is nn.Embedding:
         return True, None
     # Gemma's: nn.Embedding's lookup times embed_scale (a buffer); checked against it below.
@@ -118,6 +137,8 @@ def _close(value: torch.Tensor, truth: torch.Tensor) -> bool:
 
 def _matches(blocks: torch.Tensor, ggml_type: str, weight: torch.Tensor) -> bool:
     if blocks.shape[0] != weight.shape[0] or weight.dim() != 2 or weight.numel() == 0:
+        return False
+    if not torch.isfinite(weight).all():  # (the portable lanes decode an fp16 infinity as a finite number)
         return False
     low, high = torch.aminmax(weight)
     scale = max(-low.item(), high.item()) or 1.0
@@ -178,6 +199,10 @@ def keep_gguf_quantized(model: nn.Module, gguf_path: str) -> dict[str, int]:
 HALF_TYPES = {torch.bfloat16: "BF16", torch.float16: "F16"}  # the 16-bit checkpoints float32 holds exactly
 
 
+class _TypeName(NamedTuple):
+    name: str
+
+
 def keep_half_precision(model: nn.Module, dtype: torch.dtype) -> int:
     """Keep in `dtype` (bfloat16 or float16) each linear layer's (and the token
     embedding's) weight of a float32 CPU model whose values are `dtype` ones (a checkpoint
@@ -186,18 +211,19 @@ def keep_half_precision(model: nn.Module, dtype: torch.dtype) -> int:
     bytes kept and read. A weight that is not exactly `dtype` values, or whose width is not
     whole groups of 32, stays float32. Returns how many modules now hold `dtype` (0 where
     the kernels are not available)."""
-    from gguf import GGMLQuantizationType
     from transformers.modeling_gguf_pytorch_utils import TensorProcessor
 
     if ops.unavailable_reason() is not None:
         return 0
-    ggml_type = GGMLQuantizationType[HALF_TYPES[dtype]]
+    ggml_type = _TypeName(HALF_TYPES[dtype])  # (keep_blocks reads its name; gguf-py is not needed here)
     replaced = 0
     for name, module in list(model.named_modules()):
         weight = getattr(module, "weight", None)
         if not (isinstance(weight, torch.Tensor) and weight.dtype is torch.float32 and weight.is_cpu
                 and weight.dim() == 2 and weight.shape[1] % 32 == 0) or model.get_submodule(name) is not module:
             continue  # (a module already replaced, as a tied LM head is with its embedding, is skipped)
+        if module._forward_hooks or module._forward_pre_hooks or "_hf_hook" in module.__dict__:
+            continue  # a hook may compute or move the weight (weight_norm, offloading): the module's own forward
         half = weight.detach().to(dtype)
         if not torch.equal(half.float(), weight):
             continue
@@ -221,6 +247,8 @@ def keep_blocks(model: nn.Module, name: str | None, tensor, processor) -> int | 
     reproducible, scale = _embedding_scale(module)
     if not (type(module) is nn.Linear or reproducible):
         return None
+    if ggml_type in HALF_TYPES.values() and module.weight.shape[-1] % 32:
+        return None  # (GGML's 16-bit blocks are of one value; the kernel's groups are of 32)
     permutation = _row_permutation(processor, tensor.name, tensor.data.shape[0])
     # [rows, row_bytes], a copy (an F16 tensor's data are float16 values: their bytes)
     blocks = torch.from_numpy(np.array(tensor.data).view(np.uint8).reshape(tensor.data.shape[0], -1))

@@ -415,8 +415,8 @@ namespace chunk_llama_cpu_internal {
 // The bytes of one row of in_features weights of `type`, or the error why not.
 int64_t row_bytes_of(const char* op, int type, int64_t in_features) {
   const chunk_attn_cpu::QuantFormat f = chunk_attn_cpu::quant_format(type);
-  CHECK_VALUE(f.block_elems > 0, op, ": GGML type ", type, " is not one the kernels decode (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
-              "Q4_K, Q5_K, Q6_K)");
+  CHECK_VALUE(f.block_elems > 0, op, ": GGML type ", type, " is not one the kernels decode (F16, Q4_0, Q4_1, Q5_0, Q5_1, "
+              "Q8_0, Q4_K, Q5_K, Q6_K, BF16)");
   CHECK_VALUE(in_features > 0 && in_features % f.block_elems == 0, op, ": ", in_features,
               " weights a row is not a whole number of blocks of ", f.block_elems);
   return in_features / f.block_elems * f.block_bytes;
