@@ -118,6 +118,7 @@ def test_kernels_forced_off_after_loading_decode_with_gguf_py(monkeypatch, caplo
     blocks = torch.from_numpy(random_blocks("Q4_1", 70, 128))
     weight = gguf_py_decoded(blocks.numpy(), "Q4_1")
     layer, embedding = GGUFLinear(blocks, "Q4_1", 128), GGUFEmbedding(blocks, "Q4_1", 128)
+    assert repr(embedding) == "GGUFEmbedding(70, 128, ggml_type=Q4_1)"
     monkeypatch.setenv("CHUNK_LLAMA_FORCE_REFERENCE", "1")
     assert build() is None
     ops._log_once.cache_clear()

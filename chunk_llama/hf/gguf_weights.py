@@ -92,6 +92,9 @@ class GGUFEmbedding(nn.Module):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         _save_as_float32(self, destination, prefix, keep_vars)
 
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, ggml_type={self.ggml_type}"
+
 
 def _save_as_float32(module: nn.Module, destination: dict, prefix: str, keep_vars: bool) -> None:
     """A state dict as the float32 module's (`weight` decoded, `bias`), not the blocks: what
@@ -101,9 +104,6 @@ def _save_as_float32(module: nn.Module, destination: dict, prefix: str, keep_var
     bias = module.__dict__.get("bias", module._parameters.get("bias"))
     if bias is not None:
         destination[prefix + "bias"] = bias if keep_vars else bias.detach()
-
-    def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, ggml_type={self.ggml_type}"
 
 
 def _embedding_scale(module: nn.Module) -> tuple[bool, torch.Tensor | None]:
