@@ -310,11 +310,10 @@ def load_model(name_or_path: str | None = None, *, device: str | torch.device | 
         logger.info("a %s checkpoint: %d weights kept in it (widened to float32 in registers)",
                     str(stored).removeprefix("torch."), keep_half_precision(model, stored))
     if keep_blocks and not unquantizable:
-        from chunk_llama.hf.gguf_weights import keep_gguf_quantized
+        from chunk_llama.hf.gguf_weights import describe_kept, keep_gguf_quantized
 
         kept = keep_gguf_quantized(model, os.path.join(path, kwargs["gguf_file"]))
-        logger.info("GGUF tensors kept quantized: %s",
-                    ", ".join(f"{n} {t}" for t, n in sorted(kept.items())) or "none")
+        logger.info("GGUF tensors kept quantized: %s", describe_kept(kept))
     return model, tokenizer
 
 

@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 from helpers import tiny_llama, tiny_tokenizer
+from test_gguf_weights import weight_bytes
 from tolerances import assert_no_worse_than_stock
 from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig
@@ -33,10 +34,6 @@ def checkpoint(request, tmp_path_factory):
     model.to(dtype).save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     return dtype, str(folder)
-
-
-def weight_bytes(model: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
 def test_a_half_precision_checkpoint_keeps_its_weights_in_it(checkpoint, tmp_path):

@@ -19,7 +19,6 @@ is not built here: `load_gguf_model` returns None and why, and `load_model` load
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import functools
 import logging
@@ -92,8 +91,7 @@ def load_gguf_model(gguf_path: str, config, dtype: torch.dtype = torch.float32, 
     tied = {}  # parameter name -> all names of its Parameter (tied weights share one)
     for names in _names_by_parameter(model):
         tied.update(dict.fromkeys(names, names))
-    kept: collections.Counter[str] = collections.Counter()
-    refused: list[str] = []
+    kept = gguf_weights.KeptBlocks()
     loaded: set[str] = set()
     for tensor in tensors:
         # what load_gguf_checkpoint does with each tensor (a plain processor keeps its name), one at a time
@@ -107,18 +105,15 @@ def load_gguf_model(gguf_path: str, config, dtype: torch.dtype = torch.float32, 
         problem = _load(model, name, value if blocks else value.to(device, dtype), tied.get(name, (name,)), loaded)
         if problem is not None:
             return None, f"the file's {tensor.name}: {problem}"
-        replaced = gguf_weights.keep_blocks(model, name, tensor, processor) if blocks else None
-        if replaced:
-            kept[tensor.tensor_type.name] += replaced
-        elif replaced == 0:
-            refused.append(tensor.name)
+        if blocks:
+            kept.add(tensor, gguf_weights.keep_blocks(model, name, tensor, processor))
         del processed, value
         _return_freed_memory()
     missing = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if missing:
         return None, f"the file has no tensor for {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
-    gguf_weights.warn_refused(refused)
-    return model.to(device).eval(), ", ".join(f"{n} {t}" for t, n in sorted(kept.items())) or "none"
+    kept.warn_refused()
+    return model.to(device).eval(), gguf_weights.describe_kept(kept.counts)
 
 
 def _dequantized(tensor: FileTensor) -> np.ndarray:

@@ -184,16 +184,11 @@ def keep_gguf_quantized(model: nn.Module, gguf_path: str) -> dict[str, int]:
     except NotImplementedError as error:  # gguf-py does not know the model type
         logger.warning("chunk-llama: the GGUF weights are dequantized to float32: %s", error)
         return {}
-    kept: collections.Counter[str] = collections.Counter()
-    refused: list[str] = []
+    kept = KeptBlocks()
     for tensor in tensors:
-        replaced = keep_blocks(model, parameter_of.get(tensor.name), tensor, processor)
-        if replaced:
-            kept[tensor.tensor_type.name] += replaced
-        elif replaced == 0:
-            refused.append(tensor.name)
-    warn_refused(refused)
-    return dict(kept)
+        kept.add(tensor, keep_blocks(model, parameter_of.get(tensor.name), tensor, processor))
+    kept.warn_refused()
+    return dict(kept.counts)
 
 
 HALF_TYPES = {torch.bfloat16: "BF16", torch.float16: "F16"}  # the 16-bit checkpoints float32 holds exactly
@@ -272,10 +267,30 @@ def keep_blocks(model: nn.Module, name: str | None, tensor, processor) -> int | 
     return replaced
 
 
-def warn_refused(refused: list[str]) -> None:
-    if refused:
-        logger.warning("chunk-llama: %d GGUF tensors stay float32: their decoded blocks differ from the weights "
-                       "transformers loaded (%s)", len(refused), ", ".join(refused[:5]))
+class KeptBlocks:
+    """What `keep_blocks` made of a file's tensors: how many modules hold blocks, by GGML
+    type (`counts`), and the tensors whose blocks did not decode to their weight (`refused`)."""
+
+    def __init__(self):
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.refused: list[str] = []
+
+    def add(self, tensor, replaced: int | None) -> None:
+        """`tensor` (a `FileTensor`) and what `keep_blocks` returned for it."""
+        if replaced:
+            self.counts[tensor.tensor_type.name] += replaced
+        elif replaced == 0:
+            self.refused.append(tensor.name)
+
+    def warn_refused(self) -> None:
+        if self.refused:
+            logger.warning("chunk-llama: %d GGUF tensors stay float32: their decoded blocks differ from the weights "
+                           "transformers loaded (%s)", len(self.refused), ", ".join(self.refused[:5]))
+
+
+def describe_kept(counts: dict[str, int]) -> str:
+    """The blocks kept, by GGML type, as "210 Q4_1, 2 Q8_0" ("none" where none were)."""
+    return ", ".join(f"{n} {t}" for t, n in sorted(counts.items())) or "none"
 
 
 def gguf_blocks(model: nn.Module) -> dict[str, int]:

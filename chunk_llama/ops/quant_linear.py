@@ -73,10 +73,12 @@ class QuantLinear:
         self._onednn = onednn_unavailable_reason() is None
 
     def __call__(self, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        # the kernel reads raw float32 memory: anything else multiplies the decoded weight
-        if not (x.dtype is torch.float32 and x.is_cpu and (bias is None or (
-                bias.dtype is torch.float32 and bias.is_cpu and bias.is_contiguous()))) or jit.force_reference():
-            if not jit.force_reference():
+        # the kernel reads raw float32 memory: anything else multiplies the decoded weight (as
+        # everything does with the kernels forced off; `dequantize` says so)
+        forced_off = jit.force_reference()
+        if forced_off or not (x.dtype is torch.float32 and x.is_cpu and (bias is None or (
+                bias.dtype is torch.float32 and bias.is_cpu and bias.is_contiguous()))):
+            if not forced_off:
                 _log_once(f"a {x.dtype} input on {x.device} (bias {None if bias is None else bias.dtype}) "
                           "multiplies the dequantized weight with F.linear")
             weight = dequantize(blocks, self.ggml_type, self.in_features)
