@@ -86,6 +86,25 @@ def test_linear_on_blocks_every_variant(variant, ggml_type, rows, out_features):
     check_against_float64(call(x, torch.from_numpy(blocks), bias), x, weight, bias)
 
 
+@pytest.mark.parametrize("variant", _variant_params())
+@pytest.mark.parametrize("ggml_type", FORMATS)
+def test_a_row_is_the_same_whatever_rows_come_with_it(variant, ggml_type):
+    """A decode step's few rows decode the blocks in registers, more rows go through a buffer
+    of the decoded groups: the same arithmetic in the same order, so each row's outputs are
+    bit for bit the same alone, in a small batch or in a large one (batch invariance)."""
+    in_features = 3 * block_width(ggml_type)
+    blocks = torch.from_numpy(random_blocks(ggml_type, 37, in_features, seed=7))  # 9 tiles of 4, and 1
+    x = torch.randn(11, in_features, generator=torch.Generator().manual_seed(7))
+    bias = torch.randn(37, generator=torch.Generator().manual_seed(8))
+    call = build().quant_linear_call(ops.GGML_TYPES[ggml_type], in_features, variant)
+    together = call(x, blocks, bias)
+    for start, stop in [(0, 1), (1, 2), (4, 5), (10, 11), (2, 4), (5, 8)]:
+        alone = call(x[start:stop].contiguous(), blocks, bias)
+        assert torch.equal(alone, together[start:stop]), \
+            f"{ggml_type} ({variant}): rows {start}..{stop} alone differ from the 11-row call by " \
+            f"{(alone - together[start:stop]).abs().max().item():.3g}"
+
+
 @pytest.mark.parametrize("rows", [1, SMALL_ROWS, SMALL_ROWS + 45])
 def test_the_layer_on_few_and_many_rows(rows):
     """Up to SMALL_ROWS through the kernel, beyond through the decoded weight and oneDNN;

@@ -12,7 +12,7 @@ what its loader maps with) says which module a tensor is, transformers' tensor p
 run on the row numbers, how it reordered the rows (Llama's query and key heads), and each
 kept tensor is decoded and compared with the float32 weight transformers loaded for that
 module: a tensor that does not match stays float32, with a warning. So the model computes
-with the weights stock transformers computes with, up to summation order.
+with the weights stock transformers computes with, up to the order of rounding.
 `hf/gguf_load.py` loads a file the same way one tensor at a time (`keep_blocks`,
 `file_tensors`).
 """

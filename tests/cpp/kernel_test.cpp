@@ -295,7 +295,7 @@ double run_quant_cases(const Variant& variant, int& cases) {
             std::memcpy(&w[block * f.block_bytes + scale_at + 2 * s], &half, 2);
           }
         std::vector<float> truth(static_cast<size_t>(out) * in), decoded(truth.size()), x(rows * in), b(out),
-            y(rows * out), scratch(static_cast<size_t>(kQuantScratchRows) * in);
+            y(rows * out), scratch(static_cast<size_t>(quant_scratch_floats(rows, in)));
         generic.dequantize(DequantizeParams{w.data(), type, truth.data(), out, in, 1});
         variant.dequantize(DequantizeParams{w.data(), type, decoded.data(), out, in, 1});
         for (size_t i = 0; i < truth.size(); ++i) {  // one fused multiply-add apart at most

@@ -442,7 +442,7 @@ int chunk_llama_cpu_quant_linear(const float* x, int64_t rows, int64_t in_featur
     const int64_t row_bytes = row_bytes_of("quant_linear", type, in_features);
     CHECK_VALUE(weight_bytes == row_bytes * out_features, "quant_linear: the weight holds ", weight_bytes,
                 " bytes, not ", out_features, " rows of ", row_bytes);
-    std::vector<float> scratch(static_cast<size_t>(chunk_attn_cpu::kQuantScratchRows * in_features) * num_threads);
+    std::vector<float> scratch(static_cast<size_t>(chunk_attn_cpu::quant_scratch_floats(rows, in_features)) * num_threads);
     variant.quant_linear(chunk_attn_cpu::QuantLinearParams{x, weight, type, bias, y, rows, out_features, in_features,
                                                            num_threads, scratch.data()});
   });

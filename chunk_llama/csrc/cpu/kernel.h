@@ -47,6 +47,7 @@ struct Prefetch {
 #include "prefill.h"
 #include "linear.h"
 #include "quant.h"
+#include "quant_linear.h"
 
 namespace chunk_attn_cpu {
 namespace CHUNK_ATTN_ISA {

@@ -146,7 +146,7 @@ int chunk_llama_cpu_decoder_layer_decode(
     // [rows, inter], and the quantized kernels' per-thread scratch
     const int64_t widest_in = std::max({inter, q_width, hidden});
     const int64_t floats = rows * (hidden + 3 * q_width + 2 * kv_width + 2 * inter) +
-                           chunk_attn_cpu::kQuantScratchRows * widest_in * num_threads;
+                           chunk_attn_cpu::quant_scratch_floats(rows, widest_in) * num_threads;
     std::unique_ptr<float[]> buffer(new float[floats]);
     float *h = buffer.get(), *q = h + rows * hidden, *q_plan = q + rows * q_width, *attn = q_plan + rows * q_width;
     float *k = attn + rows * q_width, *v = k + rows * kv_width, *gate = v + rows * kv_width, *up = gate + rows * inter;

@@ -1,21 +1,19 @@
-// Linear layers on weights in GGML's block formats (quant_params.h), written once for every
-// variant against the lane API: included by kernel.h in namespace
-// chunk_attn_cpu::CHUNK_ATTN_ISA, after linear.h.
+// GGML's block formats (quant_params.h) decoded, written once for every variant against
+// the lane API: included by kernel.h in namespace chunk_attn_cpu::CHUNK_ATTN_ISA, after
+// linear.h; quant_linear.h multiplies by them.
 //
 // Every format decodes in groups of 32 weights (a block of the 32-weight formats, a
-// sub-block of the K-quants, 32 float16 or bfloat16), kLanes at a time in registers (vbyte_field and friends),
-// with the operations, in the order, of gguf-py's numpy dequantizers (what transformers
-// loads a GGUF file with): the weights are the float32-dequantized model's, bit for bit
-// where vpin keeps the compiler from fusing a multiply and an add (not the generic lanes,
-// whose baseline x86 target has no FMA to fuse into; aarch64's may, by 1 ulp).
+// sub-block of the K-quants, 32 float16 or bfloat16), kLanes at a time in registers
+// (vbyte_field and friends). decode_group does it with the operations, in the order, of
+// gguf-py's numpy dequantizers (what transformers loads a GGUF file with): the weights are
+// the float32-dequantized model's, bit for bit where vpin keeps the compiler from fusing a
+// multiply and an add (not the generic lanes, whose baseline x86 target has no FMA to fuse
+// into; aarch64's may, by 1 ulp). dequantize: whole rows to float32 that way (the
+// embedding's lookups; layers of many rows, which then run oneDNN's GEMM).
 //
-// quant_linear, few rows (a decode step, up to kLinRows): small_linear's tile (kLinRows
-// rows of x against kLinCols weight rows, kLanes accumulators, one vsum_lanes), each
-// weight group decoded in registers just before its FMAs: the weights are read once, in
-// their compact form, and never stored as float32. More rows: each work item's kLinCols
-// weight rows decoded once into a per-thread buffer that stays in L1 while every tile
-// of x passes it (small_linear's loop on that buffer). dequantize: whole rows to float32
-// (the embedding's lookups; layers of many rows, which then run oneDNN's GEMM).
+// decode_affine gives the same group as small integers q and the group's scale a and
+// offset b (weight = a * q + b, exactly in real numbers): a linear layer then multiplies
+// x by q and scales each group's dot product once (quant_linear.h), as llama.cpp does.
 #pragma once
 
 namespace chunk_attn_cpu {
@@ -24,7 +22,6 @@ namespace CHUNK_ATTN_ISA {
 constexpr int kGroup = 32;
 constexpr int kGroupVecs = kGroup / kLanes;
 static_assert(kLanes <= 16 && 16 % kLanes == 0, "a vector of a 32-weight group must not straddle its halves");
-static_assert(kLinCols <= kQuantScratchRows, "an item's weight rows must fit the caller's scratch");
 
 // A product rounded to float before the add that follows, as gguf-py rounds it: the
 // compiler may not fuse the two into an FMA across vpin (so the weights are bitwise
@@ -125,6 +122,79 @@ __attribute__((nothrow)) inline void decode_group(const uint8_t* row, int64_t gr
   }
 }
 
+// The affine form of a format: weight = a[h] * q + b for the weights of half h (16) of a
+// group, q small integers (exact in float32). kScaled: a is not 1 (all but the 16-bit
+// floats, whose q are the weights); kHalves: the two halves scale apart (Q6_K); kOffset:
+// b is not 0 (the formats with a minimum; the others fold their zero point into q).
+template <int Type>
+struct Affine {
+  static constexpr bool kScaled = Type != kF16 && Type != kBF16;
+  static constexpr bool kHalves = Type == kQ6_K;
+  static constexpr bool kOffset = Type == kQ4_1 || Type == kQ5_1 || Type == kQ4_K || Type == kQ5_K;
+};
+
+// Group `group` of one row as q (into q[kGroupVecs]), a[2] (in every lane: a vector
+// straight from the block's half, no trip through a general register) and b: decode_group's
+// weights before their scale and offset (a and b as decode_group computes them).
+template <int Type>
+__attribute__((nothrow)) inline void decode_affine(const uint8_t* row, int64_t group, Vec* q, Vec* a, float* b) {
+  if constexpr (Type == kQ4_0 || Type == kQ4_1 || Type == kQ5_0 || Type == kQ5_1) {
+    constexpr bool kMin = Type == kQ4_1 || Type == kQ5_1, kFifth = Type == kQ5_0 || Type == kQ5_1;
+    const uint8_t* blk = row + group * quant_format(Type).block_bytes;
+    a[0] = a[1] = vhalf(blk);
+    *b = kMin ? fp16_to_float(blk + 2) : 0.f;
+    const uint32_t qh = kFifth ? load_u32(blk + (kMin ? 4 : 2)) : 0;
+    const uint8_t* qs = blk + (kMin ? 4 : 2) + (kFifth ? 4 : 0);
+#pragma GCC unroll 4
+    for (int v = 0; v < kGroupVecs / 2; ++v) vnibbles(qs + v * kLanes, &q[v], &q[v + kGroupVecs / 2]);
+#pragma GCC unroll 8
+    for (int v = 0; v < kGroupVecs; ++v) {
+      if constexpr (kFifth) q[v] = vadd(q[v], vmul(vbit_field(qh, v * kLanes), vset1(16.f)));
+      if constexpr (!kMin) q[v] = vsub(q[v], vset1(kFifth ? 16.f : 8.f));
+    }
+  } else if constexpr (Type == kQ8_0) {
+    const uint8_t* blk = row + group * quant_format(Type).block_bytes;
+    a[0] = a[1] = vhalf(blk);
+    *b = 0.f;
+#pragma GCC unroll 8
+    for (int v = 0; v < kGroupVecs; ++v) q[v] = vint8(reinterpret_cast<const int8_t*>(blk + 2) + v * kLanes);
+  } else if constexpr (Type == kQ4_K || Type == kQ5_K) {
+    constexpr bool kFifth = Type == kQ5_K;
+    const uint8_t* blk = row + (group / 8) * quant_format(Type).block_bytes;
+    const int j = static_cast<int>(group % 8);
+    float scale, min;
+    k_scale_min(blk + 4, j, &scale, &min);
+    a[0] = a[1] = vmul(vhalf(blk), vset1(scale));
+    *b = -(fp16_to_float(blk + 2) * min);
+    const uint8_t* qs = blk + (kFifth ? 48 : 16) + 32 * (j / 2);
+#pragma GCC unroll 8
+    for (int v = 0; v < kGroupVecs; ++v) {
+      q[v] = vbyte_field(qs + v * kLanes, 4 * (j % 2), 0xF);
+      if constexpr (kFifth) q[v] = vadd(q[v], vmul(vbyte_field(blk + 16 + v * kLanes, j, 1), vset1(16.f)));
+    }
+  } else if constexpr (Type == kQ6_K) {
+    const uint8_t* blk = row + (group / 8) * quant_format(Type).block_bytes;
+    const int k = static_cast<int>(group % 8), h = k / 4, t = k % 4;
+    const uint8_t* low = blk + 64 * h + 32 * (t % 2);
+    const uint8_t* high = blk + 128 + 32 * h;
+    const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
+    const Vec d = vhalf(blk + 208);
+    a[0] = vmul(d, vset1(static_cast<float>(scales[2 * k])));
+    a[1] = vmul(d, vset1(static_cast<float>(scales[2 * k + 1])));
+    *b = 0.f;
+#pragma GCC unroll 8
+    for (int v = 0; v < kGroupVecs; ++v) {
+      const int i = v * kLanes;
+      q[v] = vsub(vadd(vbyte_field(low + i, 4 * (t / 2), 0xF), vmul(vbyte_field(high + i, 2 * t, 3), vset1(16.f))),
+                  vset1(32.f));
+    }
+  } else {  // the 16-bit floats: q are the weights
+    a[0] = a[1] = vset1(1.f);
+    *b = 0.f;
+    decode_group<Type>(row, group, q);
+  }
+}
+
 // One row of in_features weights (whole groups) to float32.
 template <int Type>
 __attribute__((nothrow)) inline void decode_row(const uint8_t* row, int64_t in_features, float* y) {
@@ -132,83 +202,6 @@ __attribute__((nothrow)) inline void decode_row(const uint8_t* row, int64_t in_f
     Vec g[kGroupVecs];
     decode_group<Type>(row, group, g);
     for (int v = 0; v < kGroupVecs; ++v) vstore(y + group * kGroup + v * kLanes, g[v]);
-  }
-}
-
-// (Templates called in a parallel loop are marked nothrow, as in linear.h.)
-// The MR x kLinCols tile's dot products into out[r * kLinCols + c], each weight group
-// decoded in registers before its FMAs.
-template <int Type, int MR>
-__attribute__((nothrow)) inline void quant_tile(const float* x, const uint8_t* w, int64_t row_bytes,
-                                                int64_t in_features, float* out) {
-  Vec acc[kLanes];
-#pragma GCC unroll 16
-  for (int i = 0; i < kLanes; ++i) acc[i] = vzero();
-  for (int64_t group = 0; group < in_features / kGroup; ++group) {
-#pragma GCC unroll 4
-    for (int c = 0; c < kLinCols; ++c) {
-      Vec g[kGroupVecs];
-      decode_group<Type>(w + c * row_bytes, group, g);
-#pragma GCC unroll 8
-      for (int v = 0; v < kGroupVecs; ++v)
-#pragma GCC unroll 4
-        for (int r = 0; r < MR; ++r)
-          acc[r * kLinCols + c] = vfma(vload(x + r * in_features + group * kGroup + v * kLanes), g[v],
-                                       acc[r * kLinCols + c]);
-    }
-  }
-  alignas(64) float sums[kLanes];
-  vstore(sums, vsum_lanes(acc));  // the unused accumulators of a shorter tile add up to 0
-  for (int t = 0; t < MR * kLinCols; ++t) out[t] = sums[t];
-}
-
-template <int Type, int MR = kLinRows>
-__attribute__((nothrow)) inline void any_quant_tile(int mr, const float* x, const uint8_t* w, int64_t row_bytes,
-                                                    int64_t in_features, float* out) {
-  if constexpr (MR >= 1) {
-    if (mr < MR) return any_quant_tile<Type, MR - 1>(mr, x, w, row_bytes, in_features, out);
-    quant_tile<Type, MR>(x, w, row_bytes, in_features, out);
-  }
-}
-
-template <int Type>
-void quant_linear_of(const QuantLinearParams& p) {
-  const QuantFormat f = quant_format(Type);
-  const int64_t row_bytes = p.in_features / f.block_elems * f.block_bytes;
-  const int64_t num_items = (p.out_features + kLinCols - 1) / kLinCols;
-  const bool fused = p.rows <= kLinRows;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(p.num_threads)
-#endif
-  {
-#ifdef _OPENMP
-    // buffered items (many rows, or the last item's fewer than kLinCols weight rows)
-    float* w = p.scratch + omp_get_thread_num() * kQuantScratchRows * p.in_features;
-#else
-    float* w = p.scratch;
-#endif
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-    for (int64_t item = 0; item < num_items; ++item) {
-      const int64_t col = item * kLinCols;
-      const int nr = static_cast<int>(p.out_features - col < kLinCols ? p.out_features - col : kLinCols);
-      const bool in_registers = fused && nr == kLinCols;
-      if (!in_registers)
-        for (int c = 0; c < nr; ++c) decode_row<Type>(p.w + (col + c) * row_bytes, p.in_features, w + c * p.in_features);
-      for (int64_t row = 0; row < p.rows; row += kLinRows) {
-        const int mr = static_cast<int>(p.rows - row < kLinRows ? p.rows - row : kLinRows);
-        float out[kLanes];
-        if (in_registers)
-          any_quant_tile<Type>(mr, p.x + row * p.in_features, p.w + col * row_bytes, row_bytes, p.in_features, out);
-        else
-          any_tile(mr, nr, p.x + row * p.in_features, w, p.in_features, out);
-        const int stride = in_registers ? kLinCols : nr;
-        for (int r = 0; r < mr; ++r)
-          for (int c = 0; c < nr; ++c)
-            p.y[(row + r) * p.out_features + col + c] = out[r * stride + c] + (p.bias ? p.bias[col + c] : 0.f);
-      }
-    }
   }
 }
 
@@ -223,7 +216,7 @@ void dequantize_of(const DequantizeParams& p) {
     decode_row<Type>(p.w + row * row_bytes, p.in_features, p.out + row * p.in_features);
 }
 
-// The C interface admits only the types below (quant_format's).
+// The C interface admits only the types below (quant_format's): call<Type>(params).
 #define CHUNK_ATTN_FOR_QUANT_TYPE(call, params)                  \
   switch (params.type) {                                         \
     case kQ4_0: return call<kQ4_0>(params);                      \
@@ -239,9 +232,8 @@ void dequantize_of(const DequantizeParams& p) {
     default: return;                                             \
   }
 
-void quant_linear(const QuantLinearParams& p) { CHUNK_ATTN_FOR_QUANT_TYPE(quant_linear_of, p) }
 void dequantize(const DequantizeParams& p) { CHUNK_ATTN_FOR_QUANT_TYPE(dequantize_of, p) }
-#undef CHUNK_ATTN_FOR_QUANT_TYPE
+// (CHUNK_ATTN_FOR_QUANT_TYPE is undefined at the end of quant_linear.h, its other user.)
 
 }  // namespace CHUNK_ATTN_ISA
 }  // namespace chunk_attn_cpu

@@ -48,12 +48,20 @@ struct QuantLinearParams {
   float* y;           // [rows, out_features]
   int64_t rows, out_features, in_features;
   int num_threads;
-  // kQuantScratchRows * in_features floats per thread, from the caller (a variant may not
-  // allocate: an allocation can throw, and unwinding data would name a symbol outside
-  // its namespace).
+  // quant_scratch_floats(rows, in_features) floats per thread, from the caller (a variant
+  // may not allocate: an allocation can throw, and unwinding data would name a symbol
+  // outside its namespace).
   float* scratch;
 };
 constexpr int kQuantScratchRows = 4;  // >= every variant's kLinCols
+
+// Floats of scratch quant_linear needs per thread: kQuantScratchRows weight rows decoded
+// (q [in_features], a [groups, 2], b [groups] each) and the rows' group sums of x
+// [rows, groups], groups = in_features / 32 (quant_linear.h).
+inline int64_t quant_scratch_floats(int64_t rows, int64_t in_features) {
+  const int64_t groups = in_features / 32;
+  return kQuantScratchRows * (in_features + 3 * groups) + rows * groups;
+}
 
 struct DequantizeParams {
   const uint8_t* w;  // [num_rows, in_features / block_elems * block_bytes]
