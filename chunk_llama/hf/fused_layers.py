@@ -94,6 +94,7 @@ FAMILIES = {  # decoder layer class -> Family
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # chunk_llama_cpu_decoder_layer.activation
 _WEIGHT_FIELDS = tuple(name.removesuffix("_proj") for _, name in Family.projections)  # cpu_lib.DecoderLayer's
 _NUM_FIXED = 4 + 4 + 2  # layer, attention, MLP, activation; the four norm slots; q and k norms
+_BIAS = itertools.repeat("bias")
 
 
 def fuse_decoder_layers(model: nn.Module) -> int:
@@ -198,14 +199,10 @@ class _Described:
     def stale(self) -> bool:
         return (tuple(map(len, self._dicts)) != self._lengths
                 or not all(map(operator.is_, itertools.chain.from_iterable(map(dict.values, self._dicts)), self._values))
-                or not all(map(operator.is_, map(_bias_of, self._attribute_biases), self._biases))
+                or not all(map(operator.is_, map(dict.get, self._attribute_biases, _BIAS), self._biases))
                 or (tuple(map(torch.Tensor.data_ptr, self._tensors)), tuple(map(torch.Tensor.numel, self._tensors)))
                 != self._pointers
                 or any(self._hooks) != self._hooked)
-
-
-def _bias_of(attributes: dict):
-    return attributes.get("bias")
 
 
 def _modules(layer: nn.Module, family: Family) -> tuple:

@@ -4,14 +4,14 @@ Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K tensors), on the CPU in float32.
 A decode step multiplies a few rows by every weight of the model, so it is bound by the
 bytes of the weights (4.5 to 8.5 bits a weight in these blocks against 32 in float32) and
 by the arithmetic of turning them into numbers. The CPU kernel (`csrc/cpu/quant_linear.h`)
-decodes each group of 32 weights in registers as small integers with a scale and an offset
-(llama.cpp's factoring) and multiplies x by the integers, scaling each group's sum once,
-as `small_linear` tiles do (up to SMALL_ROWS rows; beyond a few, through a buffer in L1),
-so the blocks are read once, from memory, in their compact form. Many rows (a prefill)
-instead decode the whole weight to float32 once per call, exactly as gguf-py does, and run
-oneDNN's GEMM (`ops/linear.py`), whose arithmetic then dominates. Both compute the product
-with the weights of the float32-dequantized model (what transformers loads a GGUF file
-as), rounded in another order: within the float32 error of `F.linear` on those weights.
+decodes each group of 32 weights in registers just before multiplying it, as `small_linear`
+tiles do (up to SMALL_ROWS rows; beyond a few, through a buffer in L1), so the blocks are
+read once, from memory, in their compact form; a group's minimum (Q4_1, Q5_1, Q4_K, Q5_K)
+goes in once, times the group's sum of x, as llama.cpp factors it. Many rows (a prefill)
+instead decode the whole weight to float32 once per call and run oneDNN's GEMM
+(`ops/linear.py`), whose arithmetic then dominates. Both compute with the weights of the
+float32-dequantized model (what transformers loads a GGUF file as, gguf-py's decode, bit
+for bit), rounded in another order: within the float32 error of `F.linear` on them.
 
 `GGUFLinear` and `GGUFEmbedding` hold such weights in a model (`hf/gguf_weights.py` puts
 them there); they run these ops in every forward, with or without a `ChunkCache`.

@@ -48,9 +48,12 @@ inline Vec vhalves(const uint8_t* p) {  // lane i: the fp16 at p + 2i
   return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
 }
 inline void vnibbles(const uint8_t* p, Vec* low, Vec* high) {  // one load for both halves
+  // a nibble's float from a 16-entry table: vpermps reads each index's low 4 bits, so
+  // the low nibble needs no mask and neither half a conversion
+  const __m512 table = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  low->v = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0xF)));
-  high->v = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+  low->v = _mm512_permutexvar_ps(bytes, table);
+  high->v = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
 }
 inline Vec vint8(const int8_t* p) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};

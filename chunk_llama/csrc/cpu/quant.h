@@ -11,9 +11,9 @@
 // into; aarch64's may, by 1 ulp). dequantize: whole rows to float32 that way (the
 // embedding's lookups; layers of many rows, which then run oneDNN's GEMM).
 //
-// decode_affine gives the same group as small integers q and the group's scale a and
-// offset b (weight = a * q + b, exactly in real numbers): a linear layer then multiplies
-// x by q and scales each group's dot product once (quant_linear.h), as llama.cpp does.
+// With an offset pointer, the formats with a minimum give the group without it (the
+// scaled integers, and the offset apart): quant_linear.h multiplies x by those and adds the
+// offset times the group's sum of x once.
 #pragma once
 
 namespace chunk_attn_cpu {
@@ -44,15 +44,22 @@ inline void k_scale_min(const uint8_t* s, int j, float* scale, float* min) {
   }
 }
 
-// Weights [32 * group, 32 * group + 32) of one row (`row`: its first block) into g.
+// Whether a format's weights are a scaled integer plus a group's offset (a minimum).
 template <int Type>
-__attribute__((nothrow)) inline void decode_group(const uint8_t* row, int64_t group, Vec* g) {
+constexpr bool kHasOffset = Type == kQ4_1 || Type == kQ5_1 || Type == kQ4_K || Type == kQ5_K;
+
+// Weights [32 * group, 32 * group + 32) of one row (`row`: its first block) into g. With
+// `offset` (formats with kHasOffset), g gets the scaled integers before the group's offset
+// is added, rounded as gguf-py rounds them, and *offset the offset: weight = g + *offset.
+template <int Type>
+__attribute__((nothrow)) inline void decode_group(const uint8_t* row, int64_t group, Vec* g, float* offset = nullptr) {
   if constexpr (Type == kQ4_0 || Type == kQ4_1 || Type == kQ5_0 || Type == kQ5_1) {
     // 16 bytes of nibbles: weight i < 16 is byte i's low nibble, weight i + 16 its high one;
     // Q5's fifth bits: bit i of 32.
     constexpr bool kMin = Type == kQ4_1 || Type == kQ5_1, kFifth = Type == kQ5_0 || Type == kQ5_1;
     const uint8_t* b = row + group * quant_format(Type).block_bytes;
     const Vec d = vhalf(b), m = kMin ? vhalf(b + 2) : vzero();
+    if (kMin && offset != nullptr) *offset = fp16_to_float(b + 2);
     const uint32_t qh = kFifth ? load_u32(b + (kMin ? 4 : 2)) : 0;
     const uint8_t* qs = b + (kMin ? 4 : 2) + (kFifth ? 4 : 0);
     Vec nibbles[kGroupVecs];  // weights v * kLanes + lane: the low nibbles of 16 bytes, then the high
@@ -64,7 +71,7 @@ __attribute__((nothrow)) inline void decode_group(const uint8_t* row, int64_t gr
       Vec q = nibbles[v];
       if constexpr (kFifth) q = vadd(q, vmul(vbit_field(qh, i), vset1(16.f)));
       if constexpr (kMin)
-        g[v] = vadd(rounded(vmul(d, q)), m);
+        g[v] = offset != nullptr ? vmul(d, q) : vadd(rounded(vmul(d, q)), m);
       else
         g[v] = vmul(d, vsub(q, vset1(kFifth ? 16.f : 8.f)));
     }
@@ -82,12 +89,13 @@ __attribute__((nothrow)) inline void decode_group(const uint8_t* row, int64_t gr
     float scale, min;
     k_scale_min(b + 4, j, &scale, &min);
     const float dj = fp16_to_float(b) * scale, mj = fp16_to_float(b + 2) * min;
+    if (offset != nullptr) *offset = -mj;
     const uint8_t* qs = b + (kFifth ? 48 : 16) + 32 * (j / 2);
 #pragma GCC unroll 8
     for (int v = 0; v < kGroupVecs; ++v) {
       Vec q = vbyte_field(qs + v * kLanes, 4 * (j % 2), 0xF);
       if constexpr (kFifth) q = vadd(q, vmul(vbyte_field(b + 16 + v * kLanes, j, 1), vset1(16.f)));
-      g[v] = vsub(rounded(vmul(vset1(dj), q)), vset1(mj));
+      g[v] = offset != nullptr ? vmul(vset1(dj), q) : vsub(rounded(vmul(vset1(dj), q)), vset1(mj));
     }
   } else if constexpr (Type == kQ6_K) {
     // Group t of half h (group % 8 = 4h + t): low 4 bits from ql[64h + 32(t%2) + l] >> 4(t/2),
@@ -119,79 +127,6 @@ __attribute__((nothrow)) inline void decode_group(const uint8_t* row, int64_t gr
       __builtin_memcpy(halves, b + 2 * v * kLanes, sizeof halves);
       g[v] = vload(halves);
     }
-  }
-}
-
-// The affine form of a format: weight = a[h] * q + b for the weights of half h (16) of a
-// group, q small integers (exact in float32). kScaled: a is not 1 (all but the 16-bit
-// floats, whose q are the weights); kHalves: the two halves scale apart (Q6_K); kOffset:
-// b is not 0 (the formats with a minimum; the others fold their zero point into q).
-template <int Type>
-struct Affine {
-  static constexpr bool kScaled = Type != kF16 && Type != kBF16;
-  static constexpr bool kHalves = Type == kQ6_K;
-  static constexpr bool kOffset = Type == kQ4_1 || Type == kQ5_1 || Type == kQ4_K || Type == kQ5_K;
-};
-
-// Group `group` of one row as q (into q[kGroupVecs]), a[2] (in every lane: a vector
-// straight from the block's half, no trip through a general register) and b: decode_group's
-// weights before their scale and offset (a and b as decode_group computes them).
-template <int Type>
-__attribute__((nothrow)) inline void decode_affine(const uint8_t* row, int64_t group, Vec* q, Vec* a, float* b) {
-  if constexpr (Type == kQ4_0 || Type == kQ4_1 || Type == kQ5_0 || Type == kQ5_1) {
-    constexpr bool kMin = Type == kQ4_1 || Type == kQ5_1, kFifth = Type == kQ5_0 || Type == kQ5_1;
-    const uint8_t* blk = row + group * quant_format(Type).block_bytes;
-    a[0] = a[1] = vhalf(blk);
-    *b = kMin ? fp16_to_float(blk + 2) : 0.f;
-    const uint32_t qh = kFifth ? load_u32(blk + (kMin ? 4 : 2)) : 0;
-    const uint8_t* qs = blk + (kMin ? 4 : 2) + (kFifth ? 4 : 0);
-#pragma GCC unroll 4
-    for (int v = 0; v < kGroupVecs / 2; ++v) vnibbles(qs + v * kLanes, &q[v], &q[v + kGroupVecs / 2]);
-#pragma GCC unroll 8
-    for (int v = 0; v < kGroupVecs; ++v) {
-      if constexpr (kFifth) q[v] = vadd(q[v], vmul(vbit_field(qh, v * kLanes), vset1(16.f)));
-      if constexpr (!kMin) q[v] = vsub(q[v], vset1(kFifth ? 16.f : 8.f));
-    }
-  } else if constexpr (Type == kQ8_0) {
-    const uint8_t* blk = row + group * quant_format(Type).block_bytes;
-    a[0] = a[1] = vhalf(blk);
-    *b = 0.f;
-#pragma GCC unroll 8
-    for (int v = 0; v < kGroupVecs; ++v) q[v] = vint8(reinterpret_cast<const int8_t*>(blk + 2) + v * kLanes);
-  } else if constexpr (Type == kQ4_K || Type == kQ5_K) {
-    constexpr bool kFifth = Type == kQ5_K;
-    const uint8_t* blk = row + (group / 8) * quant_format(Type).block_bytes;
-    const int j = static_cast<int>(group % 8);
-    float scale, min;
-    k_scale_min(blk + 4, j, &scale, &min);
-    a[0] = a[1] = vmul(vhalf(blk), vset1(scale));
-    *b = -(fp16_to_float(blk + 2) * min);
-    const uint8_t* qs = blk + (kFifth ? 48 : 16) + 32 * (j / 2);
-#pragma GCC unroll 8
-    for (int v = 0; v < kGroupVecs; ++v) {
-      q[v] = vbyte_field(qs + v * kLanes, 4 * (j % 2), 0xF);
-      if constexpr (kFifth) q[v] = vadd(q[v], vmul(vbyte_field(blk + 16 + v * kLanes, j, 1), vset1(16.f)));
-    }
-  } else if constexpr (Type == kQ6_K) {
-    const uint8_t* blk = row + (group / 8) * quant_format(Type).block_bytes;
-    const int k = static_cast<int>(group % 8), h = k / 4, t = k % 4;
-    const uint8_t* low = blk + 64 * h + 32 * (t % 2);
-    const uint8_t* high = blk + 128 + 32 * h;
-    const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
-    const Vec d = vhalf(blk + 208);
-    a[0] = vmul(d, vset1(static_cast<float>(scales[2 * k])));
-    a[1] = vmul(d, vset1(static_cast<float>(scales[2 * k + 1])));
-    *b = 0.f;
-#pragma GCC unroll 8
-    for (int v = 0; v < kGroupVecs; ++v) {
-      const int i = v * kLanes;
-      q[v] = vsub(vadd(vbyte_field(low + i, 4 * (t / 2), 0xF), vmul(vbyte_field(high + i, 2 * t, 3), vset1(16.f))),
-                  vset1(32.f));
-    }
-  } else {  // the 16-bit floats: q are the weights
-    a[0] = a[1] = vset1(1.f);
-    *b = 0.f;
-    decode_group<Type>(row, group, q);
   }
 }
 

@@ -55,12 +55,16 @@ struct QuantLinearParams {
 };
 constexpr int kQuantScratchRows = 4;  // >= every variant's kLinCols
 
+// A row's groups of 32 (in_features / 32) rounded up to a multiple of 16 (of every
+// variant's kLanes): the stride of quant_linear's per-group scratch, zero-padded so that
+// its sums over groups run whole vectors.
+inline int64_t padded_groups(int64_t in_features) { return (in_features / 32 + 15) / 16 * 16; }
+
 // Floats of scratch quant_linear needs per thread: kQuantScratchRows weight rows decoded
-// (q [in_features], a [groups, 2], b [groups] each) and the rows' group sums of x
-// [rows, groups], groups = in_features / 32 (quant_linear.h).
+// (the weights [in_features] and the groups' offsets [padded_groups] each) and the rows'
+// group sums of x [rows, padded_groups] (quant_linear.h).
 inline int64_t quant_scratch_floats(int64_t rows, int64_t in_features) {
-  const int64_t groups = in_features / 32;
-  return kQuantScratchRows * (in_features + 3 * groups) + rows * groups;
+  return kQuantScratchRows * (in_features + padded_groups(in_features)) + rows * padded_groups(in_features);
 }
 
 struct DequantizeParams {
