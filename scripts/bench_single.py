@@ -4,13 +4,15 @@ llama.cpp on the same GGUF file, the same prompt tokens and the same greedy sett
     python scripts/bench_single.py                           # 300-token prompt, 64 new tokens, 5 repeats
     python scripts/bench_single.py --gguf-weights quantized dequantized   # both chunk-llama weight forms
     python scripts/bench_single.py --prompt-tokens 32 --new-tokens 4 --repeat 1   # a smoke run
+    python scripts/bench_single.py --interleave --repeat 9   # chunk-llama and llama.cpp run by run
 
 The prompt is a chat (the shipped tool manual as the system prompt, cut so that the templated
 prompt is `--prompt-tokens` tokens by the model's tokenizer, then the first shipped question);
 every system gets exactly these token ids and generates exactly `--new-tokens` tokens greedily
 (EOS masked: `min_new_tokens` in transformers, `ignore_eos` in llama.cpp, both a -inf bias).
 
-Systems (one process, one after the other, each warmed up once, then `--repeat` runs):
+Systems (one process, one after the other, each warmed up once, then `--repeat` runs; with
+`--interleave`, stock first, then one run of every other system per round, all loaded at once):
   stock        transformers `generate` on the GGUF dequantized to float32 by transformers (SDPA)
   chunk-llama  `ChunkLlamaEngine` (one request, prefix retention off so each run computes the
                prompt) on the model `chunk_llama.models.load_model` gives; `--gguf-weights X`
@@ -114,13 +116,14 @@ def run_stock(model, prompt: list[int], new_tokens: int, runs: int):
     return results
 
 
-def run_chunk_llama(model, tokenizer, prompt: list[int], new_tokens: int, runs: int):
+def chunk_llama_runs(model, tokenizer, prompt: list[int], new_tokens: int):
+    """One run per next(): (prefill ms, decode tokens/s, tokens) of the prompt on one engine
+    (closed with the generator)."""
     engine = chunk_llama.ChunkLlamaEngine(model, tokenizer, max_batch_size=1, kv_cache_bytes=1 << 28,
                                           retain_prefixes=False)
     config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    results = []
     try:
-        for _ in range(runs):
+        while True:
             engine.add_request(list(prompt), config)
             times, tokens, output = [], [], None
             start = time.perf_counter()
@@ -131,28 +134,25 @@ def run_chunk_llama(model, tokenizer, prompt: list[int], new_tokens: int, runs: 
                     tokens += delta.token_ids
                     output = delta.output or output
             assert output is not None and output.num_cached_tokens == 0, "the prompt came from the cache"
-            results.append((*_figures(start, times), tokens))
+            yield (*_figures(start, times), tokens)
     finally:
         engine.close()
-    return results
 
 
-def run_llama_cpp(bin_dir: str, gguf: str, prompt: list[int], new_tokens: int, runs: int, threads: int,
-                  logs: str):
+def llama_cpp_runs(bin_dir: str, gguf: str, prompt: list[int], new_tokens: int, threads: int, logs: str):
+    """One run per next(), on one `llama-server -np 1` (stopped with the generator)."""
     import httpx
 
     body = peer.greedy_body(prompt, new_tokens, cache_prompt=False)  # every run computes the prompt
-    results = []
     with peer.LlamaServer(bin_dir, gguf, slots=1, ctx_per_slot=len(prompt) + new_tokens + 16, threads=threads,
                           log_path=os.path.join(logs, "llama_server.log")) as server:
-        for _ in range(runs):
+        while True:
             reply = httpx.post(server.url + "/completion", json=body, timeout=3600).json()
             timings = reply["timings"]
             if timings["prompt_n"] != len(prompt) or timings["predicted_n"] != new_tokens:
                 raise RuntimeError(f"llama-server computed {timings['prompt_n']} of {len(prompt)} prompt "
                                    f"tokens and generated {timings['predicted_n']} of {new_tokens}")
-            results.append((timings["prompt_ms"], timings["predicted_per_second"], reply.get("tokens", [])))
-    return results
+            yield timings["prompt_ms"], timings["predicted_per_second"], reply.get("tokens", [])
 
 
 def llama_bench_line(bin_dir: str, gguf: str, prompt_tokens: int, new_tokens: int, repeat: int,
@@ -214,6 +214,9 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a .gguf file (default: the default model's)")
     parser.add_argument("--build-llama-cpp", action="store_true", help="build llama.cpp first if not cached")
     parser.add_argument("--llama-bench", action="store_true", help="also llama-bench -p/-n figures")
+    parser.add_argument("--interleave", action="store_true",
+                        help="alternate one run of chunk-llama and one of llama.cpp per round (this host's speed "
+                             "drifts within minutes: a paired comparison), all loaded at once; stock runs first")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -243,38 +246,56 @@ def main() -> None:
 
     if "stock" in args.systems:
         add("stock", run_stock(model, prompt, args.new_tokens, runs))
-    if "chunk-llama" in args.systems:
-        extra = dict(args.chunk_llama_arg)
-        for form in args.gguf_weights or [None]:
-            kwargs = dict(extra, **({"gguf_weights": form} if form else {}))
-            named = ", ".join(f"{k}={v}" for k, v in kwargs.items())
-            name = f"chunk-llama ({named})" if kwargs else "chunk-llama"
-            try:
-                model = None  # stock's (or the previous form's) freed first; load_model's default form unless told
-                model, _ = load_model(gguf, **{"device": "cpu", "dtype": torch.float32, **kwargs})
-                add(name, run_chunk_llama(model, tokenizer, prompt, args.new_tokens, runs))
-            except (TypeError, ValueError) as error:  # e.g. a keyword this load_model does not take yet
-                rows.append(dict(system=name, error=f"{type(error).__name__}: {str(error)[:200]}"))
-                print(json.dumps(rows[-1]), flush=True)
+    model = None  # stock's freed first
+    pending = []  # (name, generator of runs): chunk-llama's forms and llama.cpp
     llama_desc, bench_line = "llama.cpp: not run", None
-    if "llama.cpp" in args.systems:
-        try:
-            bin_dir = peer.find_bin(build=args.build_llama_cpp)
-            llama_desc = peer.describe(bin_dir)
-            logs = tempfile.mkdtemp(prefix="bench_single_")
-            add("llama.cpp", run_llama_cpp(bin_dir, gguf, prompt, args.new_tokens, runs, args.threads, logs))
-            if args.llama_bench:
-                bench_line = llama_bench_line(bin_dir, gguf, len(prompt), args.new_tokens, args.repeat,
-                                              args.threads)
-        except (peer.Unavailable, RuntimeError, OSError) as error:
-            rows.append(dict(system="llama.cpp", error=str(error)[:300]))
-            print(json.dumps(rows[-1]), flush=True)
+    try:
+        if "chunk-llama" in args.systems:
+            extra = dict(args.chunk_llama_arg)
+            for form in args.gguf_weights or [None]:
+                kwargs = dict(extra, **({"gguf_weights": form} if form else {}))
+                named = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+                name = f"chunk-llama ({named})" if kwargs else "chunk-llama"
+                try:  # load_model's default form unless told
+                    loaded, _ = load_model(gguf, **{"device": "cpu", "dtype": torch.float32, **kwargs})
+                except (TypeError, ValueError) as error:  # e.g. a keyword this load_model does not take yet
+                    rows.append(dict(system=name, error=f"{type(error).__name__}: {str(error)[:200]}"))
+                    print(json.dumps(rows[-1]), flush=True)
+                    continue
+                pending.append((name, chunk_llama_runs(loaded, tokenizer, prompt, args.new_tokens)))
+        if "llama.cpp" in args.systems:
+            try:
+                bin_dir = peer.find_bin(build=args.build_llama_cpp)
+                llama_desc = peer.describe(bin_dir)
+                logs = tempfile.mkdtemp(prefix="bench_single_")
+                pending.append(("llama.cpp", llama_cpp_runs(bin_dir, gguf, prompt, args.new_tokens, args.threads,
+                                                            logs)))
+                if args.llama_bench:
+                    bench_line = llama_bench_line(bin_dir, gguf, len(prompt), args.new_tokens, args.repeat,
+                                                  args.threads)
+            except (peer.Unavailable, RuntimeError, OSError) as error:
+                rows.append(dict(system="llama.cpp", error=str(error)[:300]))
+                print(json.dumps(rows[-1]), flush=True)
+        if args.interleave:  # a warm-up each, then one run of each system per round
+            results = {name: [next(runs_of)] for name, runs_of in pending}
+            for _ in range(args.repeat):
+                for name, runs_of in pending:
+                    results[name].append(next(runs_of))
+            for name, _ in pending:
+                add(name, results[name])
+        else:  # each system's runs together, one system after the other
+            for name, runs_of in pending:
+                add(name, [next(runs_of) for _ in range(runs)])
+                runs_of.close()
+    finally:
+        for _, runs_of in pending:
+            runs_of.close()
 
     from chunk_llama.ops.isa import selected_variant
 
     header = (f"one request: {len(prompt)}-token chat prompt, {args.new_tokens} new tokens, greedy, float32 "
               f"activations, {os.path.basename(gguf)}, {args.threads} threads, median of {args.repeat} runs "
-              f"after a warm-up\n{peer.cpu_summary()}; chunk-llama variant {selected_variant()}; torch "
+              f"after a warm-up{' (interleaved)' if args.interleave else ''}\n{peer.cpu_summary()}; chunk-llama variant {selected_variant()}; torch "
               f"{torch.__version__}; {llama_desc}")
     print("\n" + header + "\n")
     print(table(rows, reference))
