@@ -140,19 +140,21 @@ def chunk_llama_runs(model, tokenizer, prompt: list[int], new_tokens: int):
 
 
 def llama_cpp_runs(bin_dir: str, gguf: str, prompt: list[int], new_tokens: int, threads: int, logs: str):
-    """One run per next(), on one `llama-server -np 1` (stopped with the generator)."""
+    """One run per next(), each on its own `llama-server -np 1`, stopped before the run is
+    returned: an idle server's threads poll for work, which on a 2-core host took a fifth
+    of chunk-llama's decode speed while both were up (`--interleave`)."""
     import httpx
 
     body = peer.greedy_body(prompt, new_tokens, cache_prompt=False)  # every run computes the prompt
-    with peer.LlamaServer(bin_dir, gguf, slots=1, ctx_per_slot=len(prompt) + new_tokens + 16, threads=threads,
-                          log_path=os.path.join(logs, "llama_server.log")) as server:
-        while True:
+    while True:
+        with peer.LlamaServer(bin_dir, gguf, slots=1, ctx_per_slot=len(prompt) + new_tokens + 16, threads=threads,
+                              log_path=os.path.join(logs, "llama_server.log")) as server:
             reply = httpx.post(server.url + "/completion", json=body, timeout=3600).json()
-            timings = reply["timings"]
-            if timings["prompt_n"] != len(prompt) or timings["predicted_n"] != new_tokens:
-                raise RuntimeError(f"llama-server computed {timings['prompt_n']} of {len(prompt)} prompt "
-                                   f"tokens and generated {timings['predicted_n']} of {new_tokens}")
-            yield timings["prompt_ms"], timings["predicted_per_second"], reply.get("tokens", [])
+        timings = reply["timings"]
+        if timings["prompt_n"] != len(prompt) or timings["predicted_n"] != new_tokens:
+            raise RuntimeError(f"llama-server computed {timings['prompt_n']} of {len(prompt)} prompt "
+                               f"tokens and generated {timings['predicted_n']} of {new_tokens}")
+        yield timings["prompt_ms"], timings["predicted_per_second"], reply.get("tokens", [])
 
 
 def llama_bench_line(bin_dir: str, gguf: str, prompt_tokens: int, new_tokens: int, repeat: int,
