@@ -24,8 +24,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from chunk_llama.hf.gguf_file import file_tensors
 from chunk_llama.models import default_model_path
 from chunk_llama.ops import isa
-from chunk_llama.ops.quant_linear import GGML_TYPES, QuantLinear
 from chunk_llama.ops.cpu import build
+from chunk_llama.ops.quant_linear import GGML_TYPES, QuantLinear
 
 
 def main() -> None:
@@ -54,7 +54,7 @@ def main() -> None:
         calls = [(QuantLinear(kind, features), torch.randn(rows, features), blocks)
                  for kind, features, blocks in weights]
 
-        def one_pass():
+        def one_pass(calls=calls):
             for layer, x, blocks in calls:
                 layer(x, blocks, None)
 

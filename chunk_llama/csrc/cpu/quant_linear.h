@@ -29,7 +29,8 @@ static_assert(kLinCols <= kQuantScratchRows, "an item's weight rows must fit the
 // The next item's blocks (the kLinCols rows after `w`'s, contiguous), a group's share
 // (`share` bytes) per group: the hardware's stride prefetch alone left a decode step
 // waiting on memory (the blocks are read once, from DRAM, and a few hundred bytes per row
-// are too short a stream to train it).
+// are too short a stream to train it). Past the last item it names bytes after the
+// weight: a prefetch never faults.
 inline void prefetch_share(const uint8_t* next, int64_t group, int64_t share) {
   for (int64_t at = group * share & ~int64_t{63}; at < (group + 1) * share; at += 64) __builtin_prefetch(next + at);
 }
@@ -75,8 +76,8 @@ __attribute__((nothrow)) inline void add_offsets(int mr, int nr, const float* sx
 // The MR x kLinCols tile's dot products into out[r * kLinCols + c], each weight group
 // decoded from the blocks (w: the tile's first weight row) just before its FMAs (x: MR
 // rows; for formats with an offset, sx: their group sums [MR, stride], and offsets
-// [kLinCols, stride], zero-padded, for the groups' offsets). (Templates called in a parallel loop are marked nothrow, as
-// in linear.h.)
+// [kLinCols, stride], zero-padded, for the groups' offsets). (Templates called in a
+// parallel loop are marked nothrow, as in linear.h.)
 template <int Type, int MR>
 __attribute__((nothrow)) inline void quant_tile(const float* x, const float* sx, const uint8_t* w, int64_t row_bytes,
                                                 int64_t in_features, float* offsets, int64_t stride, float* out) {
