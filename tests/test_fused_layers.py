@@ -19,7 +19,7 @@ from tolerances import assert_no_worse_than_stock
 from transformers import GenerationConfig
 
 from chunk_llama import ChunkCache, ChunkLlamaEngine, patch_model
-from chunk_llama.hf import fused_layers
+from chunk_llama.hf import fused_layers, fused_stack
 from chunk_llama.hf.gguf_weights import GGUFLinear
 from chunk_llama.ops import cpu_lib, isa
 from chunk_llama.ops.cpu import build
@@ -71,15 +71,24 @@ def prompts(seed: int) -> list[list[int]]:
 
 @pytest.fixture
 def fused_calls(monkeypatch):
-    """Spies on the C call: [(rows, whether the plan reorders them, the layer's K pool address)] per call."""
+    """Spies on the C calls: [(rows, whether the plan reorders them, the layer's K pool address)] per
+    fused layer, whether it ran in its own call or in its stack's (`stack_calls` counts those)."""
     calls = []
-    original = cpu_lib.AttentionCall.decoder_layer
+    layer_call, stack_call = cpu_lib.AttentionCall.decoder_layer, cpu_lib.AttentionCall.decoder_stack
 
     def spy(self, layer, hidden, cos, sin, writes, row_order, k_cache, v_cache):
         calls.append((hidden.shape[0], row_order is not None, k_cache.data_ptr()))
-        return original(self, layer, hidden, cos, sin, writes, row_order, k_cache, v_cache)
+        return layer_call(self, layer, hidden, cos, sin, writes, row_order, k_cache, v_cache)
 
+    def stack_spy(self, stack, hidden, cos, sin, writes, row_order):
+        calls.extend((hidden.shape[0], row_order is not None, k) for k in stack.k_pointers)
+        stack_calls.append(len(stack.k_pointers))
+        return stack_call(self, stack, hidden, cos, sin, writes, row_order)
+
+    stack_calls = []
     monkeypatch.setattr(cpu_lib.AttentionCall, "decoder_layer", spy)
+    monkeypatch.setattr(cpu_lib.AttentionCall, "decoder_stack", stack_spy)
+    monkeypatch.setattr(cpu_lib.AttentionCall, "stack_calls", stack_calls, raising=False)
     return calls
 
 
@@ -341,3 +350,63 @@ def test_bad_input_to_the_c_function_is_a_value_error():
                    torch.tensor([0]))
     assert "q_proj holds 100 bytes" in message
     assert "is not inside 1 rows and the pool of 4 chunks" in call(layer(), writes[1])
+
+
+STACKED = ["llama", "qwen2", "mistral-windowed", "qwen3", "phi3"]  # fused_stack.STACK_MODELS' families
+
+
+@pytest.mark.parametrize("family", [*STACKED, "gemma3_text", "llama-gguf"])
+def test_a_stack_in_one_call_computes_what_its_layers_do(family, monkeypatch, fused_calls):
+    """The plain-loop stacks run all their layers in one call per decode step, bit for bit
+    what one call per layer gives; Gemma 3 (a rotary embedding per layer type) keeps one
+    call per layer."""
+    model = gguf_model("llama")[0] if family == "llama-gguf" else tiny(family)
+    batch = prompts(seed=9)[:3]
+    outputs = {}
+    for stacked in ("0", "1"):
+        monkeypatch.setenv(fused_stack.ENV, stacked)
+        cpu_lib.AttentionCall.stack_calls.clear()
+        outputs[stacked] = engine_outputs(copy.deepcopy(model), batch, monkeypatch, fused=True)
+        expected = stacked == "1" and family != "gemma3_text"
+        calls = cpu_lib.AttentionCall.stack_calls
+        assert bool(calls) is expected and all(n == model.config.num_hidden_layers for n in calls), calls
+    for ours, theirs in zip(outputs["1"], outputs["0"]):
+        assert ours.token_ids == theirs.token_ids and torch.equal(ours.logits, theirs.logits), family
+
+
+def test_a_hooked_layer_keeps_a_call_per_layer(monkeypatch, fused_calls):
+    """A hook on a decoder layer would see the stack's output: such a model runs one call per
+    layer, and the hook sees every decode step."""
+    model = tiny("llama")
+    seen = []
+    model.model.layers[1].register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    engine = ChunkLlamaEngine(model, max_batch_size=3, chunk_size=16, kv_cache_bytes=1 << 23)
+    outputs = engine.generate(prompts(seed=2)[:2], GREEDY)
+    engine.close()
+    assert not cpu_lib.AttentionCall.stack_calls and fused_calls
+    assert len(seen) >= GREEDY.max_new_tokens
+    monkeypatch.setenv(fused_stack.ENV, "0")
+    engine = ChunkLlamaEngine(tiny("llama"), max_batch_size=3, chunk_size=16, kv_cache_bytes=1 << 23)
+    assert [o.token_ids for o in engine.generate(prompts(seed=2)[:2], GREEDY)] == [o.token_ids for o in outputs]
+    engine.close()
+
+
+def test_a_layer_given_another_input_than_the_stacks_output_fails_the_step():
+    """Once the stack ran, a later layer passes its output on only if that is what it is
+    given: another loop than the one assumed fails loudly instead of computing on."""
+    model = patch_model(tiny("llama"))
+    layer = model.model.layers[1]
+    stack, index = layer._chunk_llama_stack
+    assert index == 1 and stack.layers() == list(model.model.layers)
+
+    class Step:  # what _forward reads of a decode step whose stack ran
+        decode, fused_stack = object(), (stack, torch.zeros(1, 1, 96))
+
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(fused_layers, "current_step", lambda: Step)
+    try:
+        assert layer(Step.fused_stack[1]) is Step.fused_stack[1]
+        with pytest.raises(RuntimeError, match="another input than the fused stack"):
+            layer(torch.zeros(1, 1, 96))
+    finally:
+        monkeypatch.undo()

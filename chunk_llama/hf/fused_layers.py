@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from chunk_llama.hf import fused_stack
 from chunk_llama.hf.gguf_weights import GGUFLinear
 from chunk_llama.ops import cpu_lib
 from chunk_llama.ops import quant_linear as quant_ops
@@ -106,20 +107,30 @@ def fuse_decoder_layers(model: nn.Module) -> int:
             module._chunk_llama_fused = None  # described on first use
             module.forward = functools.partial(_forward, module, module.forward)
         wrapped += "_chunk_llama_fused" in module.__dict__
+    fused_stack.find_stacks(model, FAMILIES)
     return wrapped
 
 
 def _forward(layer: nn.Module, original, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     step = current_step()
     if step is not None and step.decode is not None:
-        out = _fused(layer, step, hidden_states, kwargs.get("position_embeddings"))
+        stack = layer.__dict__.get("_chunk_llama_stack")  # (Stack, index) in a plain-loop stack
+        ran = step.fused_stack
+        if stack is not None and stack[1] > 0 and ran is not None and ran[0] is stack[0]:
+            if hidden_states is not ran[1]:  # (K/V of this layer were written from the stack's inputs)
+                raise RuntimeError(f"decoder layer {stack[1]} was given another input than the fused stack's "
+                                   f"output: the model's forward is not the loop fused_stack assumes; set "
+                                   f"{fused_stack.ENV}=0")
+            return hidden_states  # computed by the stack's call in layer 0
+        out = _fused(layer, step, hidden_states, kwargs.get("position_embeddings"), stack)
         if out is not None:
             return out
     return original(hidden_states, *args, **kwargs)
 
 
-def _fused(layer: nn.Module, step, hidden: torch.Tensor, position_embeddings) -> torch.Tensor | None:
-    """The layer's output through one call, or None where it does not apply."""
+def _fused(layer: nn.Module, step, hidden: torch.Tensor, position_embeddings, stack=None) -> torch.Tensor | None:
+    """The layer's output through one call, or None where it does not apply; the first
+    layer of a plain-loop stack (`stack`: its Stack and index 0) runs all of them."""
     writes = step.fused_writes
     if writes is None:  # once per step
         reason = _step_reason(step)
@@ -128,9 +139,7 @@ def _fused(layer: nn.Module, step, hidden: torch.Tensor, position_embeddings) ->
         writes = step.fused_writes = reason or (step.write_token_index, step.write_chunk, step.write_offset)
     if isinstance(writes, str) or position_embeddings is None or torch.is_grad_enabled() or layer.training:
         return None  # (the C function records no autograd graph, and runs no dropout)
-    described = layer._chunk_llama_fused
-    if described is None or described.stale():
-        described = layer._chunk_llama_fused = _describe(layer)
+    described = _current(layer)
     if described.reason is not None:
         return _log_once(f"{type(layer).__name__}: {described.reason}")
     if described.float32_weights and step.linear is None:
@@ -145,10 +154,23 @@ def _fused(layer: nn.Module, step, hidden: torch.Tensor, position_embeddings) ->
             and cos.shape == (rows, 1, described.head_dim) and cos.is_contiguous()
             and sin.shape == cos.shape and sin.is_contiguous()):
         return None
+    if stack is not None and stack[1] == 0:
+        out = fused_stack.run(stack[0], layer, step, hidden, position_embeddings, _current)
+        if out is not None:
+            step.fused_stack = (stack[0], out)
+            return out
     pool, index = step.pool, layer.self_attn.layer_idx
     call = step.attention.call(described.scale, described.window)
     return call.decoder_layer(described.struct, hidden, cos, sin, writes, step.row_order, pool.k[index],
                               pool.v[index])
+
+
+def _current(layer: nn.Module) -> "_Described":
+    """The layer's description, made again if what it was read from changed."""
+    described = layer._chunk_llama_fused
+    if described is None or described.stale():
+        described = layer._chunk_llama_fused = _describe(layer)
+    return described
 
 
 def _step_reason(step) -> str | None:

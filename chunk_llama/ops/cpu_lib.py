@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 P, I64, I32, F64, STR = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_char_p
-ABI_VERSION = 3  # CHUNK_LLAMA_CPU_ABI_VERSION in c_api.h
+ABI_VERSION = 4  # CHUNK_LLAMA_CPU_ABI_VERSION in c_api.h
 _ATTENTION = [P, I64, I64, I64, P, P, I64, I64, I64, I64, I64, I64, I32, P, P, I64, P, I64, P, I64, F64, I64]
 _SIGNATURES = {  # name: (argument types, result type), as c_api.h declares them
     "abi_version": ([], I32),
@@ -39,6 +39,10 @@ _SIGNATURES = {  # name: (argument types, result type), as c_api.h declares them
     # then the pool and the decode call's tail as tpp_decode takes them
     "decoder_layer_decode": ([P, P, P, I64, P, P, P, P, P, I64, P, P, P, I64, I64, I64, I64, I64, I64, I32,
                               P, I64, P, I64, P, I64, F64, I64, I64, STR, I32], I32),
+    # the layers, their K and V pools (arrays of pointers), how many; hidden in/out, rows, cos, sin,
+    # the writes, row order, then the pools' geometry (their extents: arrays) and the decode call's tail
+    "decoder_stack_decode": ([P, P, P, I64, P, P, I64, P, P, P, P, P, I64, P, I64, I64, I64, I64, P, P, I32,
+                              P, I64, P, I64, P, I64, F64, I64, I64, STR, I32], I32),
 }
 
 
@@ -55,6 +59,30 @@ class DecoderLayer(ctypes.Structure):
                 *((name, P) for name in ("input_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_norm",
                                          "mlp_out_norm")),
                 *((name, Weight) for name in ("q", "k", "v", "o", "gate", "up", "down"))]
+
+
+class DecoderStack:
+    """Layers for `AttentionCall.decoder_stack`: their structs and their K/V pools (kept
+    alive: the arrays hold their addresses), checked to share one geometry."""
+
+    def __init__(self, layers: Sequence[DecoderLayer], k_caches: Sequence[torch.Tensor],
+                 v_caches: Sequence[torch.Tensor]):
+        if not (len(layers) == len(k_caches) == len(v_caches) >= 1):
+            raise ValueError(f"a decoder stack needs one K and one V pool per layer, got {len(layers)} layers, "
+                             f"{len(k_caches)} and {len(v_caches)} pools")
+        for k_cache, v_cache in zip(k_caches, v_caches):
+            _check_pool(k_cache, v_cache)
+        geometries = {(*k.shape, k.dtype) for k in (*k_caches, *v_caches)}
+        if len(geometries) != 1:
+            raise ValueError(f"a decoder stack's pools must share one shape and dtype, got {geometries}")
+        self._kept = (tuple(layers), tuple(k_caches), tuple(v_caches))
+        self.layers = (ctypes.POINTER(DecoderLayer) * len(layers))(*(ctypes.pointer(layer) for layer in layers))
+        self.k_pointers = (ctypes.c_void_p * len(k_caches))(*(k.data_ptr() for k in k_caches))
+        self.v_pointers = (ctypes.c_void_p * len(v_caches))(*(v.data_ptr() for v in v_caches))
+        extents = int64_array([_extent(k) for k in k_caches]), int64_array([_extent(v) for v in v_caches])
+        # (the C call's pool arguments after the pointers: capacity, KV heads, chunk size, head dim,
+        # the extents, the dtype code)
+        self.geometry = (*k_caches[0].shape, *extents, _DTYPE_CODES[k_caches[0].dtype])
 
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # CHUNK_LLAMA_FLOAT32, CHUNK_LLAMA_BFLOAT16
@@ -149,6 +177,19 @@ class AttentionCall:
             None if row_order is None else row_order.data_ptr(), *pool, *self._after_out)
         return out if code == 0 else self._library.raise_error(code)
 
+    def decoder_stack(self, stack: "DecoderStack", hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      writes: tuple, row_order: torch.Tensor | None) -> torch.Tensor:
+        """`decoder_layer` of every layer of `stack` in a row, in one call (same arguments;
+        the pools are the stack's) -> [rows, hidden_size]"""
+        out = torch.empty_like(hidden)
+        token, chunk, offset = writes
+        code = self._library.decoder_stack_decode(
+            stack.layers, stack.k_pointers, stack.v_pointers, len(stack.k_pointers), hidden.data_ptr(),
+            out.data_ptr(), hidden.shape[0], cos.data_ptr(), sin.data_ptr(), token.data_ptr(), chunk.data_ptr(),
+            offset.data_ptr(), token.numel(), None if row_order is None else row_order.data_ptr(), *stack.geometry,
+            *self._after_out)
+        return out if code == 0 else self._library.raise_error(code)
+
     def _reject(self, q: torch.Tensor, dtype: torch.dtype):
         if not q.is_cpu:
             raise TypeError(f"the CPU kernel takes CPU tensors, got q on {q.device}")
@@ -174,6 +215,7 @@ class CpuLibrary:
                              f"chunk-llama needs {ABI_VERSION}")
         self._lib = lib
         self.decoder_layer_decode = lib.chunk_llama_cpu_decoder_layer_decode
+        self.decoder_stack_decode = lib.chunk_llama_cpu_decoder_stack_decode
 
     def raise_error(self, code: int):
         """The library's last error as ValueError (code 1), TypeError (2) or RuntimeError."""

@@ -59,6 +59,8 @@ class StepContext:
     # the fused decoder layers' K/V slots (token, chunk, offset), or why this step has none:
     # made by the first layer (`hf/fused_layers.py`)
     fused_writes: tuple | str | None = None
+    # (Stack, its output) once a plain-loop decoder stack ran in one call (`hf/fused_stack.py`)
+    fused_stack: tuple | None = None
     _rows: torch.Tensor | None = field(default=None, init=False, repr=False)  # not copied by dataclasses.replace
 
     def on(self, device: torch.device) -> "StepContext":

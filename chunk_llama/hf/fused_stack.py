@@ -1,0 +1,115 @@
+"""A decode step's whole stack of fused decoder layers in one call of the CPU library.
+
+`hf/fused_layers.py` runs each decoder layer of a decode step as one C call; at batch 1 on
+a small model the Python around those calls (the module call, the checks, the ctypes
+arguments: about 20 us a layer, 0.6 ms a step of the default model) is still a tenth of
+the step. Where the model's forward is transformers' plain loop (`STACK_MODELS`: every
+layer of `layers[:num_hidden_layers]` in order, each given the previous one's output and
+the same rotary embedding, nothing in between), the first layer's call runs them all
+(`chunk_llama_cpu_decoder_stack_decode`: the same C function per layer, in a row) and
+the others pass its output on. Each later layer checks that what it is given is exactly
+that output (the same tensor object): anything else would mean the loop is not the one
+assumed, and the step fails loudly rather than compute from K/V written for other inputs.
+
+It applies only where every layer would fuse on its own (the same description and checks,
+`fused_layers._fused`), with one attention scale and window, and no hook on a layer
+module (a hook on layer i would see the stack's output); otherwise each layer runs its
+own fused call, as before. `CHUNK_LLAMA_FUSED_STACK=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+
+import torch
+from torch import nn
+
+from chunk_llama.ops import cpu_lib
+from chunk_llama.ops.jit import setting
+
+logger = logging.getLogger(__name__)
+ENV = "CHUNK_LLAMA_FUSED_STACK"
+# decoder stacks whose forward is the plain loop described above, by class name (defined in
+# transformers itself: a subclass may loop otherwise)
+STACK_MODELS = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", "Phi3Model"})
+
+
+class Stack:
+    """A model's decoder stack: the layers its forward runs, and the C call's arrays for
+    the current descriptions and pools (rebuilt when either changes)."""
+
+    def __init__(self, owner: nn.Module):
+        self.owner = weakref.ref(owner)  # (the layers point at the stack: no cycle through it)
+        self._arrays: tuple | None = None  # (descriptions, pools, DecoderStack)
+
+    def layers(self) -> list | None:
+        """The layers the forward will run, or None if the owner is gone or changed."""
+        owner = self.owner()
+        layers = None if owner is None else owner._modules.get("layers")
+        if not isinstance(layers, nn.ModuleList):
+            return None
+        return list(layers)[: owner.config.num_hidden_layers]
+
+    def arrays(self, described: list, k_caches: list, v_caches: list) -> cpu_lib.DecoderStack:
+        pools = [p.data_ptr() for p in (*k_caches, *v_caches)]
+        if self._arrays is None or self._arrays[1] != pools or any(
+                a is not b for a, b in zip(self._arrays[0], described, strict=True)):
+            self._arrays = (described, pools, cpu_lib.DecoderStack([d.struct for d in described], k_caches, v_caches))
+        return self._arrays[2]
+
+
+def find_stacks(model: nn.Module, families: dict) -> None:
+    """Mark every layer of each plain-loop decoder stack of `model` with its stack and index
+    (`_chunk_llama_stack`; idempotent)."""
+    for module in model.modules():
+        if type(module).__name__ not in STACK_MODELS or not type(module).__module__.startswith("transformers."):
+            continue
+        layers = module._modules.get("layers")
+        if not isinstance(layers, nn.ModuleList) or not all(type(layer).__name__ in families for layer in layers):
+            continue
+        stack = Stack(module)
+        for index, layer in enumerate(layers):
+            layer._chunk_llama_stack = (stack, index)
+
+
+def run(stack: Stack, layer: nn.Module, step, hidden: torch.Tensor, position_embeddings, describe) -> \
+        torch.Tensor | None:
+    """Every layer of the stack for this decode step, called from its first layer (`layer`,
+    whose own checks passed: `hidden`, cos and sin fit it), or None where the stack does
+    not apply this step (each layer then runs its own call). `describe(layer)` gives a
+    layer's current description (`fused_layers`)."""
+    if setting(ENV, "1") == "0":
+        return None
+    layers = stack.layers()
+    if not layers or layers[0] is not layer:
+        return None
+    described = []
+    for each in layers:
+        if each._forward_hooks or each._forward_pre_hooks or each.training or "_chunk_llama_fused" not in each.__dict__:
+            return _log_once("a decoder layer has a hook, is training or is not wrapped")
+        one = describe(each)
+        if one.reason is not None:
+            return None  # (the layer's own call logs its reason)
+        described.append(one)
+    first = described[0]
+    if any(d.scale != first.scale or d.window != first.window or d.head_dim != first.head_dim
+           or d.hidden_size != first.hidden_size for d in described):
+        return _log_once("its layers differ in attention scale, window or sizes")
+    if any(d.float32_weights for d in described) and step.linear is None:
+        return None  # (float32 projections run F.linear here: the layers' own calls log it)
+    pool = step.pool
+    indices = [d.modules[1].layer_idx for d in described]
+    try:
+        arrays = stack.arrays(described, [pool.k[i] for i in indices], [pool.v[i] for i in indices])
+    except (TypeError, ValueError) as error:  # e.g. pools on several devices
+        return _log_once(f"its K/V pools do not fit one call ({error})")
+    cos, sin = position_embeddings
+    call = step.attention.call(first.scale, first.window)
+    return call.decoder_stack(arrays, hidden, cos, sin, step.fused_writes, step.row_order)
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    logger.info("chunk-llama: the decoder layers run one call each, not one for the stack: %s", message)
