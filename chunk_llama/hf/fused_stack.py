@@ -53,9 +53,10 @@ class Stack:
         return list(layers)[: owner.config.num_hidden_layers]
 
     def arrays(self, described: list, k_caches: list, v_caches: list) -> cpu_lib.DecoderStack:
+        """The C call's arrays for these layer descriptions and their K/V pools."""
         pools = [p.data_ptr() for p in (*k_caches, *v_caches)]
-        if self._arrays is None or self._arrays[1] != pools or any(
-                a is not b for a, b in zip(self._arrays[0], described, strict=True)):
+        if self._arrays is None or self._arrays[1] != pools or len(self._arrays[0]) != len(described) or any(
+                a is not b for a, b in zip(self._arrays[0], described)):
             self._arrays = (described, pools, cpu_lib.DecoderStack([d.struct for d in described], k_caches, v_caches))
         return self._arrays[2]
 
