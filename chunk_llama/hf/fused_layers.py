@@ -155,7 +155,7 @@ def _fused(layer: nn.Module, step, hidden: torch.Tensor, position_embeddings, st
             and sin.shape == cos.shape and sin.is_contiguous()):
         return None
     if stack is not None and stack[1] == 0:
-        out = fused_stack.run(stack[0], layer, step, hidden, position_embeddings, _current)
+        out = fused_stack.run(stack[0], layer, described, step, hidden, position_embeddings, _current)
         if out is not None:
             step.fused_stack = (stack[0], out)
             return out

@@ -75,12 +75,12 @@ def find_stacks(model: nn.Module, families: dict) -> None:
             layer._chunk_llama_stack = (stack, index)
 
 
-def run(stack: Stack, layer: nn.Module, step, hidden: torch.Tensor, position_embeddings, describe) -> \
+def run(stack: Stack, layer: nn.Module, first, step, hidden: torch.Tensor, position_embeddings, describe) -> \
         torch.Tensor | None:
     """Every layer of the stack for this decode step, called from its first layer (`layer`,
-    whose own checks passed: `hidden`, cos and sin fit it), or None where the stack does
-    not apply this step (each layer then runs its own call). `describe(layer)` gives a
-    layer's current description (`fused_layers`)."""
+    described as `first`, whose own checks passed: `hidden`, cos and sin fit it), or None
+    where the stack does not apply this step (each layer then runs its own call).
+    `describe(layer)` gives a layer's current description (`fused_layers`)."""
     if setting(ENV, "1") == "0":
         return None
     layers = stack.layers()
@@ -90,11 +90,10 @@ def run(stack: Stack, layer: nn.Module, step, hidden: torch.Tensor, position_emb
     for each in layers:
         if each._forward_hooks or each._forward_pre_hooks or each.training or "_chunk_llama_fused" not in each.__dict__:
             return _log_once("a decoder layer has a hook, is training or is not wrapped")
-        one = describe(each)
+        one = first if each is layer else describe(each)
         if one.reason is not None:
             return None  # (the layer's own call logs its reason)
         described.append(one)
-    first = described[0]
     if any(d.scale != first.scale or d.window != first.window or d.head_dim != first.head_dim
            or d.hidden_size != first.hidden_size for d in described):
         return _log_once("its layers differ in attention scale, window or sizes")

@@ -1,5 +1,6 @@
-"""Linear layers whose weights stay in GGML's quantized blocks (a GGUF file's Q4_0, Q4_1,
-Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K tensors), on the CPU in float32.
+"""Linear layers whose weights stay in GGML's blocks (a GGUF file's Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0, Q4_K, Q5_K, Q6_K, F16 and BF16 tensors, and a 16-bit checkpoint's weights), on the CPU
+in float32.
 
 A decode step multiplies a few rows by every weight of the model, so it is bound by the
 bytes of the weights (4.5 to 8.5 bits a weight in these blocks against 32 in float32) and

@@ -94,19 +94,23 @@ void gate_mul(int64_t activation, float* gate, const float* up, int64_t n) {
 }  // namespace
 }  // namespace chunk_llama_cpu_internal
 
-namespace chunk_llama_cpu_internal {
-namespace {
+using chunk_llama_api::guarded;
+using namespace chunk_llama_cpu_internal;
 
-// One layer (the C function's contract below). hidden_in may be hidden_out: it is read
-// whole into the norm's buffer before the first write, then only element by element.
-void decode_layer(const chunk_llama_cpu_decoder_layer& L, const float* hidden_in, float* hidden_out, int64_t rows,
-                  const float* cos, const float* sin, const int64_t* write_token, const int64_t* write_chunk,
-                  const int64_t* write_offset, int64_t num_writes, const int64_t* row_order, void* k_cache,
-                  void* v_cache, int64_t capacity, int64_t num_kv_heads, int64_t chunk_size, int64_t kv_head_dim,
-                  int64_t k_extent, int64_t v_extent, int dtype, const int64_t* plan, int64_t plan_numel,
-                  const int64_t* layout, int64_t layout_size, float* scratch, int64_t scratch_numel, double scale,
-                  int64_t window, int64_t max_chunks_per_item, const char* isa, int num_threads) {
-  {
+extern "C" {
+
+// hidden_in may be hidden_out (the stack below runs layers in place): it is read whole into
+// the norm's buffer before the first write, then only element by element.
+int chunk_llama_cpu_decoder_layer_decode(
+    const chunk_llama_cpu_decoder_layer* layer, const float* hidden_in, float* hidden_out, int64_t rows,
+    const float* cos, const float* sin, const int64_t* write_token, const int64_t* write_chunk,
+    const int64_t* write_offset, int64_t num_writes, const int64_t* row_order, void* k_cache, void* v_cache,
+    int64_t capacity, int64_t num_kv_heads, int64_t chunk_size, int64_t kv_head_dim, int64_t k_extent,
+    int64_t v_extent, int dtype, const int64_t* plan, int64_t plan_numel, const int64_t* layout,
+    int64_t layout_size, float* scratch, int64_t scratch_numel, double scale, int64_t window,
+    int64_t max_chunks_per_item, const char* isa, int num_threads) {
+  return guarded([&] {
+    const chunk_llama_cpu_decoder_layer& L = *layer;
     const Variant& variant = variant_for(isa);
     CHECK_VALUE(dtype == CHUNK_LLAMA_FLOAT32, "decoder layer: the pool must be float32 (dtype code ", dtype, ")");
     CHECK_VALUE(num_kv_heads == L.num_kv_heads, "decoder layer: the pool has ", num_kv_heads,
@@ -195,30 +199,6 @@ void decode_layer(const chunk_llama_cpu_decoder_layer& L, const float* hidden_in
     linear(variant, L.down, gate, h, rows, quant_scratch, num_threads);
     if (L.mlp_out_norm != nullptr) rms_norm(h, L.mlp_out_norm, offset, eps, h, rows, hidden);
     for (int64_t i = 0; i < rows * hidden; ++i) hidden_out[i] = hidden_out[i] + h[i];
-  }
-}
-
-}  // namespace
-}  // namespace chunk_llama_cpu_internal
-
-using chunk_llama_api::guarded;
-using namespace chunk_llama_cpu_internal;
-
-extern "C" {
-
-int chunk_llama_cpu_decoder_layer_decode(
-    const chunk_llama_cpu_decoder_layer* layer, const float* hidden_in, float* hidden_out, int64_t rows,
-    const float* cos, const float* sin, const int64_t* write_token, const int64_t* write_chunk,
-    const int64_t* write_offset, int64_t num_writes, const int64_t* row_order, void* k_cache, void* v_cache,
-    int64_t capacity, int64_t num_kv_heads, int64_t chunk_size, int64_t kv_head_dim, int64_t k_extent,
-    int64_t v_extent, int dtype, const int64_t* plan, int64_t plan_numel, const int64_t* layout,
-    int64_t layout_size, float* scratch, int64_t scratch_numel, double scale, int64_t window,
-    int64_t max_chunks_per_item, const char* isa, int num_threads) {
-  return guarded([&] {
-    decode_layer(*layer, hidden_in, hidden_out, rows, cos, sin, write_token, write_chunk, write_offset, num_writes,
-                 row_order, k_cache, v_cache, capacity, num_kv_heads, chunk_size, kv_head_dim, k_extent, v_extent,
-                 dtype, plan, plan_numel, layout, layout_size, scratch, scratch_numel, scale, window,
-                 max_chunks_per_item, isa, num_threads);
   });
 }
 
@@ -230,7 +210,7 @@ int chunk_llama_cpu_decoder_stack_decode(
     const int64_t* k_extents, const int64_t* v_extents, int dtype, const int64_t* plan, int64_t plan_numel,
     const int64_t* layout, int64_t layout_size, float* scratch, int64_t scratch_numel, double scale, int64_t window,
     int64_t max_chunks_per_item, const char* isa, int num_threads) {
-  return guarded([&] {
+  const int checked = guarded([&] {
     CHECK_VALUE(num_layers >= 1 && rows >= 0, "decoder stack: ", num_layers, " layers of ", rows, " rows");
     const int64_t hidden = layers[0]->hidden_size;
     for (int64_t i = 0; i < num_layers; ++i)
@@ -238,12 +218,16 @@ int chunk_llama_cpu_decoder_stack_decode(
                   "decoder stack: layer ", i, " has hidden size ", layers[i]->hidden_size, " (layer 0: ", hidden,
                   ") or no K/V pool");
     std::copy(hidden_in, hidden_in + rows * hidden, hidden_out);
-    for (int64_t i = 0; i < num_layers; ++i)  // each layer in place on hidden_out
-      decode_layer(*layers[i], hidden_out, hidden_out, rows, cos, sin, write_token, write_chunk, write_offset,
-                   num_writes, row_order, k_caches[i], v_caches[i], capacity, num_kv_heads, chunk_size, kv_head_dim,
-                   k_extents[i], v_extents[i], dtype, plan, plan_numel, layout, layout_size, scratch, scratch_numel,
-                   scale, window, max_chunks_per_item, isa, num_threads);
   });
+  for (int64_t i = 0; checked == CHUNK_LLAMA_OK && i < num_layers; ++i) {  // each layer in place on hidden_out
+    const int code = chunk_llama_cpu_decoder_layer_decode(
+        layers[i], hidden_out, hidden_out, rows, cos, sin, write_token, write_chunk, write_offset, num_writes,
+        row_order, k_caches[i], v_caches[i], capacity, num_kv_heads, chunk_size, kv_head_dim, k_extents[i],
+        v_extents[i], dtype, plan, plan_numel, layout, layout_size, scratch, scratch_numel, scale, window,
+        max_chunks_per_item, isa, num_threads);
+    if (code != CHUNK_LLAMA_OK) return code;
+  }
+  return checked;
 }
 
 }  // extern "C"

@@ -130,12 +130,14 @@ __attribute__((nothrow)) inline void decode_group(const uint8_t* row, int64_t gr
   }
 }
 
-// One row of in_features weights (whole groups) to float32.
+// One row of in_features weights (whole groups) to float32; with `offsets` (formats with
+// kHasOffset), without the groups' offsets, which go to offsets[group] (decode_group's).
 template <int Type>
-__attribute__((nothrow)) inline void decode_row(const uint8_t* row, int64_t in_features, float* y) {
+__attribute__((nothrow)) inline void decode_row(const uint8_t* row, int64_t in_features, float* y,
+                                                float* offsets = nullptr) {
   for (int64_t group = 0; group < in_features / kGroup; ++group) {
     Vec g[kGroupVecs];
-    decode_group<Type>(row, group, g);
+    decode_group<Type>(row, group, g, offsets != nullptr ? offsets + group : nullptr);
     for (int v = 0; v < kGroupVecs; ++v) vstore(y + group * kGroup + v * kLanes, g[v]);
   }
 }

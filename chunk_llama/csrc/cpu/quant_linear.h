@@ -35,17 +35,6 @@ inline void prefetch_share(const uint8_t* next, int64_t group, int64_t share) {
   for (int64_t at = group * share & ~int64_t{63}; at < (group + 1) * share; at += 64) __builtin_prefetch(next + at);
 }
 
-// One row of weights decoded into g [in_features], its groups' offsets into offsets [groups]
-// (formats with an offset).
-template <int Type>
-__attribute__((nothrow)) inline void buffer_row(const uint8_t* row, int64_t in_features, float* g, float* offsets) {
-  for (int64_t group = 0; group < in_features / kGroup; ++group) {
-    Vec gv[kGroupVecs];
-    decode_group<Type>(row, group, gv, kHasOffset<Type> ? offsets + group : nullptr);
-    for (int v = 0; v < kGroupVecs; ++v) vstore(g + group * kGroup + v * kLanes, gv[v]);
-  }
-}
-
 // sx [rows, stride]: each group's sum of x [rows, in_features], in one fixed order, then
 // zeros up to the stride (padded_groups).
 __attribute__((nothrow)) inline void group_sums(const float* x, int64_t rows, int64_t in_features, float* sx,
@@ -148,7 +137,8 @@ void quant_linear_of(const QuantLinearParams& p) {
       const bool in_registers = few_rows && nr == kLinCols;
       if (!in_registers)
         for (int c = 0; c < nr; ++c)
-          buffer_row<Type>(p.w + (col + c) * row_bytes, p.in_features, g + c * p.in_features, offsets + c * stride);
+          decode_row<Type>(p.w + (col + c) * row_bytes, p.in_features, g + c * p.in_features,
+                           kHasOffset<Type> ? offsets + c * stride : nullptr);
       for (int64_t row = 0; row < p.rows; row += kLinRows) {
         const int mr = static_cast<int>(p.rows - row < kLinRows ? p.rows - row : kLinRows);
         const float* x = p.x + row * p.in_features;
