@@ -104,10 +104,27 @@ class Sequence:
     num_reported: int = 0  # tokens already returned in a `RequestDelta`
     num_reported_chars: int = 0  # characters of `text` already returned
     num_cached_tokens: int | None = None  # prompt tokens found cached at its first admission
+    _ids: torch.Tensor | None = None  # all_ids in [1, capacity], filled to _ids_length (ids_tensor)
+    _ids_length: int = 0
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def ids_tensor(self, device) -> torch.Tensor:
+        """`all_ids` as a [1, length] int64 tensor on `device`, what logits processors take: a
+        view of a buffer that grows by the new tokens only (a tensor made from the whole
+        list each step costs in proportion to the context). Views given earlier keep their
+        values (the buffer is only written past them, or replaced)."""
+        ids, length = self.all_ids, self._ids_length
+        if self._ids is None or self._ids.device != torch.device(device) or len(ids) > self._ids.shape[1]:
+            buffer = torch.empty(1, max(2 * len(ids), 64), dtype=torch.int64, device=device)
+            buffer[0, :len(ids)] = torch.tensor(ids, dtype=torch.int64)
+            self._ids, self._ids_length = buffer, len(ids)
+        elif len(ids) > length:
+            self._ids[0, length:len(ids)] = torch.tensor(ids[length:], dtype=torch.int64)
+            self._ids_length = len(ids)
+        return self._ids[:, :len(ids)]
 
     @property
     def is_finished(self) -> bool:

@@ -2,8 +2,8 @@
 
 Each sample's scores go through its grammar's mask, if it has one (`grammar.py`: the
 disallowed tokens set to -inf, so every processor after it sees only what the grammar
-allows), then its own logits processors (built by `generation.resolve`) on its own
-`input_ids`; greedy samples take the argmax.
+allows), then its own logits processors (built by `generation.resolve`, run by `processors.run`) on
+its own `input_ids`; greedy samples take the argmax.
 Sampled samples of one request draw together: one `torch.multinomial` over a
 `[num_samples, vocab]` matrix from the request's generator, with a row of ones
 standing in for each sample that already finished (stock `generate` keeps
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from chunk_llama.engine import processors
 from chunk_llama.engine.request import SampleGroup, Sequence
 
 
@@ -48,7 +49,7 @@ def select_tokens(seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int]
         if seq.grammar is not None:
             seq.grammar.constrain(row)
         if seq.processors:
-            row = seq.processors(torch.tensor([seq.all_ids], device=logits.device), row)
+            row = processors.run(seq.processors, seq.ids_tensor(logits.device), row)
         scores[i] = row[0]
         if seq.do_sample:
             groups.setdefault(seq.group, {})[seq.index] = i
