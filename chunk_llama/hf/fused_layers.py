@@ -23,9 +23,7 @@ class does not fuse is logged once per reason.
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
-import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +32,7 @@ from torch import nn
 
 from chunk_llama.hf import fused_stack
 from chunk_llama.hf.gguf_weights import GGUFLinear
+from chunk_llama.hf.snapshot import Snapshot
 from chunk_llama.ops import cpu_lib
 from chunk_llama.ops import quant_linear as quant_ops
 from chunk_llama.ops.cpu import CpuDecode
@@ -95,7 +94,6 @@ FAMILIES = {  # decoder layer class -> Family
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # chunk_llama_cpu_decoder_layer.activation
 _WEIGHT_FIELDS = tuple(name.removesuffix("_proj") for _, name in Family.projections)  # cpu_lib.DecoderLayer's
 _NUM_FIXED = 4 + 4 + 2  # layer, attention, MLP, activation; the four norm slots; q and k norms
-_BIAS = itertools.repeat("bias")
 
 
 def fuse_decoder_layers(model: nn.Module) -> int:
@@ -189,42 +187,29 @@ def _step_reason(step) -> str | None:
 
 
 class _Described:
-    """A layer as the C function takes it (`struct`), or why it cannot (`reason`), and the
-    modules, tensors and hooks it was read from: kept alive, and compared at each call (a
-    module or tensor replaced, a tensor's memory moved as `param.data = ...` moves it, or a
-    hook added or removed, makes the description stale: the struct holds raw pointers).
-    The comparison runs once per layer per decode step, so it is a few C-level passes over
-    flat tuples (`map`, no Python loop): about 1 ms a step on the default model otherwise."""
+    """A layer as the C function takes it (`struct`), or why it cannot (`reason`), and a
+    snapshot of the modules, tensors and hooks it was read from, compared at each call (a
+    module or tensor replaced, a tensor's memory moved, or a hook added or removed makes
+    the description stale: the struct holds raw pointers; `snapshot.py`)."""
 
     def __init__(self, modules: tuple, reason: str | None, struct: "cpu_lib.DecoderLayer | None" = None,
                  window: int = 0):
         self.modules, self.reason, self.struct, self.window = modules, reason, struct, window
         present = [module for module in modules if module is not None]
         parts = list({id(module): module for module in modules[4:] if module is not None}.values())
-        # every dict a module or tensor the C function reads is found in, and what each held
-        self._dicts = tuple(module._modules for module in present[:3]) + tuple(
-            d for module in parts for d in (module._parameters, module._buffers))
-        self._lengths = tuple(map(len, self._dicts))
-        self._values = tuple(itertools.chain.from_iterable(map(dict.values, self._dicts)))
-        self._attribute_biases = tuple(module.__dict__ for module in parts)  # (a bias kept as a plain attribute)
-        self._biases = tuple(d.get("bias") for d in self._attribute_biases)
-        self._tensors = _tensors(modules)
-        self._pointers = tuple(map(torch.Tensor.data_ptr, self._tensors)), tuple(map(torch.Tensor.numel, self._tensors))
-        self._hooks = tuple(d for module in present[1:] for d in (module._forward_hooks, module._forward_pre_hooks)) + (
-            nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks)
-        self._hooked = any(self._hooks)
+        self.snapshot = Snapshot(
+            tuple(module._modules for module in present[:3]) + tuple(
+                d for module in parts for d in (module._parameters, module._buffers)),
+            tuple(module.__dict__ for module in parts),  # (a bias kept as a plain attribute)
+            _tensors(modules),
+            tuple(d for module in present[1:] for d in (module._forward_hooks, module._forward_pre_hooks)))
         if struct is not None:
             self.scale, self.head_dim = float(modules[1].scaling), struct.head_dim
             self.hidden_size = struct.hidden_size
             self.float32_weights = any(getattr(struct, field).type == 0 for field in _WEIGHT_FIELDS)
 
     def stale(self) -> bool:
-        return (tuple(map(len, self._dicts)) != self._lengths
-                or not all(map(operator.is_, itertools.chain.from_iterable(map(dict.values, self._dicts)), self._values))
-                or not all(map(operator.is_, map(dict.get, self._attribute_biases, _BIAS), self._biases))
-                or (tuple(map(torch.Tensor.data_ptr, self._tensors)), tuple(map(torch.Tensor.numel, self._tensors)))
-                != self._pointers
-                or any(self._hooks) != self._hooked)
+        return self.snapshot.stale()
 
 
 def _modules(layer: nn.Module, family: Family) -> tuple:

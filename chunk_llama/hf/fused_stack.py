@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import weakref
 
 import torch
 from torch import nn
 
+from chunk_llama.hf.snapshot import Snapshot
 from chunk_llama.ops import cpu_lib
 from chunk_llama.ops.jit import setting
 
@@ -34,6 +36,7 @@ ENV = "CHUNK_LLAMA_FUSED_STACK"
 # decoder stacks whose forward is the plain loop described above, by class name (defined in
 # transformers itself: a subclass may loop otherwise)
 STACK_MODELS = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", "Phi3Model"})
+_TRAINING = operator.attrgetter("training")
 
 
 class Stack:
@@ -43,6 +46,7 @@ class Stack:
     def __init__(self, owner: nn.Module):
         self.owner = weakref.ref(owner)  # (the layers point at the stack: no cycle through it)
         self._arrays: tuple | None = None  # (descriptions, pools, DecoderStack)
+        self._described: tuple | None = None  # (layers, descriptions, Snapshot of layers 1 on)
 
     def layers(self) -> list | None:
         """The layers the forward will run, or None if the owner is gone or changed."""
@@ -51,6 +55,24 @@ class Stack:
         if not isinstance(layers, nn.ModuleList):
             return None
         return list(layers)[: owner.config.num_hidden_layers]
+
+    def described(self, layers: list, first) -> list | None:
+        """The descriptions `remember` was given for these layers, if layer 0's is still
+        `first` and nothing the others were read from changed (one snapshot for them all:
+        `snapshot.py`) and no layer is training; else None (describe them again)."""
+        remembered = self._described
+        if (remembered is None or remembered[1][0] is not first or len(remembered[0]) != len(layers)
+                or not all(map(operator.is_, remembered[0], layers)) or remembered[2].stale()
+                or any(map(_TRAINING, layers))):
+            return None
+        return remembered[1]
+
+    def remember(self, layers: list, described: list) -> None:
+        """Keep these current descriptions of `layers` (each layer's own hooks included in
+        what makes them stale)."""
+        rest = [d.snapshot for d in described[1:]] + [
+            Snapshot((), (), (), tuple(d for layer in layers for d in (layer._forward_hooks, layer._forward_pre_hooks)))]
+        self._described = (tuple(layers), described, Snapshot.joined(rest))
 
     def arrays(self, described: list, k_caches: list, v_caches: list) -> cpu_lib.DecoderStack:
         """The C call's arrays for these layer descriptions and their K/V pools."""
@@ -86,18 +108,22 @@ def run(stack: Stack, layer: nn.Module, first, step, hidden: torch.Tensor, posit
     layers = stack.layers()
     if not layers or layers[0] is not layer:
         return None
-    described = []
-    for each in layers:
-        if each._forward_hooks or each._forward_pre_hooks or each.training or "_chunk_llama_fused" not in each.__dict__:
-            return _log_once("a decoder layer has a hook, is training or is not wrapped")
-        one = first if each is layer else describe(each)
-        if one.reason is not None:
-            return None  # (the layer's own call logs its reason)
-        described.append(one)
-    if any(d.scale != first.scale or d.window != first.window or d.head_dim != first.head_dim
-           or d.hidden_size != first.hidden_size for d in described):
-        return _log_once("its layers differ in attention scale, window or sizes")
-    if any(d.float32_weights for d in described) and step.linear is None:
+    described = stack.described(layers, first)
+    if described is None:
+        described = []
+        for each in layers:
+            if each._forward_hooks or each._forward_pre_hooks or each.training or \
+                    "_chunk_llama_fused" not in each.__dict__:
+                return _log_once("a decoder layer has a hook, is training or is not wrapped")
+            one = first if each is layer else describe(each)
+            if one.reason is not None:
+                return None  # (the layer's own call logs its reason)
+            described.append(one)
+        if any(d.scale != first.scale or d.window != first.window or d.head_dim != first.head_dim
+               or d.hidden_size != first.hidden_size for d in described):
+            return _log_once("its layers differ in attention scale, window or sizes")
+        stack.remember(layers, described)
+    if step.linear is None and any(d.float32_weights for d in described):
         return None  # (float32 projections run F.linear here: the layers' own calls log it)
     pool = step.pool
     indices = [d.modules[1].layer_idx for d in described]
