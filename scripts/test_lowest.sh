@@ -16,5 +16,6 @@ site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_path('pureli
 "$MAIN/bin/python" -c "import sysconfig; print(sysconfig.get_path('purelib'))" > "$site/zz_main_venv.pth"
 "$VENV/bin/python" -c "import transformers; assert transformers.__version__ == '$LOWEST', transformers.__version__"
 tests=("$@")
-[ ${#tests[@]} -gt 0 ] || tests=(tests/test_private_api.py tests/test_generation_options.py tests/test_fused_layers.py)
+[ ${#tests[@]} -gt 0 ] || tests=(tests/test_private_api.py tests/test_generation_options.py tests/test_fused_layers.py tests/test_decode_forward.py
+                                tests/test_processors.py)
 PYTHONPATH="$PWD" exec "$VENV/bin/python" -m pytest -q -ra -p no:cacheprovider "${tests[@]}"

@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from chunk_llama.hf import attention, compat, fused_layers
+from chunk_llama.hf import attention, compat, decode_forward, fused_layers
 from chunk_llama.hf.cache import ChunkCache
 from chunk_llama.hf.generate import wrap_generate
 from chunk_llama.models import check_dtype, check_supported
@@ -59,8 +59,12 @@ def _chunk_forward(original_forward, *args, **kwargs):
         if owns_step:
             cache.begin_rows(kwargs.get("input_ids"), kwargs.get("attention_mask"))
         kwargs["attention_mask"] = None  # the tree implies the mask
-        with running(cache.step):  # what this forward's layers read
-            output = original_forward(**kwargs)
+        step = cache.step
+        with running(step):  # what this forward's layers read
+            if not owns_step and step.decode is not None and decode_forward.applies(original_forward, kwargs):
+                output = decode_forward.run(original_forward.__self__, step, kwargs)
+            else:
+                output = original_forward(**kwargs)
     except BaseException:
         if owns_step:
             cache.end_step(completed=False)

@@ -1,0 +1,79 @@
+"""An engine decode step's forward of a plain-loop causal LM, without transformers' wrappers.
+
+With the decoder stack in one C call (`fused_stack.py`), what is left of a batch-1 decode
+step in Python is mostly transformers' forward around it: the output-capture and
+config-default decorators, the mask, and 29 layer calls that only pass the stack's output
+on (about 0.5 ms a step of the default model, a twentieth of it). For the causal LMs whose
+forward is that plain loop (`CAUSAL_LMS`, each with a `STACK_MODELS` body, both as
+transformers defines them), an engine decode step runs the same modules in the same order
+itself: the embedding, the rotary embedding, the first decoder layer (whose call runs the
+stack), the others only if the stack did not apply, the final norm and the LM head on the
+last position. The mask is the one a forward on a `ChunkCache` gets anyway (None: the tree
+implies it), so the result is the forward's, bit for bit (tested against it per family).
+
+It does not apply, and transformers' forward runs, where a hook would be skipped (on the
+model or its decoder stack, or a global one), in training, under autograd, where the
+classes' forwards are not transformers' own (a subclass, or a library that replaced them),
+for forward arguments other than the engine's, or with `CHUNK_LLAMA_DECODE_FORWARD=0`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from chunk_llama.hf import compat, fused_stack
+from chunk_llama.ops.jit import setting
+
+ENV = "CHUNK_LLAMA_DECODE_FORWARD"
+CAUSAL_LMS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                        "Phi3ForCausalLM"})
+_ARGUMENTS = frozenset({"input_ids", "position_ids", "use_cache", "logits_to_keep", "cache", "past_key_values",
+                        "attention_mask"})
+_GLOBAL_HOOKS = (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks)
+
+
+def applies(forward, kwargs: dict) -> bool:
+    """Whether this forward (of the engine's decode step: `forward`, the model's forward the
+    patch wraps, called with `kwargs`) may run as `run` does: checked at every call (a few
+    attribute reads)."""
+    model = getattr(forward, "__self__", None)
+    if model is None or getattr(forward, "__func__", None) is not type(model).forward:
+        return False  # (a forward the model's class does not define: a wrapper of it may do more)
+    inner = model.__dict__["_modules"].get("model")
+    return (_plain(type(model)) and inner is not None and _plain(type(inner))
+            and type(inner).__name__ in fused_stack.STACK_MODELS
+            and kwargs.keys() <= _ARGUMENTS and kwargs.get("attention_mask") is None
+            and kwargs.get("use_cache", True) and kwargs.get("logits_to_keep") == 1
+            and kwargs.get("input_ids") is not None and kwargs.get("position_ids") is not None
+            and not (model.training or torch.is_grad_enabled() or "forward" in inner.__dict__
+                     or model._forward_hooks or model._forward_pre_hooks or inner._forward_hooks
+                     or inner._forward_pre_hooks or any(_GLOBAL_HOOKS))
+            and setting(ENV, "1") != "0")
+
+
+def _plain(cls: type) -> bool:
+    """A transformers class whose forward is the one its modeling file defines."""
+    return (cls.__name__ in CAUSAL_LMS or cls.__name__ in fused_stack.STACK_MODELS) and \
+        cls.__module__.startswith("transformers.") and cls.forward.__module__ == cls.__module__
+
+
+def run(model: nn.Module, step, kwargs: dict) -> CausalLMOutputWithPast:
+    """The decode step's forward (`applies` held): input_ids, position_ids [rows, 1] ->
+    logits [rows, 1, vocab] as transformers' forward gives them."""
+    inner = model.model
+    cache_argument = compat.cache_argument(model)
+    input_ids, position_ids = kwargs["input_ids"], kwargs["position_ids"]
+    hidden = inner.embed_tokens(input_ids)  # [rows, 1, hidden]
+    position_embeddings = inner.rotary_emb(hidden, position_ids)  # cos, sin [rows, 1, head_dim]
+    layer_kwargs = {"attention_mask": None, "position_embeddings": position_embeddings, "position_ids": position_ids,
+                    cache_argument: kwargs.get(cache_argument), "use_cache": True}
+    layers = list(inner.layers._modules.values())[: inner.config.num_hidden_layers]  # (a ModuleList slice builds one)
+    hidden = layers[0](hidden, **layer_kwargs)
+    ran = step.fused_stack  # (its Stack, its output) when layer 0's call ran every layer
+    if ran is None or ran[1] is not hidden:
+        for layer in layers[1:]:
+            hidden = layer(hidden, **layer_kwargs)
+    hidden = inner.norm(hidden)
+    return CausalLMOutputWithPast(logits=model.lm_head(hidden[:, -1:, :]))
