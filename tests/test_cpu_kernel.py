@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 from helpers import assert_decode_matches, check_native_kernel, make_tree, random_token_lists
+from tolerances import assert_kernel_close
 
 from chunk_llama.step import build_decode_plan
 from chunk_llama.ops import isa
@@ -160,3 +161,53 @@ def test_glue_refuses_a_variant_the_cpu_cannot_run():
     with pytest.raises(ValueError, match="'avx512' needs instructions this CPU does not have"):
         build().tpp_decode(torch.randn(1, 1, 64), pool.k[0], pool.v[0], plan.index, plan.layout, torch.empty(10**5),
                            0.125, 0, 1, "avx512")
+
+
+@pytest.mark.parametrize("window", [0, 300])
+def test_long_private_keys_run_in_parts(variant, window):
+    """Phase 2 cuts a sequence's private keys into parts (128 keys, at most 16 parts: longer
+    parts past 2,048 keys), merged in order: one sequence of 2,517 keys, one of 1,000 and one
+    of 40 beside a shared prefix of 300, with and without a sliding window."""
+    from chunk_llama.ops import reference
+    from chunk_llama.ops.cpu import tpp_decode_attention_cpu
+
+    rng = random.Random(window)
+    prefix = [7] * 300
+    tokens = [[rng.randrange(3, 90) for _ in range(2517)], prefix + [rng.randrange(3, 90) for _ in range(700)],
+              prefix + [rng.randrange(3, 90) for _ in range(40)], [rng.randrange(3, 90) for _ in range(129)]]
+    pool, tree = make_tree(tokens, chunk_size=64, num_kv_heads=3, head_dim=64)
+    plan = build_decode_plan(tree, tree.seq_ids, group=3)
+    q = torch.randn(plan.num_seqs, 9, 64, generator=torch.Generator().manual_seed(3))
+    out = tpp_decode_attention_cpu(q, pool.k[0], pool.v[0], plan, 0.125, variant=variant, window=window)
+    ref = reference.tpp_decode_attention(q, pool.k[0], pool.v[0], plan, 0.125, window=window)
+    assert_kernel_close(out, ref, f"window {window} against the reference")
+
+
+def test_a_sequences_attention_is_the_same_alone_or_in_a_batch(variant):
+    """How phase 2 cuts a sequence's keys depends on the sequence only: its output row is
+    bit for bit the same alone and beside other sequences (unrelated ones, so none of its
+    keys becomes shared), at 1 part, at several, and at the 16 parts' cap."""
+    from chunk_llama.ops.cpu import tpp_decode_attention_cpu
+
+    rng = random.Random(5)
+    g = torch.Generator().manual_seed(10)
+    for length in (100, 777, 2300):
+        request = [rng.randrange(3, 90) for _ in range(length)]
+        k, v = torch.randn(2, length, 64, generator=g), torch.randn(2, length, 64, generator=g)  # [kv heads, keys, D]
+        q = torch.randn(4, 64, generator=g)
+        others = [[90 + i] + [rng.randrange(3, 90) for _ in range(rng.choice([30, 400, 1500]))] for i in range(5)]
+        rows = []
+        for batch in ([request], others[:2] + [request] + others[2:]):
+            pool, tree = make_tree(batch, chunk_size=32, num_kv_heads=2, head_dim=64)
+            seq_id = batch.index(request)
+            position = 0
+            for chunk, start, count in tree.segments(seq_id):  # the request's K/V, the same in both pools
+                pool.k[0][chunk, :, start:start + count] = k[:, position:position + count]
+                pool.v[0][chunk, :, start:start + count] = v[:, position:position + count]
+                position += count
+            plan = build_decode_plan(tree, tree.seq_ids, group=2)
+            queries = torch.randn(plan.num_seqs, 4, 64, generator=g)
+            row = plan.seq_ids.index(seq_id)
+            queries[row] = q
+            rows.append(tpp_decode_attention_cpu(queries, pool.k[0], pool.v[0], plan, 0.125, variant=variant)[row])
+        assert torch.equal(rows[0], rows[1]), length

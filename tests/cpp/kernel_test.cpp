@@ -188,12 +188,7 @@ double run_case(const Variant& variant, const Case& cs) {
   p.items = items.data(), p.num_items = static_cast<int>(items.size());
   const int64_t num_pairs = plan.seq_pair_ptr.back();
   std::vector<float> scratch(scratch_floats(num_pairs, n, H, KV, D, C, p.num_threads), std::nanf(""));
-  p.partial_o = scratch.data();
-  p.partial_m = p.partial_o + num_pairs * H * D;
-  p.partial_n = p.partial_m + num_pairs * H;
-  p.q_t = p.partial_n + num_pairs * H;
-  p.workspace = p.q_t + static_cast<int64_t>(KV) * D * q_t_stride(n, H, KV);
-  p.workspace_stride = workspace_floats(C, D, cs.group);
+  carve_scratch(p, scratch.data(), num_pairs);
   variant.run(p);
 
   double worst = 0;

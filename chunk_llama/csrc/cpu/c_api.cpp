@@ -172,12 +172,6 @@ void tpp_decode(const void* q, const void* k_cache, const void* v_cache, const G
   p.k_cache = k_cache;
   p.v_cache = v_cache;
   p.out = out;
-  p.partial_o = scratch;
-  p.partial_m = p.partial_o + num_pairs * num_heads * head_dim;
-  p.partial_n = p.partial_m + num_pairs * num_heads;
-  p.q_t = p.partial_n + num_pairs * num_heads;
-  p.workspace = p.q_t + static_cast<int64_t>(num_kv_heads) * head_dim * q_t_stride(num_seqs, num_heads, num_kv_heads);
-  p.workspace_stride = workspace_floats(chunk_size, head_dim, num_heads / num_kv_heads);
   p.num_threads = num_threads;
   p.shared_chunk_ids = shared_chunk_ids;
   p.shared_start = shared_start;
@@ -198,6 +192,7 @@ void tpp_decode(const void* q, const void* k_cache, const void* v_cache, const G
   p.head_dim = head_dim;
   p.chunk_size = chunk_size;
   p.num_shared = static_cast<int>(num_shared);
+  carve_scratch(p, scratch, num_pairs);
   p.max_private = static_cast<int>(width);
   p.dtype = kernel_dtype(dtype);
   p.scale = static_cast<float>(scale);

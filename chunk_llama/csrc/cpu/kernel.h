@@ -55,6 +55,19 @@ namespace CHUNK_ATTN_ISA {
 template <typename T, int D>
 void decode(const Params& p) {
   const int num_seq_items = p.num_seqs * p.num_kv_heads;
+  int max_parts = 1;  // phase 2's items: (sequence, KV head, part), parts innermost
+  for (int seq = 0; seq < p.num_seqs; ++seq) {
+    const int64_t begin = private_begin(p, seq), length = p.seq_lens[seq];
+    const int parts = num_parts(length > begin ? length - begin : 0);
+    max_parts = parts > max_parts ? parts : max_parts;
+  }
+  const int64_t num_part_items = static_cast<int64_t>(num_seq_items) * max_parts;
+#ifdef _OPENMP
+  // items taken a few at a time where there are many (an item past its sequence's parts is
+  // empty; one at a time, the shared counter's traffic would cost more than they do)
+  const int64_t spread = num_part_items / (16 * p.num_threads);
+  const int per_take = static_cast<int>(spread > 1 ? spread : 1);
+#endif
 #ifdef _OPENMP
 #pragma omp parallel num_threads(p.num_threads)
 #endif
@@ -76,9 +89,18 @@ void decode(const Params& p) {
     }
     // (implicit barrier) every partial is written before any merge reads it
 #ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, per_take)
 #endif
-    for (int i = 0; i < num_seq_items; ++i) seq_first_item<T, D>(p, i / p.num_kv_heads, i % p.num_kv_heads, ws);
+    for (int64_t i = 0; i < num_part_items; ++i) {
+      const int item = static_cast<int>(i / max_parts);
+      seq_first_item<T, D>(p, item / p.num_kv_heads, item % p.num_kv_heads, static_cast<int>(i % max_parts), ws);
+    }
+    if (max_parts > 1) {  // (implicit barrier) every part is written before its merge
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+      for (int i = 0; i < num_seq_items; ++i) merge_parts<T, D>(p, i / p.num_kv_heads, i % p.num_kv_heads, ws);
+    }
   }
 }
 

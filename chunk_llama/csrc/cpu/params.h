@@ -31,6 +31,9 @@ struct Params {
   float* partial_o;     // [num_pairs, num_heads, head_dim]
   float* partial_m;     // [num_pairs, num_heads]; -inf marks a slot merged into an earlier slot
   float* partial_n;     // [num_pairs, num_heads]
+  float* part_o;        // [num_seqs, kMaxParts, num_heads, head_dim]: phase 2's parts (see num_parts)
+  float* part_m;        // [num_seqs, kMaxParts, num_heads]
+  float* part_n;        // [num_seqs, kMaxParts, num_heads]
   float* q_t;           // [num_kv_heads, head_dim, q_t_stride]: Q^T per KV head, pre-scaled
   float* workspace;     // [num_threads, workspace_stride]: each thread's buffers
   // K/V are read by segment: slots [start, start + len) of one chunk, at consecutive
@@ -68,6 +71,22 @@ static inline int64_t window_start(int64_t pos, int window) { return window > 0 
 // pool keeps a guard chunk behind the last so that such a read stays in bounds.
 constexpr int kGuardRows = 16;
 
+// Phase 2 cuts a sequence's private keys into parts, each a work item per KV head, so that
+// one or two sequences still give every thread work (a batch of one has as many items as
+// KV heads otherwise: 3 for 2 threads, one thread doing two), and merges the parts in order.
+// The cut depends on the sequence's own keys only, never on the batch: a request's attention
+// is computed the same alone or among others. Parts are kPartKeys keys (the last fewer),
+// longer where that would make more than kMaxParts.
+constexpr int kPartKeys = 128;
+constexpr int kMaxParts = 16;
+static inline int64_t part_keys(int64_t keys) {
+  const int64_t spread = ((keys + kMaxParts - 1) / kMaxParts + 15) / 16 * 16;
+  return spread > kPartKeys ? spread : kPartKeys;
+}
+static inline int num_parts(int64_t keys) {
+  return keys <= kPartKeys ? 1 : static_cast<int>((keys + part_keys(keys) - 1) / part_keys(keys));
+}
+
 constexpr int kRowsPerItem = 128;  // bounds a phase-1 item's O buffer; more rows split into items
 constexpr int kMaxBlockRows = 64;  // widest phase-1 row block of any variant (kRowVecs * kLanes)
 
@@ -102,12 +121,28 @@ static inline int64_t workspace_floats(int chunk_size, int head_dim, int group) 
   return round_up(phase1 > phase2 ? phase1 : phase2, 16);
 }
 
-// Scratch floats the caller provides: partials, Q^T, then the threads' workspaces.
+// Scratch floats the caller provides: partials, phase 2's parts, Q^T, then the threads'
+// workspaces.
 static inline int64_t scratch_floats(int64_t num_pairs, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                                      int chunk_size, int num_threads) {
-  return num_pairs * num_heads * (head_dim + 2) +
+  return (num_pairs + static_cast<int64_t>(num_seqs) * kMaxParts) * num_heads * (head_dim + 2) +
          static_cast<int64_t>(num_kv_heads) * head_dim * q_t_stride(num_seqs, num_heads, num_kv_heads) +
          static_cast<int64_t>(num_threads) * workspace_floats(chunk_size, head_dim, num_heads / num_kv_heads);
+}
+
+// Points p's buffers into `scratch` (scratch_floats of them, in that function's order); p's
+// geometry (num_seqs, num_heads, num_kv_heads, head_dim, chunk_size) is set.
+static inline void carve_scratch(Params& p, float* scratch, int64_t num_pairs) {
+  const int64_t H = p.num_heads, D = p.head_dim, part_slots = static_cast<int64_t>(p.num_seqs) * kMaxParts * H;
+  p.partial_o = scratch;
+  p.partial_m = p.partial_o + num_pairs * H * D;
+  p.partial_n = p.partial_m + num_pairs * H;
+  p.part_o = p.partial_n + num_pairs * H;
+  p.part_m = p.part_o + part_slots * D;
+  p.part_n = p.part_m + part_slots;
+  p.q_t = p.part_n + part_slots;
+  p.workspace = p.q_t + static_cast<int64_t>(p.num_kv_heads) * D * q_t_stride(p.num_seqs, p.num_heads, p.num_kv_heads);
+  p.workspace_stride = workspace_floats(p.chunk_size, p.head_dim, p.num_heads / p.num_kv_heads);
 }
 
 // Entry points of the variants (one translation unit each, kernel_<isa>.cpp). Which

@@ -1,14 +1,14 @@
 // Phase 2 (sequence-first) of the CPU kernel, written once against the lane API.
 //
-// One work item per (sequence, KV head): online softmax over the sequence's private
-// segments for every head of the GQA group, then the merge with the sequence's
-// shared-segment partials. This phase reads each private K/V byte once and does little
-// math per byte, so it is bound by memory reads, and its loop order is chosen for
-// the hardware prefetchers: blocks of kLanes keys, each K and V row read whole and in
-// address order (reading eight rows side by side, a vector of each at a time, ran at
-// 60% of the speed), the rows reused from L1 by the other heads of the group, and the
-// next block's rows prefetched in software, which also covers the jump from one
-// segment to the next that the hardware prefetchers do not follow.
+// One work item per (sequence, KV head, part of its private keys: see num_parts): online
+// softmax over the part's keys for every head of the GQA group; then the merge of the
+// parts, in order, with the sequence's shared-segment partials. This phase reads each
+// private K/V byte once and does little math per byte, so it is bound by memory reads,
+// and its loop order is chosen for the hardware prefetchers: blocks of kLanes keys, each
+// K and V row read whole and in address order (reading eight rows side by side, a vector
+// of each at a time, ran at 60% of the speed), the rows reused from L1 by the other heads
+// of the group, and the rows a few blocks on prefetched in software, which also covers the
+// jump from one segment to the next that the hardware prefetchers do not follow.
 #pragma once
 
 namespace chunk_attn_cpu {
@@ -35,14 +35,19 @@ constexpr TailMask make_head_mask() {
 alignas(64) static constexpr TailMask kHeadMask = make_head_mask();
 
 // Prefetches kLanes K and V rows at `at` (one block; its rows are contiguous).
+// How far ahead the walk prefetches, in blocks, into L2 (hint 2): with the next block into
+// L1 only, the step's K/V (evicted from every cache by the weights' stream) arrived at 12-15
+// GB/s; 4 blocks ahead into L2, 15-18 (30 layers of 1,300 keys, 2 threads, Zen 4, 2026-11-25).
+constexpr int kPrefetchBlocks = 4;
+
 template <typename T, int D>
 inline void prefetch_block(const Params& p, int64_t at) {
   const char* k = reinterpret_cast<const char*>(static_cast<const T*>(p.k_cache) + at);
   const char* v = reinterpret_cast<const char*>(static_cast<const T*>(p.v_cache) + at);
   constexpr int kBytes = kLanes * D * sizeof(T);
   for (int off = 0; off < kBytes; off += 64) {
-    __builtin_prefetch(k + off, 0, 3);
-    __builtin_prefetch(v + off, 0, 3);
+    __builtin_prefetch(k + off, 0, 2);
+    __builtin_prefetch(v + off, 0, 2);
   }
 }
 
@@ -62,41 +67,32 @@ inline void accumulate_pv(float* o, const T* v, const float* probs, int num_keys
   for (int i = 0; i < NV; ++i) vstore(o + i * kLanes, out[i]);
 }
 
-template <typename T, int D>
-void seq_first_item(const Params& p, int seq, int kv_head, float* ws) {
-  constexpr int kVecs = D / kLanes;
-  const int H = p.num_heads, group = H / p.num_kv_heads;
-  float* q = ws;                // [group][D]
-  float* o = q + group * D;     // [group][D]
-  float* m = o + group * D;     // [group]
-  float* n = m + group;         // [group]
-  // the group's heads are consecutive: one run of group * D values
-  const T* q_src = static_cast<const T*>(p.q) + (static_cast<int64_t>(seq) * H + kv_head * group) * D;
-  const Vec q_scale = vset1(p.scale * kLog2e);
-  for (int i = 0; i < group * D; i += kLanes) {
-    vstore(q + i, vmul(vload(q_src + i), q_scale));
-    vstore(o + i, vzero());
-  }
-  for (int g = 0; g < group; ++g) m[g] = kNegInf, n[g] = 0.f;
+// The sequence's first private key the query sees: after its shared keys, and inside its window.
+inline int64_t private_begin(const Params& p, int seq) {
+  const int64_t first = p.num_shared_tokens[seq], window_first = window_start(p.seq_lens[seq] - 1, p.window);
+  return window_first > first ? window_first : first;
+}
 
-  const int64_t first = p.num_shared_tokens[seq], length = p.seq_lens[seq];
+// Online softmax of the GQA group's heads (q [group][D], pre-scaled by scale * log2(e))
+// over the sequence's private keys at positions [lo, hi), into o [group][D] (unnormalised),
+// m and n [group], which start empty (0, -inf, 0).
+template <typename T, int D>
+void private_keys(const Params& p, int seq, int kv_head, int64_t lo, int64_t hi, const float* q, float* o, float* m,
+                  float* n) {
+  constexpr int kVecs = D / kLanes;
+  const int group = p.num_heads / p.num_kv_heads;
   const int64_t* chunk_ids = p.private_chunk_ids + static_cast<int64_t>(seq) * p.max_private;
   const int64_t* starts = p.private_start + static_cast<int64_t>(seq) * p.max_private;
   const int64_t* positions = p.private_pos + static_cast<int64_t>(seq) * p.max_private;
-  // Under a sliding window the walk starts at the block holding the window's first
-  // key, and that block's earlier lanes are masked (the query's own key is private or
-  // shared, so the first block visited always has a visible key).
-  const int64_t window_first = window_start(length - 1, p.window);
-  const int64_t start = window_first > first ? window_first : first;
   alignas(64) float probs[kLanes];
   // Segment seg holds positions [positions[seg], its end): the next one's position, or the length.
   const auto segment_end = [&](int seg) {
     const int64_t next = seg + 1 < p.max_private ? positions[seg + 1] : kNoPosition;
-    return next < length ? next : length;
+    return next < hi ? next : hi;
   };
-  for (int seg = 0; seg < p.max_private && positions[seg] < length; ++seg) {
+  for (int seg = 0; seg < p.max_private && positions[seg] < hi; ++seg) {
     const int64_t t0 = positions[seg], end = segment_end(seg);
-    if (end <= start) continue;  // wholly before the window
+    if (end <= lo) continue;  // wholly before the range (the window, or an earlier part)
     const int count = static_cast<int>(end - t0);
     const int64_t base = chunk_offset(p, chunk_ids[seg], kv_head) + starts[seg] * D;
     const T* k = static_cast<const T*>(p.k_cache) + base;
@@ -104,15 +100,20 @@ void seq_first_item(const Params& p, int seq, int kv_head, float* ws) {
     // kLanes keys at a time, FlashAttention style: the scores of the block for one head,
     // the online-softmax update, then the block's V rows into O, so the K and V rows
     // are read together (two streams in flight); the block's rows stay in L1 for the
-    // other heads of the group.
-    for (int j0 = static_cast<int>(t0 < start ? (start - t0) / kLanes * kLanes : 0); j0 < count; j0 += kLanes) {
-      // the next block's rows, in this segment or at the start of the next
-      if (j0 + kLanes < count)
-        prefetch_block<T, D>(p, base + static_cast<int64_t>(j0 + kLanes) * D);
-      else if (seg + 1 < p.max_private && positions[seg + 1] < length)
-        prefetch_block<T, D>(p, chunk_offset(p, chunk_ids[seg + 1], kv_head) + starts[seg + 1] * D);
+    // other heads of the group. The block holding the range's first key masks the keys
+    // before it.
+    for (int j0 = static_cast<int>(t0 < lo ? (lo - t0) / kLanes * kLanes : 0); j0 < count; j0 += kLanes) {
+      // the rows kPrefetchBlocks blocks on, in this segment or in the next
+      constexpr int kAhead = kPrefetchBlocks * kLanes;
+      if (j0 + kAhead < count)
+        prefetch_block<T, D>(p, base + static_cast<int64_t>(j0 + kAhead) * D);
+      else if (seg + 1 < p.max_private && positions[seg + 1] < hi) {
+        const int64_t into = j0 + kAhead - (count + kLanes - 1) / kLanes * kLanes;
+        if (into >= 0 && into < p.chunk_size - starts[seg + 1])
+          prefetch_block<T, D>(p, chunk_offset(p, chunk_ids[seg + 1], kv_head) + (starts[seg + 1] + into) * D);
+      }
       const int num_keys = count - j0 < kLanes ? count - j0 : kLanes;
-      const int skip = static_cast<int>(start - (t0 + j0) > 0 ? start - (t0 + j0) : 0);  // < kLanes
+      const int skip = static_cast<int>(lo - (t0 + j0) > 0 ? lo - (t0 + j0) : 0);  // < kLanes
       const T* kb = k + static_cast<int64_t>(j0) * D;
       const T* vb = v + static_cast<int64_t>(j0) * D;
       for (int g = 0; g < group; ++g) {
@@ -153,32 +154,90 @@ void seq_first_item(const Params& p, int seq, int kv_head, float* ws) {
       }
     }
   }
+}
 
-  // Merge the shared partials (slots seq_pair_ptr[seq] ..) and normalise.
+// One head's output: its private partials (num_parts of them, in order: o at o0 + i *
+// o_stride, m and n at m0, n0 + i * mn_stride) merged with the sequence's shared partials,
+// normalised, into out. o_acc [D]: a buffer (it may be o0).
+template <typename T, int D>
+void merge_head(const Params& p, int seq, int head, int num_parts, const float* o0, const float* m0, const float* n0,
+                int64_t o_stride, int64_t mn_stride, float* o_acc) {
+  const int H = p.num_heads;
   const int64_t pair_begin = p.seq_pair_ptr[seq], pair_end = p.seq_pair_ptr[seq + 1];
-  T* out = static_cast<T*>(p.out);
+  float m_all = m0[0];
+  for (int i = 1; i < num_parts; ++i) m_all = m_all > m0[i * mn_stride] ? m_all : m0[i * mn_stride];
+  for (int64_t i = pair_begin; i < pair_end; ++i) {
+    const float m_i = p.partial_m[i * H + head];
+    m_all = m_all > m_i ? m_all : m_i;
+  }
+  const float own = exp2_scalar(m0[0] - m_all);  // 0 when the sequence has no private token
+  float n_all = n0[0] * own;
+  for (int d = 0; d < D; d += kLanes) vstore(o_acc + d, vmul(vload(o0 + d), vset1(own)));
+  for (int i = 1; i < num_parts; ++i) {  // the later parts, in order
+    const float weight = exp2_scalar(m0[i * mn_stride] - m_all);
+    n_all += n0[i * mn_stride] * weight;
+    const float* po = o0 + i * o_stride;
+    for (int d = 0; d < D; d += kLanes) vstore(o_acc + d, vfma(vset1(weight), vload(po + d), vload(o_acc + d)));
+  }
+  for (int64_t i = pair_begin; i < pair_end; ++i) {
+    const float m_i = p.partial_m[i * H + head];
+    if (m_i == kNegInf) continue;  // merged into an earlier slot of its segment
+    const float weight = exp2_scalar(m_i - m_all);
+    n_all += p.partial_n[i * H + head] * weight;
+    const float* po = p.partial_o + (i * H + head) * D;
+    for (int d = 0; d < D; d += kLanes) vstore(o_acc + d, vfma(vset1(weight), vload(po + d), vload(o_acc + d)));
+  }
+  const Vec inv = vset1(1.f / n_all);
+  T* row = static_cast<T*>(p.out) + (static_cast<int64_t>(seq) * H + head) * D;
+  for (int d = 0; d < D; d += kLanes) vstore(row + d, vmul(vload(o_acc + d), inv));
+}
+
+// Work item (sequence, KV head, part) of phase 2 (see num_parts): the part's keys for the
+// group's heads; a sequence of one part is merged and written at once, the parts of a
+// longer one go to their slots for merge_parts. A part past the sequence's last: nothing.
+template <typename T, int D>
+void seq_first_item(const Params& p, int seq, int kv_head, int part, float* ws) {
+  const int H = p.num_heads, group = H / p.num_kv_heads;
+  const int64_t begin = private_begin(p, seq), length = p.seq_lens[seq];
+  const int64_t keys = length > begin ? length - begin : 0;
+  const int parts = num_parts(keys);
+  if (part >= parts) return;
+  float* q = ws;             // [group][D]
+  float* o = q + group * D;  // [group][D]
+  float* m = o + group * D;  // [group]
+  float* n = m + group;      // [group]
+  // the group's heads are consecutive: one run of group * D values
+  const T* q_src = static_cast<const T*>(p.q) + (static_cast<int64_t>(seq) * H + kv_head * group) * D;
+  const Vec q_scale = vset1(p.scale * kLog2e);
+  for (int i = 0; i < group * D; i += kLanes) {
+    vstore(q + i, vmul(vload(q_src + i), q_scale));
+    vstore(o + i, vzero());
+  }
+  for (int g = 0; g < group; ++g) m[g] = kNegInf, n[g] = 0.f;
+  const int64_t lo = begin + part * part_keys(keys), hi = lo + part_keys(keys) < length ? lo + part_keys(keys) : length;
+  private_keys<T, D>(p, seq, kv_head, lo, hi, q, o, m, n);
+  if (parts == 1) {
+    for (int g = 0; g < group; ++g) merge_head<T, D>(p, seq, kv_head * group + g, 1, o + g * D, m + g, n + g, 0, 0, o + g * D);
+    return;
+  }
+  const int64_t slot = (static_cast<int64_t>(seq) * kMaxParts + part) * H + kv_head * group;
+  std::memcpy(p.part_o + slot * D, o, sizeof(float) * group * D);
+  std::memcpy(p.part_m + slot, m, sizeof(float) * group);
+  std::memcpy(p.part_n + slot, n, sizeof(float) * group);
+}
+
+// After every part is written: a sequence of several parts, its group's heads merged and
+// written (ws: D floats of the thread's workspace).
+template <typename T, int D>
+void merge_parts(const Params& p, int seq, int kv_head, float* ws) {
+  const int H = p.num_heads, group = H / p.num_kv_heads;
+  const int64_t begin = private_begin(p, seq), length = p.seq_lens[seq];
+  const int parts = num_parts(length > begin ? length - begin : 0);
+  if (parts == 1) return;  // (written by its item)
   for (int g = 0; g < group; ++g) {
-    const int head = kv_head * group + g;
-    float m_all = m[g];
-    for (int64_t i = pair_begin; i < pair_end; ++i) {
-      const float m_i = p.partial_m[i * H + head];
-      m_all = m_all > m_i ? m_all : m_i;
-    }
-    const float own = exp2_scalar(m[g] - m_all);  // 0 when the sequence has no private token
-    float n_all = n[g] * own;
-    float* og = o + g * D;
-    for (int d = 0; d < D; d += kLanes) vstore(og + d, vmul(vload(og + d), vset1(own)));
-    for (int64_t i = pair_begin; i < pair_end; ++i) {
-      const float m_i = p.partial_m[i * H + head];
-      if (m_i == kNegInf) continue;  // merged into an earlier slot of its segment
-      const float weight = exp2_scalar(m_i - m_all);
-      n_all += p.partial_n[i * H + head] * weight;
-      const float* po = p.partial_o + (i * H + head) * D;
-      for (int d = 0; d < D; d += kLanes) vstore(og + d, vfma(vset1(weight), vload(po + d), vload(og + d)));
-    }
-    const Vec inv = vset1(1.f / n_all);
-    T* row = out + (static_cast<int64_t>(seq) * H + head) * D;
-    for (int d = 0; d < D; d += kLanes) vstore(row + d, vmul(vload(og + d), inv));
+    const int64_t slot = static_cast<int64_t>(seq) * kMaxParts * H + kv_head * group + g;
+    merge_head<T, D>(p, seq, kv_head * group + g, parts, p.part_o + slot * D, p.part_m + slot, p.part_n + slot,
+                     static_cast<int64_t>(H) * D, H, ws);
   }
 }
 
