@@ -69,6 +69,14 @@ def prompts(seed: int) -> list[list[int]]:
     return [systems[i % 2] + [rng.randrange(6, 96) for _ in range(rng.randint(1, 9))] for i in range(5)]
 
 
+@pytest.fixture(autouse=True)
+def fresh_logs():
+    """Each reason is logged once per process: tests that count the lines start afresh (a test
+    elsewhere may have logged the same reason first)."""
+    fused_layers._log_once.cache_clear()
+    fused_stack._log_once.cache_clear()
+
+
 @pytest.fixture
 def fused_calls(monkeypatch):
     """Spies on the C calls: [(rows, whether the plan reorders them, the layer's K pool address)] per

@@ -7,8 +7,9 @@ at every call (tens of microseconds a processor), and `MinLengthLogitsProcessor`
 with `min_new_tokens`) build a vocabulary-sized mask every step, even after their minimum is
 reached (about 0.2 ms each a step at a 49k vocabulary). Here the signature is read once per
 processor class, and those two processors' outputs are made with one copy and an indexed
-fill (no copy once the minimum is reached): the same values, bit for bit (`torch.where(mask, -inf, scores)` and `scores` with
-those entries set to -inf hold the same values).
+fill (no copy once the minimum is reached): the same values, bit for bit
+(`torch.where(mask, -inf, scores)` and `scores` with those entries set to -inf hold the
+same values).
 """
 
 from __future__ import annotations
