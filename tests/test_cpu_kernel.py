@@ -167,7 +167,8 @@ def test_glue_refuses_a_variant_the_cpu_cannot_run():
 def test_long_private_keys_run_in_parts(variant, window):
     """Phase 2 cuts a sequence's private keys into parts (128 keys, at most 16 parts: longer
     parts past 2,048 keys), merged in order: one sequence of 2,517 keys, one of 1,000 and one
-    of 40 beside a shared prefix of 300, with and without a sliding window."""
+    of 340 sharing a prefix of 300, and one of 129 (a last part of one key), with and without
+    a sliding window."""
     from chunk_llama.ops import reference
     from chunk_llama.ops.cpu import tpp_decode_attention_cpu
 

@@ -24,6 +24,7 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from chunk_llama.hf import compat, fused_stack
+from chunk_llama.hf.snapshot import GLOBAL_HOOKS
 from chunk_llama.ops.jit import setting
 
 ENV = "CHUNK_LLAMA_DECODE_FORWARD"
@@ -31,7 +32,6 @@ CAUSAL_LMS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausa
                         "Phi3ForCausalLM"})
 _ARGUMENTS = frozenset({"input_ids", "position_ids", "use_cache", "logits_to_keep", "cache", "past_key_values",
                         "attention_mask"})
-_GLOBAL_HOOKS = (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks)
 
 
 def applies(forward, kwargs: dict) -> bool:
@@ -42,21 +42,20 @@ def applies(forward, kwargs: dict) -> bool:
     if model is None or getattr(forward, "__func__", None) is not type(model).forward:
         return False  # (a forward the model's class does not define: a wrapper of it may do more)
     inner = model.__dict__["_modules"].get("model")
-    return (_plain(type(model)) and inner is not None and _plain(type(inner))
-            and type(inner).__name__ in fused_stack.STACK_MODELS
+    return (_plain(type(model), CAUSAL_LMS) and inner is not None and _plain(type(inner), fused_stack.STACK_MODELS)
             and kwargs.keys() <= _ARGUMENTS and kwargs.get("attention_mask") is None
             and kwargs.get("use_cache", True) and kwargs.get("logits_to_keep") == 1
             and kwargs.get("input_ids") is not None and kwargs.get("position_ids") is not None
             and not (model.training or torch.is_grad_enabled() or "forward" in inner.__dict__
                      or model._forward_hooks or model._forward_pre_hooks or inner._forward_hooks
-                     or inner._forward_pre_hooks or any(_GLOBAL_HOOKS))
+                     or inner._forward_pre_hooks or any(GLOBAL_HOOKS))
             and setting(ENV, "1") != "0")
 
 
-def _plain(cls: type) -> bool:
-    """A transformers class whose forward is the one its modeling file defines."""
-    return (cls.__name__ in CAUSAL_LMS or cls.__name__ in fused_stack.STACK_MODELS) and \
-        cls.__module__.startswith("transformers.") and cls.forward.__module__ == cls.__module__
+def _plain(cls: type, names: frozenset) -> bool:
+    """A transformers class named in `names` whose forward is the one its modeling file defines."""
+    return cls.__name__ in names and cls.__module__.startswith("transformers.") and \
+        cls.forward.__module__ == cls.__module__
 
 
 def run(model: nn.Module, step, kwargs: dict) -> CausalLMOutputWithPast:

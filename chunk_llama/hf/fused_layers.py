@@ -32,7 +32,7 @@ from torch import nn
 
 from chunk_llama.hf import fused_stack
 from chunk_llama.hf.gguf_weights import GGUFLinear
-from chunk_llama.hf.snapshot import Snapshot
+from chunk_llama.hf.snapshot import GLOBAL_HOOKS, Snapshot
 from chunk_llama.ops import cpu_lib
 from chunk_llama.ops import quant_linear as quant_ops
 from chunk_llama.ops.cpu import CpuDecode
@@ -166,7 +166,7 @@ def _fused(layer: nn.Module, step, hidden: torch.Tensor, position_embeddings, st
 def _current(layer: nn.Module) -> "_Described":
     """The layer's description, made again if what it was read from changed."""
     described = layer._chunk_llama_fused
-    if described is None or described.stale():
+    if described is None or described.snapshot.stale():
         described = layer._chunk_llama_fused = _describe(layer)
     return described
 
@@ -208,9 +208,6 @@ class _Described:
             self.hidden_size = struct.hidden_size
             self.float32_weights = any(getattr(struct, field).type == 0 for field in _WEIGHT_FIELDS)
 
-    def stale(self) -> bool:
-        return self.snapshot.stale()
-
 
 def _modules(layer: nn.Module, family: Family) -> tuple:
     """(layer, attention, MLP, activation, the four norm slots, q and k norms, the seven
@@ -234,7 +231,7 @@ def _tensors(modules: tuple) -> tuple:
 def _hooked(modules: tuple) -> bool:
     """Whether a hook would run inside the layer (the fused call would skip it)."""
     return any(module._forward_hooks or module._forward_pre_hooks for module in modules[1:] if module is not None) \
-        or bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+        or any(GLOBAL_HOOKS)
 
 
 def _describe(layer: nn.Module) -> _Described:

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 _BIAS = itertools.repeat("bias")
-_GLOBAL_HOOKS = (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks)
+# torch's hook dicts that run around every module's forward
+GLOBAL_HOOKS = (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks)
 
 
 class Snapshot:
@@ -32,7 +33,7 @@ class Snapshot:
 
     def __init__(self, dicts: tuple, attribute_dicts: tuple, tensors: tuple, hook_dicts: tuple):
         self._dicts, self._attribute_dicts, self._tensors = dicts, attribute_dicts, tensors
-        self._hooks = tuple({id(d): d for d in (*hook_dicts, *_GLOBAL_HOOKS)}.values())
+        self._hooks = tuple({id(d): d for d in (*hook_dicts, *GLOBAL_HOOKS)}.values())
         self._lengths = tuple(map(len, dicts))
         self._values = tuple(itertools.chain.from_iterable(map(dict.values, dicts)))
         self._biases = tuple(map(dict.get, attribute_dicts, _BIAS))

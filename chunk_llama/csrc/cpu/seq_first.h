@@ -214,10 +214,11 @@ void seq_first_item(const Params& p, int seq, int kv_head, int part, float* ws) 
     vstore(o + i, vzero());
   }
   for (int g = 0; g < group; ++g) m[g] = kNegInf, n[g] = 0.f;
-  const int64_t lo = begin + part * part_keys(keys), hi = lo + part_keys(keys) < length ? lo + part_keys(keys) : length;
+  const int64_t span = part_keys(keys), lo = begin + part * span, hi = lo + span < length ? lo + span : length;
   private_keys<T, D>(p, seq, kv_head, lo, hi, q, o, m, n);
   if (parts == 1) {
-    for (int g = 0; g < group; ++g) merge_head<T, D>(p, seq, kv_head * group + g, 1, o + g * D, m + g, n + g, 0, 0, o + g * D);
+    for (int g = 0; g < group; ++g)
+      merge_head<T, D>(p, seq, kv_head * group + g, 1, o + g * D, m + g, n + g, 0, 0, o + g * D);
     return;
   }
   const int64_t slot = (static_cast<int64_t>(seq) * kMaxParts + part) * H + kv_head * group;
