@@ -19,7 +19,7 @@ CPU_SRC = ROOT / "chunk_llama" / "csrc" / "cpu"
 DRIVER = ROOT / "tests" / "cpp" / "kernel_test.cpp"
 PREFILL_CASES = ROOT / "tests" / "cpp" / "prefill_cases.cpp"  # linked beside the driver
 # -O2 without OpenMP: the kernel runs its items serially, which is all a correctness test needs
-FLAGS = ["-std=c++17", "-O2", "-fno-math-errno", "-fno-trapping-math", "-Wall", "-Wextra", "-Werror",
+FLAGS = ["-std=c++17", "-O2", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-Wall", "-Wextra", "-Werror",
          "-Wno-psabi", "-Wno-unknown-pragmas", f"-I{CPU_SRC}", f"-I{ROOT / 'tests' / 'cpp'}"]
 
 

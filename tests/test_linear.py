@@ -1,6 +1,8 @@
 """Linear layers in chunk-llama's forwards (`ops/linear.py`): the CPU kernel's
-`small_linear` for few rows, oneDNN for more, float32 on x86 CPUs, each as close to the
-float64 result as `F.linear` is; `F.linear` itself everywhere else."""
+`small_linear` for every row count (a row's result the same whatever rows come with it),
+oneDNN beyond SMALL_ROWS rows only where CHUNK_LLAMA_LINEAR=onednn asks, float32 on x86
+CPUs, each as close to the float64 result as `F.linear` is; `F.linear` itself everywhere
+else."""
 
 import copy
 import logging
@@ -70,8 +72,10 @@ def test_small_linear_rejects_bad_tensors():
 
 
 @x86_only
+@pytest.mark.parametrize("choice", ["auto", "onednn"])
 @pytest.mark.parametrize("rows", [1, 129, 300])
-def test_linear_takes_small_linear_up_to_its_rows_then_onednn(rows, monkeypatch):
+def test_linear_takes_small_linear_for_every_row_count_unless_onednn_is_asked_for(rows, choice, monkeypatch):
+    monkeypatch.setenv(linear.ENV, choice)
     assert linear.onednn_unavailable_reason() is None  # (its one-time check runs here)
     calls = []
     onednn = linear._onednn
@@ -79,8 +83,26 @@ def test_linear_takes_small_linear_up_to_its_rows_then_onednn(rows, monkeypatch)
     x, weight, b = random_layer(rows, 576, 130, True)
     out = linear.linear(x.view(1, rows, 576), weight, b)
     check_against_float64(out[0], x, weight, b)
-    assert calls == ([] if rows <= linear.SMALL_ROWS else ["onednn"])
+    assert calls == (["onednn"] if choice == "onednn" and rows > linear.SMALL_ROWS else [])
     assert linear.linear(x.bfloat16(), weight.bfloat16()).dtype == torch.bfloat16  # F.linear: oneDNN already
+
+
+@x86_only
+@pytest.mark.parametrize("variant", _variant_params())
+@pytest.mark.parametrize("in_features", [37, 576, 1536])
+def test_a_row_is_the_same_whatever_rows_come_with_it(variant, in_features):
+    """Every row count runs the same arithmetic per output (whole tiles, narrower tiles, row
+    blocks, in_features taken in parts): a row's result is bit for bit its result alone."""
+    from chunk_llama.ops.cpu import build
+
+    module = build()
+    x, weight, b = random_layer(700, in_features, 37, True, seed=3)
+    together = module.small_linear(x, weight, b, variant)
+    for row in (0, 1, 5, 129, 698, 699):
+        alone = module.small_linear(x[row:row + 1].contiguous(), weight, b, variant)
+        assert torch.equal(together[row:row + 1], alone), f"row {row} of 700 differs from the row alone"
+    for rows in (3, 17, 260):  # and in batches of other sizes, starting elsewhere
+        assert torch.equal(module.small_linear(x[7:7 + rows].contiguous(), weight, b, variant), together[7:7 + rows])
 
 
 def test_a_weight_or_bias_the_kernels_cannot_read_goes_to_f_linear():
@@ -97,7 +119,7 @@ def test_a_weight_or_bias_the_kernels_cannot_read_goes_to_f_linear():
 def test_only_forwards_on_a_chunk_cache_take_them(monkeypatch):
     stock = tiny_llama()
     patched = patch_model(copy.deepcopy(stock))
-    assert "onednn" in linear.backend(torch.float32)  # (oneDNN's one-time check runs here)
+    assert linear.backend(torch.float32).startswith("small_linear:")
     calls = []
     run = linear._run  # what the step's linear function calls (resolved once per step)
     monkeypatch.setattr(linear, "_run", lambda *args: calls.append(1) or run(*args))
@@ -119,20 +141,24 @@ def test_the_user_keeps_f_linear(monkeypatch, caplog):
         assert torch.equal(linear.linear(x, weight), F.linear(x, weight)) and linear.backend(torch.float32) == "torch"
     assert not caplog.records  # a choice, not a fallback
     monkeypatch.setenv(linear.ENV, "fast")
-    with pytest.raises(ValueError, match="CHUNK_LLAMA_LINEAR must be auto or torch"):
+    with pytest.raises(ValueError, match="CHUNK_LLAMA_LINEAR must be one of auto, onednn, torch"):
         linear.backend(torch.float32)
 
 
 @x86_only
-def test_a_failing_onednn_leaves_many_rows_to_f_linear_and_says_why(monkeypatch, caplog):
+def test_a_failing_onednn_leaves_many_rows_to_small_linear_and_says_why(monkeypatch, caplog):
+    monkeypatch.setenv(linear.ENV, "onednn")
+
     def broken(*args):
         raise RuntimeError("no primitive")
 
     monkeypatch.setattr(linear, "_onednn", broken)
+    from chunk_llama.ops.cpu import build
+
     with caplog.at_level(logging.WARNING, logger="chunk_llama.ops.linear"):
-        assert linear.backend(torch.float32).startswith("small_linear:") and linear.backend(torch.float32)
+        assert linear.backend(torch.float32) == f"small_linear:{linear.isa.selected_variant()}"
         x, weight, _ = random_layer(200, 8, 5, False)
-        assert torch.equal(linear.linear(x, weight), F.linear(x, weight))
+        assert torch.equal(linear.linear(x, weight), build().small_linear(x, weight, None, linear.isa.selected_variant()))
     assert [r.getMessage() for r in caplog.records] == [
-        "chunk-llama: float32 linear layers: many rows run F.linear (MKL), not oneDNN: oneDNN linear failed its "
+        "chunk-llama: float32 linear layers: many rows run small_linear, not oneDNN: oneDNN linear failed its "
         "check: no primitive"]

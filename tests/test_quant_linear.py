@@ -90,25 +90,27 @@ def test_linear_on_blocks_every_variant(variant, ggml_type, rows, out_features):
 @pytest.mark.parametrize("ggml_type", FORMATS)
 def test_a_row_is_the_same_whatever_rows_come_with_it(variant, ggml_type):
     """A decode step's few rows decode the blocks in registers, more rows go through a buffer
-    of the decoded groups: the same arithmetic in the same order, so each row's outputs are
-    bit for bit the same alone, in a small batch or in a large one (batch invariance)."""
-    in_features = 3 * block_width(ggml_type)
-    blocks = torch.from_numpy(random_blocks(ggml_type, 37, in_features, seed=7))  # 9 tiles of 4, and 1
-    x = torch.randn(11, in_features, generator=torch.Generator().manual_seed(7))
-    bias = torch.randn(37, generator=torch.Generator().manual_seed(8))
-    call = build().quant_linear_call(ops.GGML_TYPES[ggml_type], in_features, variant)
-    together = call(x, blocks, bias)
-    for start, stop in [(0, 1), (1, 2), (4, 5), (10, 11), (2, 4), (5, 8)]:
-        alone = call(x[start:stop].contiguous(), blocks, bias)
-        assert torch.equal(alone, together[start:stop]), \
-            f"{ggml_type} ({variant}): rows {start}..{stop} alone differ from the 11-row call by " \
-            f"{(alone - together[start:stop]).abs().max().item():.3g}"
+    of the decoded groups, a block of rows at a time, rows wider than the kernel's split taken
+    in parts: the same arithmetic in the same order, so each row's outputs are bit for bit the
+    same alone, in a small batch or in a large one (batch invariance)."""
+    for width, num_rows in ((3 * block_width(ggml_type), 11), (-(-800 // block_width(ggml_type)) * block_width(ggml_type), 400)):
+        blocks = torch.from_numpy(random_blocks(ggml_type, 37, width, seed=7))  # 9 tiles of 4, and 1
+        x = torch.randn(num_rows, width, generator=torch.Generator().manual_seed(7))
+        bias = torch.randn(37, generator=torch.Generator().manual_seed(8))
+        call = build().quant_linear_call(ops.GGML_TYPES[ggml_type], width, variant)
+        together = call(x, blocks, bias)
+        for start, stop in [(0, 1), (1, 2), (4, 5), (10, 11), (2, 4), (5, 8), (num_rows - 3, num_rows)]:
+            alone = call(x[start:stop].contiguous(), blocks, bias)
+            assert torch.equal(alone, together[start:stop]), \
+                f"{ggml_type} ({variant}, {width} wide): rows {start}..{stop} alone differ from the {num_rows}-row " \
+                f"call by {(alone - together[start:stop]).abs().max().item():.3g}"
 
 
 @pytest.mark.parametrize("rows", [1, SMALL_ROWS, SMALL_ROWS + 45])
 def test_the_layer_on_few_and_many_rows(rows):
-    """Up to SMALL_ROWS through the kernel, beyond through the decoded weight and oneDNN;
-    a 3-d input keeps its leading dimensions."""
+    """Every row count through the kernel (CHUNK_LLAMA_LINEAR=onednn: beyond SMALL_ROWS through
+    the decoded weight and oneDNN, tested in test_linear's choice); a 3-d input keeps its
+    leading dimensions."""
     blocks = random_blocks("Q4_K", 70, 512, seed=rows)
     weight = gguf_py_decoded(blocks, "Q4_K")
     x = torch.randn(1, rows, 512, generator=torch.Generator().manual_seed(1))

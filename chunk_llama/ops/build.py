@@ -26,8 +26,11 @@ CSRC = Path(__file__).resolve().parents[1] / "csrc"  # the kernel sources, insid
 NATIVE_SUFFIXES = (".h", ".cuh", ".cu", ".cpp")  # what a build reads (and its digest covers)
 # Baseline flags for every CPU file: each variant raises its own target with a pragma, so
 # the glue (and the shared library) runs on any CPU of the architecture. Only the C
-# interface is exported (c_api.h marks it).
-CPU_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++17", "-fPIC",
+# interface is exported (c_api.h marks it). No contraction of a * b + c into an FMA: GCC
+# contracts C++ (vector intrinsics included) where it sees both operations, which differs
+# between the inlined copies of one expression; the kernels write each FMA they mean, so
+# that two code paths that must agree bit for bit (batch invariance) round the same way.
+CPU_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-std=c++17", "-fPIC",
              "-fvisibility=hidden")
 CUDA_FLAGS = ("-O3", "-std=c++17", "--use_fast_math", "-Xcompiler", "-fPIC,-fvisibility=hidden")
 # What a wheel's CUDA library holds (CHUNK_LLAMA_CUDA_ARCHS overrides it at build time): a

@@ -1,21 +1,24 @@
 """The model's linear layers during chunk-llama's forwards, on x86 CPUs in float32.
 
-torch runs a float32 `F.linear` on the CPU through MKL, whose fast paths are for
-Intel CPUs: on the project's AMD EPYC (Zen 5) it reaches about 210 GFLOP/s at 1,024
-rows and 120 at 16. The layers are 80% of a forward's time, so the engine's forwards
-run them on two faster paths, both on the weights in place (no packed copy, so no
-second copy of the model):
-- few rows (a decode step: one per sequence, up to SMALL_ROWS): the CPU kernel's
-  `small_linear` (`csrc/cpu/linear.h`), in the variant the attention kernels use,
-  about 350 GFLOP/s at 16 rows with AVX-512 and 210 with AVX2;
-- more rows (prefill): oneDNN (torch's bundled `mkldnn`, the library torch already uses
-  for bfloat16 matmuls; `torch.ops.mkldnn._linear_pointwise` on the plain layout),
-  about 430 GFLOP/s at 1,024 rows.
+torch runs a float32 `F.linear` on the CPU through MKL, whose fast paths are for Intel
+CPUs, and MKL and oneDNN both choose their kernels (and so the order in which they round)
+by the number of rows: a request's numbers would then depend on what else is in its
+batch and on how its prompt was split into prefill pieces. The engine's forwards run the
+layers through the CPU kernel's `small_linear` (`csrc/cpu/linear.h`) instead, for every
+row count: each output is one dot product along in_features in a fixed order, whatever
+rows come with it (batch invariance), on the weights in place (no packed copy, so no
+second copy of the model). On the project's AMD EPYC (Zen 5, AVX-512) it runs at about
+330 GFLOP/s at 16 rows (oneDNN 180-250) and 420-440 at 2,048 rows of 576 inputs (oneDNN
+420-460; 0.8x oneDNN's at 1,536 inputs).
+`CHUNK_LLAMA_LINEAR`:
+- `auto` (the default): `small_linear` for every row count;
+- `onednn`: `small_linear` up to SMALL_ROWS rows, oneDNN (torch's bundled `mkldnn`,
+  `torch.ops.mkldnn._linear_pointwise` on the plain layout) beyond: prefills of wide
+  layers up to 1.25x faster, but a row's result then depends on the rows beside it;
+- `torch`: `F.linear` everywhere.
 Everything else keeps `F.linear`: other dtypes, devices and architectures, and any
 forward without a `ChunkCache` (a patched model then still computes exactly what stock
-does). All paths round in float32, in their own orders.
-
-`CHUNK_LLAMA_LINEAR=torch` keeps `F.linear` everywhere. The oneDNN path is checked
+does). All paths round in float32, in their own orders. The oneDNN path is checked
 against `F.linear` once per process before first use; if it is missing or disagrees,
 `F.linear` runs and the reason is logged once (as is a missing CPU kernel).
 """
@@ -34,17 +37,18 @@ from chunk_llama.ops.jit import force_reference, setting
 
 logger = logging.getLogger(__name__)
 ENV = "CHUNK_LLAMA_LINEAR"
-# Rows up to which `small_linear` beats oneDNN (measured at 1 .. 128 rows, in 576 out
-# 1536 and the LM head, with AVX-512 and with AVX2 on both sides).
+CHOICES = ("auto", "onednn", "torch")
+# With CHUNK_LLAMA_LINEAR=onednn: the rows up to which `small_linear` runs (it beats oneDNN
+# there: measured at 1 .. 128 rows, in 576 out 1536 and the LM head, AVX-512 and AVX2).
 SMALL_ROWS = 128
 
 
-def _chosen() -> bool:
-    """Whether chunk-llama's paths may run (not CHUNK_LLAMA_LINEAR=torch, an x86-64 CPU)."""
+def _choice() -> str | None:
+    """CHUNK_LLAMA_LINEAR where chunk-llama's paths may run (an x86-64 CPU), else None."""
     choice = setting(ENV, "auto")
-    if choice not in ("auto", "torch"):
-        raise ValueError(f"{ENV} must be auto or torch, got {choice!r}")
-    return choice == "auto" and isa.host_arch() == "x86_64"
+    if choice not in CHOICES:
+        raise ValueError(f"{ENV} must be one of {', '.join(CHOICES)}, got {choice!r}")
+    return choice if choice != "torch" and isa.host_arch() == "x86_64" else None
 
 
 @functools.cache
@@ -74,12 +78,13 @@ def _small_linear_of(variant: str):
 
 
 def _paths(dtype: torch.dtype, device: torch.device | str):
-    """(small_linear op or None, whether oneDNN runs) for a model of this dtype and device,
-    or None where `F.linear` runs everything."""
-    if torch.device(device).type != "cpu" or dtype != torch.float32 or not _chosen():
+    """(small_linear op or None, whether oneDNN runs many rows) for a model of this dtype and
+    device, or None where `F.linear` runs everything."""
+    choice = None if torch.device(device).type != "cpu" or dtype != torch.float32 else _choice()
+    if choice is None:
         return None
     small = None if force_reference() else _small_linear_of(isa.selected_variant())
-    onednn = onednn_unavailable_reason() is None
+    onednn = choice == "onednn" and onednn_unavailable_reason() is None
     return (small, onednn) if small is not None or onednn else None
 
 
@@ -91,7 +96,7 @@ def _run(small, onednn: bool, x: torch.Tensor, weight: torch.Tensor, bias: torch
                                                              and bias.is_contiguous()))):
         return F.linear(x, weight, bias)
     flat = x.reshape(-1, x.shape[-1])
-    if small is not None and flat.shape[0] <= SMALL_ROWS:
+    if small is not None and not (onednn and flat.shape[0] > SMALL_ROWS):
         out = small(flat.contiguous(), weight, bias)
     elif onednn:
         out = _onednn(flat.contiguous(), weight, bias)
@@ -103,8 +108,8 @@ def _run(small, onednn: bool, x: torch.Tensor, weight: torch.Tensor, bias: torch
 def resolve(dtype: torch.dtype, device: torch.device | str):
     """What a model of this dtype and device runs its linear layers with in chunk-llama's
     forwards: `fn(x, weight, bias)` (`F.linear`'s contract: x [..., in_features], weight
-    [out_features, in_features]) through `small_linear` or oneDNN, or None for `F.linear`.
-    Chosen once per step (the settings are read here)."""
+    [out_features, in_features]) through `small_linear` (or oneDNN, see the module), or
+    None for `F.linear`. Chosen once per step (the settings are read here)."""
     paths = _paths(dtype, device)
     return None if paths is None else functools.partial(_run, *paths)
 
@@ -115,22 +120,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias) if fn is None else fn(x, weight, bias)
 
 
+def many_rows_onednn() -> bool:
+    """Whether rows beyond SMALL_ROWS go to oneDNN (CHUNK_LLAMA_LINEAR=onednn, and it runs here);
+    the quantized layers (`quant_linear.py`) follow the same choice."""
+    return _choice() == "onednn" and onednn_unavailable_reason() is None
+
+
 def backend(dtype: torch.dtype, device: torch.device | str = "cpu") -> str:
-    """What the engine's forwards run the linear layers of a model of this dtype and
-    device with: "small_linear:<variant> + onednn" (few rows + many rows), one of them,
-    or "torch" (F.linear). Logs once why a path is missing where it could run."""
-    if torch.device(device).type != "cpu" or dtype != torch.float32 or not _chosen():
+    """What the engine's forwards run the linear layers of a model of this dtype and device
+    with: "small_linear:<variant>" (every row count), "small_linear:<variant> + onednn" (few
+    rows + many rows), "onednn", or "torch" (F.linear). Logs once why a path is missing where
+    it could run."""
+    choice = None if torch.device(device).type != "cpu" or dtype != torch.float32 else _choice()
+    if choice is None:
         return "torch"
     paths = []
     if not force_reference() and _small_linear_of(isa.selected_variant()) is not None:
         paths.append(f"small_linear:{isa.selected_variant()}")
     else:
-        _log_once("few rows run F.linear (MKL): the CPU kernel does not run here")
-    reason = onednn_unavailable_reason()
-    if reason is None:
-        paths.append("onednn")
-    else:
-        _log_once(f"many rows run F.linear (MKL), not oneDNN: {reason}")
+        _log_once("the CPU kernel does not run here: " + ("few rows run F.linear (MKL)" if choice == "onednn"
+                                                           else "F.linear (MKL) runs them"))
+    if choice == "onednn":
+        reason = onednn_unavailable_reason()
+        if reason is None:
+            paths.append("onednn")
+        else:
+            _log_once(f"many rows run {'small_linear' if paths else 'F.linear (MKL)'}, not oneDNN: {reason}")
     return " + ".join(paths) or "torch"
 
 

@@ -6,13 +6,15 @@ A decode step multiplies a few rows by every weight of the model, so it is bound
 bytes of the weights (4.5 to 8.5 bits a weight in these blocks against 32 in float32) and
 by the arithmetic of turning them into numbers. The CPU kernel (`csrc/cpu/quant_linear.h`)
 decodes each group of 32 weights in registers just before multiplying it, as `small_linear`
-tiles do (up to SMALL_ROWS rows; beyond a few, through a buffer in L1), so the blocks are
-read once, from memory, in their compact form; a group's minimum (Q4_1, Q5_1, Q4_K, Q5_K)
-goes in once, times the group's sum of x, as llama.cpp factors it. Many rows (a prefill)
+tiles do (beyond a few rows, through a buffer in L1, a block of rows at a time), so the
+blocks are read once, from memory, in their compact form; a group's minimum (Q4_1, Q5_1,
+Q4_K, Q5_K) goes in once, times the group's sum of x, as llama.cpp factors it. Every row
+count runs the same arithmetic per output, so a row's result does not depend on the rows
+beside it (batch invariance); with `CHUNK_LLAMA_LINEAR=onednn` many rows (a prefill)
 instead decode the whole weight to float32 once per call and run oneDNN's GEMM
-(`ops/linear.py`), whose arithmetic then dominates. Both compute with the weights of the
-float32-dequantized model (what transformers loads a GGUF file as, gguf-py's decode, bit
-for bit), rounded in another order: within the float32 error of `F.linear` on them.
+(`ops/linear.py`). Both compute with the weights of the float32-dequantized model (what
+transformers loads a GGUF file as, gguf-py's decode, bit for bit), rounded in another
+order: within the float32 error of `F.linear` on them.
 
 `GGUFLinear` and `GGUFEmbedding` hold such weights in a model (`hf/gguf_weights.py` puts
 them there); they run these ops in every forward, with or without a `ChunkCache`.
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 
 from chunk_llama.ops import isa, jit
 from chunk_llama.ops.cpu import build, build_failed
-from chunk_llama.ops.linear import SMALL_ROWS, _onednn, onednn_unavailable_reason
+from chunk_llama.ops.linear import SMALL_ROWS, _onednn, many_rows_onednn
 
 logger = logging.getLogger(__name__)
 # GGML type ids the kernels decode (csrc/cpu/quant_params.h), by gguf-py's names.
@@ -73,8 +75,7 @@ class QuantLinear:
 
     def __init__(self, ggml_type: int, in_features: int):
         self.ggml_type, self.in_features, self._variant = ggml_type, in_features, isa.selected_variant()
-        self._few_rows = build().quant_linear_call(ggml_type, in_features, self._variant)
-        self._onednn = onednn_unavailable_reason() is None
+        self._kernel = build().quant_linear_call(ggml_type, in_features, self._variant)
 
     def __call__(self, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # the kernel reads raw float32 memory: anything else multiplies the decoded weight (as
@@ -88,9 +89,9 @@ class QuantLinear:
             weight = dequantize(blocks, self.ggml_type, self.in_features)
             return F.linear(x, weight.to(x.device, x.dtype), None if bias is None else bias.to(x.device, x.dtype))
         flat = x.reshape(-1, self.in_features).contiguous()  # [rows, in_features]
-        if flat.shape[0] <= SMALL_ROWS or not self._onednn:
-            out = self._few_rows(flat, blocks, bias)
-        else:  # the GEMM's arithmetic dominates: decode once, multiply with oneDNN
+        if flat.shape[0] <= SMALL_ROWS or not many_rows_onednn():
+            out = self._kernel(flat, blocks, bias)
+        else:  # CHUNK_LLAMA_LINEAR=onednn: decode once, multiply with oneDNN
             out = _onednn(flat, build().dequantize(blocks, self.ggml_type, self.in_features, self._variant), bias)
         return out.view(*x.shape[:-1], blocks.shape[0])
 

@@ -105,21 +105,35 @@ __attribute__((nothrow)) inline void any_quant_tile(int mr, const float* x, cons
   }
 }
 
+// The offsets' share of a tile of mr rows (lanes r * kLinCols + c), as add_offsets computes it.
+__attribute__((nothrow)) inline Vec offset_lanes(int mr, int nr, const float* sx, const float* offsets,
+                                                 int64_t stride) {
+  if (mr == kLinRows && nr == kLinCols) return linear_sums<kLinRows, kLinCols>(sx, offsets, stride);
+  float shares[kLanes];
+  alignas(64) float lanes[kLanes] = {};
+  any_tile(mr, nr, sx, offsets, stride, shares);
+  for (int r = 0; r < mr; ++r)
+    for (int c = 0; c < nr; ++c) lanes[r * kLinCols + c] = shares[r * nr + c];
+  return vload(lanes);
+}
+
 template <int Type>
 void quant_linear_of(const QuantLinearParams& p) {
   const QuantFormat f = quant_format(Type);
   const int64_t row_bytes = p.in_features / f.block_elems * f.block_bytes, stride = padded_groups(p.in_features);
   const int64_t num_items = (p.out_features + kLinCols - 1) / kLinCols;
   const bool few_rows = p.rows <= kLinRows;
+  const int64_t block = few_rows ? kLinRows : row_block(p.in_features);
 #ifdef _OPENMP
 #pragma omp parallel num_threads(p.num_threads)
 #endif
   {
 #ifdef _OPENMP
-    float* scratch = p.scratch + omp_get_thread_num() * quant_scratch_floats(p.rows, p.in_features);
+    const int64_t thread = omp_get_thread_num(), threads = omp_get_num_threads();
 #else
-    float* scratch = p.scratch;
+    const int64_t thread = 0, threads = 1;
 #endif
+    float* scratch = p.scratch + thread * quant_scratch_floats(p.rows, p.in_features);
     // (layout: quant_params.h's quant_scratch_floats)
     float* g = scratch;
     float* offsets = g + kQuantScratchRows * p.in_features;  // [kQuantScratchRows, stride], zero-padded
@@ -128,33 +142,35 @@ void quant_linear_of(const QuantLinearParams& p) {
       for (int64_t i = 0; i < kQuantScratchRows * stride; ++i) offsets[i] = 0.f;
       group_sums(p.x, p.rows, p.in_features, sx, stride);
     }
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-    for (int64_t item = 0; item < num_items; ++item) {
-      const int64_t col = item * kLinCols;
-      const int nr = static_cast<int>(p.out_features - col < kLinCols ? p.out_features - col : kLinCols);
-      const bool in_registers = few_rows && nr == kLinCols;
-      if (!in_registers)
+    // each thread its share of the weight rows (what schedule(static) gives), for every
+    // block of rows of x (decoded again per block: its arithmetic is a few operations a
+    // weight against a block's rows of FMAs)
+    const int64_t first = num_items * thread / threads, last = num_items * (thread + 1) / threads;
+    for (int64_t row0 = 0; row0 < p.rows; row0 += block) {
+      const int64_t rows = p.rows - row0 < block ? p.rows - row0 : block;
+      const float* x = p.x + row0 * p.in_features;
+      const float* block_sx = sx + row0 * stride;
+      for (int64_t item = first; item < last; ++item) {
+        const int64_t col = item * kLinCols;
+        const int nr = static_cast<int>(p.out_features - col < kLinCols ? p.out_features - col : kLinCols);
+        const Vec bias = bias_lanes(p.bias, col, nr);
+        float* y = p.y + row0 * p.out_features + col;
+        if (few_rows && nr == kLinCols) {  // each group decoded in registers just before its FMAs
+          alignas(64) float out[kLanes] = {};
+          any_quant_tile<Type>(static_cast<int>(rows), x, block_sx, p.w + col * row_bytes, row_bytes, p.in_features,
+                               offsets, stride, out);
+          store_tile(vadd(vload(out), bias), static_cast<int>(rows), nr, y, p.out_features);
+          continue;
+        }
+        // small_linear's tiles on the item's weight rows decoded into the buffer, then the
+        // offsets as quant_tile adds them
         for (int c = 0; c < nr; ++c)
           decode_row<Type>(p.w + (col + c) * row_bytes, p.in_features, g + c * p.in_features,
                            kHasOffset<Type> ? offsets + c * stride : nullptr);
-      for (int64_t row = 0; row < p.rows; row += kLinRows) {
-        const int mr = static_cast<int>(p.rows - row < kLinRows ? p.rows - row : kLinRows);
-        const float* x = p.x + row * p.in_features;
-        const float* row_sx = sx + row * stride;
-        float out[kLanes];
-        int width = kLinCols;  // of out's rows
-        if (in_registers) {
-          any_quant_tile<Type>(mr, x, row_sx, p.w + col * row_bytes, row_bytes, p.in_features, offsets, stride, out);
-        } else {  // small_linear's tile on the buffer, then the offsets as quant_tile adds them
-          any_tile(mr, nr, x, g, p.in_features, out);
-          width = nr;
-          if constexpr (kHasOffset<Type>) add_offsets(mr, nr, row_sx, offsets, stride, out);
-        }
-        for (int r = 0; r < mr; ++r)
-          for (int c = 0; c < nr; ++c)
-            p.y[(row + r) * p.out_features + col + c] = out[r * width + c] + (p.bias ? p.bias[col + c] : 0.f);
+        tile_sums(x, g, p.in_features, nr, rows, [&](int64_t row, int mr, Vec sums) {
+          if constexpr (kHasOffset<Type>) sums = vadd(sums, offset_lanes(mr, nr, block_sx + row * stride, offsets, stride));
+          store_tile(vadd(sums, bias), mr, nr, y + row * p.out_features, p.out_features);
+        });
       }
     }
   }
