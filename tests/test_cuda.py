@@ -119,12 +119,15 @@ def test_sliding_windows_against_the_reference(dtype, head_dim, group, window):
     q = torch.randn(plan.num_seqs, 2 * group, head_dim, generator=torch.Generator().manual_seed(window)).to("cuda", dtype)
     out = tpp_decode_attention(q, pool.k[0], pool.v[0], plan, head_dim**-0.5, window)
     ref = reference.tpp_decode_attention(q, pool.k[0], pool.v[0], plan, head_dim**-0.5, window)
-    operand_scale = pool.v.abs().max().item()  # tensor cores take P rounded to the half dtype
+    dense_kv = {s: (gather_dense(pool.k[0], tree.segments(s), tree.seq_len(s)),
+                    gather_dense(pool.v[0], tree.segments(s), tree.seq_len(s))) for s in plan.seq_ids}
+    # tensor cores take P rounded to the half dtype: the largest |V| the sequences read (the
+    # pool's unused slots hold whatever memory held, NaN included)
+    operand_scale = max(v.abs().max().item() for _, v in dense_kv.values())
     assert_kernel_close(out, ref.float(), "against the reference", operand_scale)
     for row, seq_id in enumerate(plan.seq_ids):
         length = tree.seq_len(seq_id)
-        ids = tree.segments(seq_id)
-        k, v = gather_dense(pool.k[0], ids, length), gather_dense(pool.v[0], ids, length)
+        k, v = dense_kv[seq_id]
         dense = dense_windowed(q[row][None].cpu(), k.cpu(), v.cpu(), length - 1, window, head_dim**-0.5)[0]
         assert_kernel_close(out[row].cpu(), dense, f"sequence {seq_id}", operand_scale)
 
