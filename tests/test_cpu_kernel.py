@@ -71,9 +71,9 @@ def branching_tokens(num_seqs: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,group", [(64, 3), (80, 4), (96, 3), (128, 1), (256, 2)])
-@pytest.mark.parametrize("max_chunks_per_item", [1, 2, 5, 1000])
-def test_segments_of_shared_runs(variant, dtype, head_dim, group, max_chunks_per_item):
-    """Phase 1 merges up to `max_chunks_per_item` chunks of a run per work item; 50
+@pytest.mark.parametrize("max_blocks_per_item", [1, 2, 5, 1000])
+def test_segments_of_shared_runs(variant, dtype, head_dim, group, max_blocks_per_item):
+    """Phase 1 takes up to `max_blocks_per_item` shared blocks of a run per work item; 50
     sequences x group rows also split a run's rows across items (more than 128)."""
     from chunk_llama.ops import reference
     from chunk_llama.ops.cpu import tpp_decode_attention_cpu
@@ -82,9 +82,11 @@ def test_segments_of_shared_runs(variant, dtype, head_dim, group, max_chunks_per
     plan = build_decode_plan(tree, tree.seq_ids, group=group)
     assert plan.num_shared > 20
     q = torch.randn(plan.num_seqs, 2 * group, head_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
-    out = tpp_decode_attention_cpu(q, pool.k[0], pool.v[0], plan, head_dim**-0.5, max_chunks_per_item, variant)
+    out = tpp_decode_attention_cpu(q, pool.k[0], pool.v[0], plan, head_dim**-0.5, max_blocks_per_item, variant)
     ref = reference.tpp_decode_attention(q, pool.k[0], pool.v[0], plan, head_dim**-0.5)
     assert_decode_matches(out, q, pool, tree, plan, head_dim**-0.5, reference_out=ref)
+    # how the shared blocks are cut into items changes no number (blocks.h)
+    assert torch.equal(out, tpp_decode_attention_cpu(q, pool.k[0], pool.v[0], plan, head_dim**-0.5, 3, variant))
 
 
 def test_variants_agree_on_one_plan():
@@ -119,8 +121,8 @@ def test_glue_rejects_bad_tensors():
         run(torch.randn(2, 1, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="head_dim"):
         run(torch.randn(2, 1, 32))
-    with pytest.raises(ValueError, match="max_chunks_per_item"):
-        run(torch.randn(2, 1, 64), chunks=0)
+    with pytest.raises(ValueError, match="max_blocks_per_item"):
+        run(torch.randn(2, 1, 64), chunks=-1)
     with pytest.raises(ValueError, match="'sse9' is not in this build"):
         run(torch.randn(2, 1, 64), isa="sse9")
     with pytest.raises(TypeError, match="decode plan must be an int64"):

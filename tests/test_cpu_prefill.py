@@ -60,7 +60,7 @@ def packed_step(tokens, q_starts, *, chunk_size, num_kv_heads, group, head_dim, 
 
 def cpu_arrays(plan):
     """The CPU kernel's arrays of a prefill plan, as its `plan` step builds them."""
-    return plan.cpu(torch.get_num_threads())
+    return plan.cpu()
 
 
 def dense_causal(q_full, k, v, scale, window=0):
@@ -135,6 +135,23 @@ def test_context_phase_reads_a_common_prefix_once_for_its_sequences(variant, dty
     assert ctx_end[0] == 0 and 0 < ctx_end[6] <= 80 and all(ctx_end[i] > 0 for i in (1, 2, 3, 4, 7, 8))
 
 
+@pytest.mark.parametrize("window", [0, 100])
+def test_a_narrower_group_goes_on_from_the_wider_groups_states(variant, window):
+    """Four sequences sharing 140 tokens, two of them 270: the context phase folds blocks
+    [0, 2) for all four, then blocks [2, 4) for the two from the states the first level left
+    (a level each), and each tile goes on from its sequence's last state."""
+    rng = random.Random(window)
+    system = [rng.randrange(3) for _ in range(270)]
+    tokens = [system[:140] + [3], system[:140] + [4, 5], system + [6], system + [7, 8]]
+    plan = check_step(tokens, [len(t) - 1 - (i % 2) for i, t in enumerate(tokens)], variant, window, chunk_size=32,
+                      num_kv_heads=2, group=3, head_dim=64, dtype=torch.float32, packed=True)
+    arrays = cpu_arrays(plan)
+    assert arrays.ctx_levels.tolist() == [0, 1, 2] and arrays.ctx_end.tolist() == [128, 128, 256, 256]
+    (seq0, *level0), (seq1, *level1) = arrays.ctx_items[:, :3].tolist()  # (path's sequence, first, end block)
+    assert level0 == [0, 2] and level1 == [2, 4] and seq1 in (2, 3)
+    assert arrays.ctx_items[1, 6].item() == arrays.ctx_items[0, 5].item()  # started from level 0's states
+
+
 def test_q_start_at_and_inside_chunk_boundaries(variant):
     """One sequence of each length 17, 37, 123 per new-token start around the boundaries
     (chunks of 16; the random trees cover 48 and 64)."""
@@ -194,8 +211,9 @@ def test_glue_rejects_bad_plans():
 
     module = build()
     assert list(module.prefill_layout()) == list(PREFILL_ARRAYS)  # the glue reads the order Python writes
-    # both read the 40 common tokens in the context phase, then 1 and 17 tokens of their own
-    pool, _, plan, q, _ = packed_step([[1] * 40 + [3], [1] * 40 + [2] * 20], [40, 43], chunk_size=16,
+    # both read the 140 common tokens' two whole blocks (128) in the context phase, then the
+    # rest: 12 tokens of the prefix and 1 and 17 tokens of their own
+    pool, _, plan, q, _ = packed_step([[1] * 140 + [3], [1] * 140 + [2] * 20], [140, 143], chunk_size=16,
                                       num_kv_heads=1, group=2, head_dim=64, dtype=torch.float32, packed=True)
     arrays = cpu_arrays(plan)
     scratch = torch.empty(10**6)
@@ -204,7 +222,7 @@ def test_glue_rejects_bad_plans():
         values = {name: getattr(arrays, name).flatten().tolist() for name in PREFILL_ARRAYS}
         values.update({name: value.flatten().tolist() for name, value in change.items()})
         counts = [len(values["token_start"]), arrays.layout[1], q.shape[0], len(values["tiles"]) // 3,
-                  len(values["ctx_chunk"]), len(values["ctx_items"]) // 5, num_partial_rows]
+                  len(values["ctx_items"]) // 7, len(values["ctx_levels"]) - 1, num_partial_rows]
         bad = PackedArrays(values, counts, {}, torch.device("cpu"), None, "")
         return module.tpp_prefill(q, pool.k[0], pool.v[0], bad.index, bad.layout, scratch, 0.125, window, "generic")
 
@@ -225,21 +243,27 @@ def test_glue_rejects_bad_plans():
         run(token_start=arrays.token_start + 30)
     with pytest.raises(ValueError, match="window must be 0 .none. or a positive int32"):
         run(window=-5)
-    # the context phase: its segments, items and partial rows are checked like the rest
-    # (the run of 3 segments in pieces, one item each: 18 partial rows per piece)
-    assert arrays.num_partial_rows == 18 * arrays.ctx_items.shape[0] > 0 and arrays.ctx_end.tolist() == [40, 40]
-    with pytest.raises(ValueError, match="context segment 0"):
-        run(ctx_chunk=arrays.ctx_chunk + 1000)
-    with pytest.raises(ValueError, match="context item 0 is not a run"):
-        run(ctx_items=arrays.ctx_items + torch.tensor([0, 5, 0, 0, 0]))
+    # the context phase: its items, levels and partial rows are checked like the rest (one
+    # item: 18 rows of states, one per token)
+    assert arrays.num_partial_rows == 18 and arrays.ctx_items.shape[0] == 1 and arrays.ctx_end.tolist() == [128, 128]
+    with pytest.raises(ValueError, match="context item 0 is not a run of blocks"):
+        run(ctx_items=arrays.ctx_items + torch.tensor([0, 5, 0, 0, 0, 0, 0]))
+    with pytest.raises(ValueError, match="context item 0: blocks up to 7 reach past"):
+        run(ctx_items=arrays.ctx_items + torch.tensor([0, 0, 5, 0, 0, 0, 0]))
     with pytest.raises(ValueError, match="partial rows"):
         run(num_partial_rows=17)
-    with pytest.raises(ValueError, match="context end 50 past its first new token at 40"):
+    with pytest.raises(ValueError, match="partial rows"):  # the states it starts from, past the partials
+        run(ctx_items=torch.tensor([[*arrays.ctx_items[0, :6].tolist(), 1]]))
+    with pytest.raises(ValueError, match="ctx_levels must run from 0 to the 1 context items"):
+        run(ctx_levels=torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="context end 50 is past its first new token at 140 or not a multiple of 64"):
         run(ctx_end=arrays.ctx_end.clone().fill_(50))
+    with pytest.raises(ValueError, match="must have one context state"):
+        run(ctx_end=torch.tensor([128, 0]))
     # the plan tensor itself: its type, its layout, and arrays past its end
     with pytest.raises(TypeError, match="prefill plan must be an int64 CPU tensor"):
         module.tpp_prefill(q, pool.k[0], pool.v[0], arrays.index.int(), arrays.layout, scratch, 0.125, 0, "generic")
-    with pytest.raises(ValueError, match="layout has 23 entries"):
+    with pytest.raises(ValueError, match="layout has 20 entries"):
         module.tpp_prefill(q, pool.k[0], pool.v[0], arrays.index, arrays.layout[:-1], scratch, 0.125, 0, "generic")
     with pytest.raises(ValueError, match="plan array seq_ctx_offset .* is not inside the plan"):
         module.tpp_prefill(q, pool.k[0], pool.v[0], arrays.index[:-1], arrays.layout, scratch, 0.125, 0, "generic")

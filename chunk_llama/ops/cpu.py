@@ -58,43 +58,33 @@ def _ops():
     return module
 
 
-def default_chunks_per_item(num_shared: int, chunk_size: int, num_kv_heads: int, window: int = 0) -> int:
-    """Shared segments one phase-1 work item merges: as many as keeps ~8 items per thread.
-
-    Longer segments write fewer partials (each as large as the chunk's K for its rows);
-    shorter ones balance the threads. Under a sliding window only the chunks in the
-    window count (the others' items return at once): about window / chunk_size + 1 per
-    run of shared chunks.
-    """
-    if window:
-        num_shared = min(num_shared, -(-window // chunk_size) + 1)
-    return max(1, num_shared * num_kv_heads // (8 * torch.get_num_threads()))
-
-
 class CpuDecode:
     """Decode attention through the tree on the CPU: `plan` once per step, `run` per layer
     (same contract as `reference.tpp_decode_attention`).
 
     workspace: where the scratch lives (the cache's buffers); variant: the kernel variant
-    (default: `isa.selected_variant()`); max_chunks_per_item: see `default_chunks_per_item`
-    (the default, per window).
+    (default: `isa.selected_variant()`); max_blocks_per_item: shared blocks of keys one
+    first-phase work item takes (default: chosen by the kernel for the threads, about 8 items
+    each; fewer blocks make more, smaller items).
     """
 
     def __init__(self, workspace: StaticBuffers, num_heads: int, num_kv_heads: int, head_dim: int,
-                 chunk_size: int, variant: str | None = None, max_chunks_per_item: int | None = None):
+                 chunk_size: int, variant: str | None = None, max_blocks_per_item: int | None = None):
         self.workspace = workspace
         self.geometry = (num_heads, num_kv_heads, head_dim, chunk_size)
         self.variant = variant or isa.selected_variant()
         self.backend = f"cpu:{self.variant}"
-        self.max_chunks_per_item = max_chunks_per_item
+        self.max_blocks_per_item = max_blocks_per_item or 0
         self._ops = _ops()
 
     def plan(self, plan: DecodePlan) -> None:
         num_heads, num_kv_heads, head_dim, chunk_size = self.geometry
         self._plan = plan
         self._layout = int64_array(plan.layout)  # converted once per step, read by every layer
-        self._scratch = self.workspace.scratch(self._ops.scratch_floats(
-            plan.num_pairs, plan.num_seqs, num_heads, num_kv_heads, head_dim, chunk_size, torch.get_num_threads()))
+        # (the pool's capacity is the call's to check; any value that fits the plan's chunk ids here)
+        self._scratch = self.workspace.scratch(self._ops.decode_scratch_floats(
+            plan.index, self._layout, plan.num_seqs, num_heads, head_dim, 1 << 40, num_kv_heads, chunk_size,
+            torch.get_num_threads()))
         self._calls: dict[tuple, object] = {}  # (scale, window): the plan's call, arguments converted once
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int = 0,
@@ -107,11 +97,9 @@ class CpuDecode:
         """The plan's `cpu_lib.AttentionCall` for these scalars, made once per step."""
         call = self._calls.get((scale, window))
         if call is None:
-            plan = self._plan
-            items = self.max_chunks_per_item or default_chunks_per_item(plan.num_shared, plan.chunk_size,
-                                                                       self.geometry[1], window)
-            call = self._calls[scale, window] = self._ops.decode_call(plan.index, self._layout, self._scratch, scale,
-                                                                      window, items, self.variant)
+            call = self._calls[scale, window] = self._ops.decode_call(self._plan.index, self._layout, self._scratch,
+                                                                      scale, window, self.max_blocks_per_item,
+                                                                      self.variant)
         return call
 
 
@@ -133,31 +121,35 @@ class CpuPrefill:
             raise ValueError(f"the plan's tiles are for GQA group {plan.group}, the model has "
                              f"{num_heads} / {num_kv_heads} heads")
         threads = torch.get_num_threads()
-        self._arrays = plan.cpu(threads)
+        self._arrays = plan.cpu()
         self._layout = int64_array(self._arrays.layout)
         self._scratch = self.workspace.scratch(self._ops.prefill_scratch_floats(
-            self._arrays.num_partial_rows, num_heads, chunk_size, head_dim, threads))
+            self._arrays.num_partial_rows, num_heads, head_dim, threads))
         self._calls: dict[tuple, object] = {}  # (scale, window): the plan's call, arguments converted once
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int = 0,
             new_kv=None) -> torch.Tensor:
         """q: [num_q_tokens, num_heads, head_dim] -> the same shape (rows of no sequence unset)"""
+        return self.call(scale, window)(q.contiguous(), k_cache, v_cache)
+
+    def call(self, scale: float, window: int = 0):
+        """The plan's `cpu_lib.AttentionCall` for these scalars, made once per step."""
         call = self._calls.get((scale, window))
         if call is None:
             call = self._calls[scale, window] = self._ops.prefill_call(self._arrays.index, self._layout, self._scratch,
                                                                        scale, window, self.variant)
-        return call(q.contiguous(), k_cache, v_cache)
+        return call
 
 
 def tpp_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan,
-                             scale: float, max_chunks_per_item: int | None = None, variant: str | None = None,
+                             scale: float, max_blocks_per_item: int | None = None, variant: str | None = None,
                              window: int = 0) -> torch.Tensor:
     """`CpuDecode` planned and run once (for tests and benchmarks that pick the variant).
 
     q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [capacity, num_kv_heads, chunk_size, head_dim]
     """
     attention = CpuDecode(StaticBuffers(q.device), q.shape[1], k_cache.shape[1], q.shape[-1], k_cache.shape[2],
-                          variant, max_chunks_per_item)
+                          variant, max_blocks_per_item)
     attention.plan(plan)
     return attention.run(q, k_cache, v_cache, scale, window)
 

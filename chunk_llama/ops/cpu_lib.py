@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 P, I64, I32, F64, STR = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_char_p
-ABI_VERSION = 4  # CHUNK_LLAMA_CPU_ABI_VERSION in c_api.h
+ABI_VERSION = 5  # CHUNK_LLAMA_CPU_ABI_VERSION in c_api.h
 _ATTENTION = [P, I64, I64, I64, P, P, I64, I64, I64, I64, I64, I64, I32, P, P, I64, P, I64, P, I64, F64, I64]
 _SIGNATURES = {  # name: (argument types, result type), as c_api.h declares them
     "abi_version": ([], I32),
@@ -27,8 +27,8 @@ _SIGNATURES = {  # name: (argument types, result type), as c_api.h declares them
     "host_runs": ([STR], I32),
     "decode_layout": ([], STR),
     "prefill_layout": ([], STR),
-    "scratch_floats": ([I64] * 7, I64),
-    "prefill_scratch_floats": ([I64] * 5, I64),
+    "decode_scratch_floats": ([I64] * 6 + [P, I64, P, I64, I64], I64),
+    "prefill_scratch_floats": ([I64] * 4, I64),
     "tpp_decode": ([*_ATTENTION, I64, STR, I32], I32),
     "tpp_prefill": ([*_ATTENTION, STR, I32], I32),
     "small_linear": ([P, I64, I64, P, I64, P, P, STR, I32], I32),
@@ -39,6 +39,9 @@ _SIGNATURES = {  # name: (argument types, result type), as c_api.h declares them
     # then the pool and the decode call's tail as tpp_decode takes them
     "decoder_layer_decode": ([P, P, P, I64, P, P, P, P, P, I64, P, P, P, I64, I64, I64, I64, I64, I64, I32,
                               P, I64, P, I64, P, I64, F64, I64, I64, STR, I32], I32),
+    # the same without the row order, then the pool and the prefill call's tail
+    "decoder_layer_prefill": ([P, P, P, I64, P, P, P, P, P, I64, P, P, I64, I64, I64, I64, I64, I64, I32,
+                               P, I64, P, I64, P, I64, F64, I64, STR, I32], I32),
     # the layers, their K and V pools (arrays of pointers), how many; hidden in/out, rows, cos, sin,
     # the writes, row order, then the pools' geometry (their extents: arrays) and the decode call's tail
     "decoder_stack_decode": ([P, P, P, I64, P, P, I64, P, P, P, P, P, I64, P, I64, I64, I64, I64, P, P, I32,
@@ -163,18 +166,23 @@ class AttentionCall:
     def decoder_layer(self, layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       writes: tuple, row_order: torch.Tensor | None, k_cache: torch.Tensor,
                       v_cache: torch.Tensor) -> torch.Tensor:
-        """A decode call of the whole layer whose attention this call plans
-        (`hf/fused_layers.py` has checked dtypes, devices and contiguity): hidden [rows,
-        hidden_size], cos and sin [rows, head_dim], float32; writes: (token, chunk, offset)
-        int64 tensors of the step's K/V slots; row_order [rows] int64 (the plan's row i is
-        batch row row_order[i]) or None -> [rows, hidden_size]"""
+        """A call of the whole layer whose attention this call plans, a decode step's or a
+        prefill's (`hf/fused_layers.py` has checked dtypes, devices and contiguity): hidden
+        [rows, hidden_size], cos and sin [rows, head_dim], float32; writes: (token, chunk,
+        offset) int64 tensors of the step's K/V slots; row_order [rows] int64 (decode: the
+        plan's row i is batch row row_order[i]) or None -> [rows, hidden_size]"""
         _, _, _, pool = self._pool_args(k_cache, v_cache)
         out = torch.empty_like(hidden)
         token, chunk, offset = writes
-        code = self._library.decoder_layer_decode(
-            ctypes.byref(layer), hidden.data_ptr(), out.data_ptr(), hidden.shape[0], cos.data_ptr(), sin.data_ptr(),
-            token.data_ptr(), chunk.data_ptr(), offset.data_ptr(), token.numel(),
-            None if row_order is None else row_order.data_ptr(), *pool, *self._after_out)
+        head = (ctypes.byref(layer), hidden.data_ptr(), out.data_ptr(), hidden.shape[0], cos.data_ptr(),
+                sin.data_ptr(), token.data_ptr(), chunk.data_ptr(), offset.data_ptr(), token.numel())
+        if self._function is self._library.tpp_prefill_function:
+            if row_order is not None:
+                raise ValueError("a prefill's rows have no row order")
+            code = self._library.decoder_layer_prefill(*head, *pool, *self._after_out)
+        else:
+            code = self._library.decoder_layer_decode(*head, None if row_order is None else row_order.data_ptr(),
+                                                      *pool, *self._after_out)
         return out if code == 0 else self._library.raise_error(code)
 
     def decoder_stack(self, stack: "DecoderStack", hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -215,6 +223,8 @@ class CpuLibrary:
                              f"chunk-llama needs {ABI_VERSION}")
         self._lib = lib
         self.decoder_layer_decode = lib.chunk_llama_cpu_decoder_layer_decode
+        self.decoder_layer_prefill = lib.chunk_llama_cpu_decoder_layer_prefill
+        self.tpp_prefill_function = lib.chunk_llama_cpu_tpp_prefill
         self.decoder_stack_decode = lib.chunk_llama_cpu_decoder_stack_decode
 
     def raise_error(self, code: int):
@@ -222,13 +232,14 @@ class CpuLibrary:
         raise _ERRORS.get(code, RuntimeError)(self._lib.chunk_llama_cpu_last_error().decode())
 
     def decode_call(self, plan: torch.Tensor, layout, scratch: torch.Tensor, scale: float, window: int,
-                    max_chunks_per_item: int, isa: str) -> AttentionCall:
+                    max_blocks_per_item: int, isa: str) -> AttentionCall:
         """Decode attention for one plan (`DecodePlan.index`, `.layout`), called per layer as
         (q [num_seqs, num_heads, head_dim] in plan order, k_cache, v_cache [capacity,
-        num_kv_heads, chunk_size, head_dim]) -> [num_seqs, num_heads, head_dim]"""
+        num_kv_heads, chunk_size, head_dim]) -> [num_seqs, num_heads, head_dim].
+        max_blocks_per_item: shared blocks of keys per first-phase work item (0: chosen)."""
         return AttentionCall(self, self._lib.chunk_llama_cpu_tpp_decode,
                              "decode q must be [num_seqs, num_heads, head_dim]", plan, layout, scratch,
-                             (float(scale), window, max_chunks_per_item, isa.encode(), torch.get_num_threads()))
+                             (float(scale), window, max_blocks_per_item, isa.encode(), torch.get_num_threads()))
 
     def prefill_call(self, plan: torch.Tensor, layout, scratch: torch.Tensor, scale: float, window: int,
                      isa: str) -> AttentionCall:
@@ -240,10 +251,10 @@ class CpuLibrary:
                              (float(scale), window, isa.encode(), torch.get_num_threads()))
 
     def tpp_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: torch.Tensor,
-                   layout, scratch: torch.Tensor, scale: float, window: int, max_chunks_per_item: int,
+                   layout, scratch: torch.Tensor, scale: float, window: int, max_blocks_per_item: int,
                    isa: str) -> torch.Tensor:
         """One decode call (`decode_call` once, then per layer, is the cheap way)."""
-        return self.decode_call(plan, layout, scratch, scale, window, max_chunks_per_item, isa)(q, k_cache, v_cache)
+        return self.decode_call(plan, layout, scratch, scale, window, max_blocks_per_item, isa)(q, k_cache, v_cache)
 
     def tpp_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: torch.Tensor,
                     layout, scratch: torch.Tensor, scale: float, window: int, isa: str) -> torch.Tensor:
@@ -329,18 +340,20 @@ class CpuLibrary:
                                                     in_features, out.data_ptr(), isa.encode(), torch.get_num_threads())
         return out if code == 0 else self.raise_error(code)
 
-    def scratch_floats(self, num_pairs: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                       chunk_size: int, num_threads: int) -> int:
-        """Floats of scratch a decode call needs."""
-        floats = self._lib.chunk_llama_cpu_scratch_floats(num_pairs, num_seqs, num_heads, num_kv_heads, head_dim,
-                                                          chunk_size, num_threads)
+    def decode_scratch_floats(self, plan: torch.Tensor, layout, num_seqs: int, num_heads: int, head_dim: int,
+                              capacity: int, num_kv_heads: int, chunk_size: int, num_threads: int) -> int:
+        """Floats of scratch a decode call on this plan (`DecodePlan.index`, layout as an int64
+        array) needs, whatever its window."""
+        if plan.dtype != torch.int64 or not plan.is_cpu or not plan.is_contiguous():
+            raise TypeError(f"the plan must be a contiguous int64 CPU tensor, got {plan.dtype} on {plan.device}")
+        floats = self._lib.chunk_llama_cpu_decode_scratch_floats(
+            num_seqs, num_heads, head_dim, capacity, num_kv_heads, chunk_size, plan.data_ptr(), plan.numel(),
+            layout, len(layout), num_threads)
         return floats if floats >= 0 else self.raise_error(1)
 
-    def prefill_scratch_floats(self, num_partial_rows: int, num_heads: int, chunk_size: int, head_dim: int,
-                               num_threads: int) -> int:
+    def prefill_scratch_floats(self, num_partial_rows: int, num_heads: int, head_dim: int, num_threads: int) -> int:
         """Floats of scratch a prefill call needs."""
-        return self._lib.chunk_llama_cpu_prefill_scratch_floats(num_partial_rows, num_heads, chunk_size, head_dim,
-                                                                num_threads)
+        return self._lib.chunk_llama_cpu_prefill_scratch_floats(num_partial_rows, num_heads, head_dim, num_threads)
 
     def decode_layout(self) -> list[str]:
         """The decode plan's array names in layout order (the Python side checks its own)."""

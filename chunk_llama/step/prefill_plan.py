@@ -27,8 +27,7 @@ from chunk_llama.step.varlen import VarlenContext, build_varlen_context
 
 # The arrays the CPU prefill op reads, in the order of csrc/cpu/plan_layout.h (PrefillLayout).
 PREFILL_ARRAYS = ("seg_chunk", "seg_start", "seg_pos", "q_start", "num_tokens", "token_start", "tiles",
-                  "token_pos", "ctx_end", "ctx_chunk", "ctx_start", "ctx_len", "ctx_pos", "ctx_items",
-                  "seq_ctx_ptr", "seq_ctx_offset")
+                  "token_pos", "ctx_end", "ctx_items", "ctx_levels", "seq_ctx_ptr", "seq_ctx_offset")
 SEGMENT_TABLES = ("seg_chunk", "seg_start", "seg_pos")
 
 
@@ -109,36 +108,32 @@ class PrefillPlan:
                                                  self.device, self.buffers, "prefill_tables")
         return self._built["tables"]
 
-    def cpu(self, num_threads: int) -> PackedArrays:
-        """The CPU kernel's arrays (PREFILL_ARRAYS; see csrc/cpu/prefill_params.h) for
-        `num_threads` threads, and `num_partial_rows`: the context phase's partials."""
-        key = ("cpu", num_threads)
-        if key not in self._built:
-            self._built[key] = self._cpu_arrays(num_threads)
-        return self._built[key]
+    def cpu(self) -> PackedArrays:
+        """The CPU kernel's arrays (PREFILL_ARRAYS; see csrc/cpu/prefill_params.h) and
+        `num_partial_rows`: the context phase's states."""
+        if "cpu" not in self._built:
+            self._built["cpu"] = self._cpu_arrays()
+        return self._built["cpu"]
 
-    def _cpu_arrays(self, num_threads: int) -> PackedArrays:
+    def _cpu_arrays(self) -> PackedArrays:
         tables, width = self._segment_tables()
         runs, ctx_end = (context_runs(self.paths, self.segments, self.group) if self.shared_context
                          else ([], [0] * self.num_seqs))
-        ctx_segments, items, pieces_of, num_partial_rows = context_work(runs, self.segments, self.group,
-                                                                       self.num_kv_heads, num_threads)
+        items, levels, pieces_of, num_partial_rows = context_work(runs, self.segments, self.group)
         seq_ctx_ptr = [0]
         for offsets in pieces_of:
             seq_ctx_ptr.append(seq_ctx_ptr[-1] + len(offsets))
-        columns = list(zip(*ctx_segments)) or [(), (), (), ()]
         arrays = dict(
             seg_chunk=tables["seg_chunk"], seg_start=tables["seg_start"], seg_pos=tables["seg_pos"],
             q_start=[s[1] for s in self.segments], num_tokens=[s[2] for s in self.segments],
             token_start=[s[0] for s in self.segments],
             tiles=[x for tile in prefill_tiles(self.segments, self.group, ctx_end) for x in tile],
-            token_pos=tables["token_pos"], ctx_end=ctx_end, ctx_chunk=list(columns[0]), ctx_start=list(columns[1]),
-            ctx_len=list(columns[2]), ctx_pos=list(columns[3]), ctx_items=[x for item in items for x in item],
-            seq_ctx_ptr=seq_ctx_ptr, seq_ctx_offset=[o for offsets in pieces_of for o in offsets],
+            token_pos=tables["token_pos"], ctx_end=ctx_end, ctx_items=[x for item in items for x in item],
+            ctx_levels=levels, seq_ctx_ptr=seq_ctx_ptr, seq_ctx_offset=[o for offsets in pieces_of for o in offsets],
         )
-        counts = [self.num_seqs, width, self.num_q_tokens, len(arrays["tiles"]) // 3, len(ctx_segments), len(items),
+        counts = [self.num_seqs, width, self.num_q_tokens, len(arrays["tiles"]) // 3, len(items), len(levels) - 1,
                   num_partial_rows]
-        widths = dict.fromkeys(SEGMENT_TABLES, width) | {"tiles": 3, "ctx_items": 5}
+        widths = dict.fromkeys(SEGMENT_TABLES, width) | {"tiles": 3, "ctx_items": 7}
         packed = PackedArrays(arrays, counts, widths, self.device, self.buffers, "prefill_cpu")
         packed.num_partial_rows = num_partial_rows
         return packed

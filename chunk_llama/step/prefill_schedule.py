@@ -1,11 +1,13 @@
 """The CPU prefill kernel's work for one step: context runs and tiles (host lists).
 
-Where the new tokens of several sequences all see the same nodes whole (their common
-prefix, cached or written by another sequence of this forward), those sequences'
-tokens, packed next to each other, form one run of query rows that attends to those
-nodes at once, each row leaving a partial (o, m, n): the chunk-first idea applied to
-prefill. Tiles then start each sequence's rows from their partials and walk the rest
-of its keys (its own part of the path, causal on its new tokens).
+Where the new tokens of several sequences all see the same leading nodes whole (their
+common prefix, cached or written by another sequence of this forward), those sequences'
+tokens, packed next to each other, form one run of query rows that folds the whole blocks
+of keys of that prefix at once (csrc/cpu/blocks.h: blocks of KEY_BLOCK keys at fixed
+positions), each row leaving its state (o, m, n): the chunk-first idea applied to prefill.
+Tiles then start each sequence's rows from that state and fold the rest of its blocks (its
+own part of the path, causal on its new tokens). A row's blocks are folded in position
+order either way, so its result does not depend on which sequences came with it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ from __future__ import annotations
 ROWS_PER_TILE = 128
 # The widest register block of rows of any CPU variant (AVX-512: 2 vectors of 16).
 BLOCK_ROWS = 32
+# csrc/cpu/params.h kBlockKeys: the keys of one block; a context ends on a block's edge.
+KEY_BLOCK = 64
+# csrc/cpu/prefill_params.h kNoState: a context item that starts from nothing (offsets can be negative).
+NO_STATE = -(1 << 62)
 
 Run = tuple[int, int, int, int]  # a path's node: (identity, chunk, first slot, number of tokens)
 Segment = tuple[int, int, int]  # a sequence in the step: (token_start, q_start, num_tokens)
@@ -56,11 +62,15 @@ def _packs_better(seqs: list[int], segments: list[Segment], group: int) -> bool:
 
 
 def context_runs(paths: list[list[Run]], segments: list[Segment], group: int):
-    """The context phase's work: for each sequence, the runs of its path's leading nodes
-    that it reads together with its neighbours. A node qualifies for the sequences whose
-    new tokens all come after it; those of them packed next to each other (consecutive
-    in token order, 2 or more, whose rows fill register blocks better together) read it
-    together. Returns [(sequences, nodes, first position)] and each sequence's ctx_end."""
+    """The context phase's work: for each sequence, the runs of its path's leading nodes that
+    it reads together with its neighbours. A node qualifies for the sequences whose new tokens
+    all come after it; those of them packed next to each other (consecutive in token order, 2
+    or more, whose rows fill register blocks better together) read it together. A run is the
+    nodes one such group reads in a row, from where the group of the run before it (a wider
+    one) stopped, in whole blocks of keys: [first, end) with both multiples of KEY_BLOCK (a
+    run within one block is dropped; its keys go to the next run, or the tiles). Returns
+    [(sequences, level, first, end)], a run's level its index on its sequences' paths (it
+    starts from the state the run before it left), and each sequence's ctx_end."""
     order = sorted(range(len(segments)), key=lambda s: segments[s][0])
     next_of = {a: b for a, b in zip(order, order[1:]) if segments[a][0] + segments[a][2] == segments[b][0]}
     readers: dict[int, list[int]] = {}  # node identity -> sequences whose new tokens see it whole
@@ -84,50 +94,50 @@ def context_runs(paths: list[list[Run]], segments: list[Segment], group: int):
     ctx_end = [0] * len(segments)
     runs, seen = [], set()
     for s in order:
-        position, current = 0, None
+        position, spans = 0, []  # (group, end) of each group's nodes along the path
         for node in paths[s]:
             readers_of_node = group_of.get((node[0], s))
             if readers_of_node is None:
                 break
-            if current is None or current[0] != readers_of_node:
-                current = (readers_of_node, [], position)
-                if (readers_of_node, node[0]) not in seen:  # the group's first sequence makes the run
-                    seen.add((readers_of_node, node[0]))
-                    runs.append(current)
-            current[1].append(node)
+            if not spans or spans[-1][0] != readers_of_node:
+                spans.append([readers_of_node, 0])
             position += node[3]
-        ctx_end[s] = position
+            spans[-1][1] = position
+        first = 0
+        for readers_of_span, end in spans:
+            end = end // KEY_BLOCK * KEY_BLOCK
+            if end <= first:  # within the block the run before it reached: its keys go on
+                continue
+            if (readers_of_span, first) not in seen:  # the group's first sequence makes the run
+                seen.add((readers_of_span, first))
+                runs.append((readers_of_span, sum(1 for r in runs if set(readers_of_span) <= set(r[0])), first, end))
+            first = ctx_end[s] = end
     return runs, ctx_end
 
 
-def context_work(runs, segments: list[Segment], group: int, num_kv_heads: int, num_threads: int):
-    """The context runs cut into pieces (enough items for `num_threads`) and items of at
-    most ROWS_PER_TILE rows. Returns the context segments (chunk, first slot, keys,
-    position), the items (first segment, count, row_begin, row_end, partial offset), each
-    sequence's partial offsets, and the number of partial rows."""
-    ctx_segments: list[tuple[int, int, int, int]] = []
-    items: list[tuple[int, int, int, int, int]] = []
-    pieces_of: list[list[int]] = [[] for _ in segments]
+def context_work(runs, segments: list[Segment], group: int):
+    """The context runs in items of at most ROWS_PER_TILE rows, level by level (a run starts
+    from the states its sequences' run before it left). Returns the items (sequence whose path
+    holds the keys, first block, end block, row_begin, row_end, partial offset of their states,
+    partial offset of the states they start from or NO_STATE), the index of each level's first item
+    (and the end), each sequence's partial offset (its last run's; none without a run), and
+    the number of partial rows."""
+    items: list[tuple[int, ...]] = []
+    levels = [0]
+    last_offset: dict[int, int] = {}  # sequence -> the partial offset of its run so far
     num_partial_rows = 0
-    target_items = 8 * num_threads  # enough to balance the threads
-    for seqs, nodes, first_position in runs:
-        first_seg = len(ctx_segments)
-        position = first_position
-        for chunk, start, count in merged(nodes):
-            ctx_segments.append((chunk, start, count, position))
-            position += count
-        num_segments = len(ctx_segments) - first_seg
-        token_begin = segments[seqs[0]][0]
-        token_end = segments[seqs[-1]][0] + segments[seqs[-1]][2]
-        row_items = -(-(token_end - token_begin) * group // ROWS_PER_TILE)
-        num_pieces = min(num_segments, max(1, target_items // (row_items * num_kv_heads)))
-        for i in range(num_pieces):
-            lo = first_seg + num_segments * i // num_pieces
-            hi = first_seg + num_segments * (i + 1) // num_pieces
+    for level in sorted({run[1] for run in runs}):
+        for seqs, _, first, end in (run for run in runs if run[1] == level):
+            token_begin = segments[seqs[0]][0]
+            token_end = segments[seqs[-1]][0] + segments[seqs[-1]][2]
             offset = num_partial_rows - token_begin
             num_partial_rows += token_end - token_begin
+            start = last_offset.get(seqs[0], NO_STATE) if first else NO_STATE
             for row in range(token_begin * group, token_end * group, ROWS_PER_TILE):
-                items.append((lo, hi - lo, row, min(token_end * group, row + ROWS_PER_TILE), offset))
+                items.append((seqs[0], first // KEY_BLOCK, end // KEY_BLOCK, row,
+                              min(token_end * group, row + ROWS_PER_TILE), offset, start))
             for s in seqs:
-                pieces_of[s].append(offset)
-    return ctx_segments, items, pieces_of, num_partial_rows
+                last_offset[s] = offset
+        levels.append(len(items))
+    pieces_of = [[last_offset[s]] if s in last_offset else [] for s in range(len(segments))]
+    return items, levels, pieces_of, num_partial_rows

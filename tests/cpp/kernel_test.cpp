@@ -37,7 +37,7 @@ using namespace chunk_attn_cpu;
 namespace {
 
 struct Case {
-  int num_seqs, max_len, chunk_size, head_dim, num_kv_heads, group, max_chunks_per_item;
+  int num_seqs, max_len, chunk_size, head_dim, num_kv_heads, group, max_blocks_per_item;
   bool bf16;
   uint64_t seed;
   int window = 0;  // sliding window; 0: none
@@ -184,11 +184,9 @@ double run_case(const Variant& variant, const Case& cs) {
   p.scale = 1.f / std::sqrt(static_cast<float>(D));
   p.window = cs.window;
   p.num_threads = 2;
-  const std::vector<ChunkItem> items = chunk_items(p, cs.max_chunks_per_item);
-  p.items = items.data(), p.num_items = static_cast<int>(items.size());
-  const int64_t num_pairs = plan.seq_pair_ptr.back();
-  std::vector<float> scratch(scratch_floats(num_pairs, n, H, KV, D, C, p.num_threads), std::nanf(""));
-  carve_scratch(p, scratch.data(), num_pairs);
+  const DecodeSchedule schedule = decode_schedule(p, cs.max_blocks_per_item);
+  std::vector<float> scratch(schedule.scratch_floats(p, p.num_threads), std::nanf(""));
+  schedule.carve(p, scratch.data());
   variant.run(p);
 
   double worst = 0;
@@ -322,9 +320,9 @@ int main(int argc, char** argv) {
     for (int head_dim : {64, 128, 256})
       for (int group : {1, 3, 4}) {
         const int chunk_size = (head_dim == 256 ? 16 : (group == 3 ? 48 : 32));
-        for (int max_chunks : {1, 1000}) {
+        for (int max_blocks : {1, 1000}) {
           const int num_seqs = group == 1 ? 37 : (group == 3 ? 17 : 5);
-          cases.push_back({num_seqs, group == 4 ? 300 : 130, chunk_size, head_dim, 2, group, max_chunks, bf16 == 1, seed++});
+          cases.push_back({num_seqs, group == 4 ? 300 : 130, chunk_size, head_dim, 2, group, max_blocks, bf16 == 1, seed++});
         }
       }
   cases.push_back({1, 200, 64, 64, 3, 3, 1, false, seed++});  // one sequence: nothing shared
@@ -333,9 +331,9 @@ int main(int argc, char** argv) {
   cases.push_back({9, 150, 32, 96, 2, 3, 1, true, seed++});  // D = 96: a narrower last P V slice (8 lanes)
   // sliding windows shorter than, across and longer than the shared prefixes
   for (int window : {1, 23, 77})
-    for (int max_chunks : {1, 1000}) {
-      cases.push_back({17, 200, 16, 64, 2, 3, max_chunks, false, seed++, window});
-      cases.push_back({5, 300, 32, 256, 1, 4, max_chunks, window == 23, seed++, window});
+    for (int max_blocks : {1, 1000}) {
+      cases.push_back({17, 200, 16, 64, 2, 3, max_blocks, false, seed++, window});
+      cases.push_back({5, 300, 32, 256, 1, 4, max_blocks, window == 23, seed++, window});
     }
   int failures = 0, runs = 0;
   Coverage coverage;  // the same trees for every variant
@@ -372,9 +370,9 @@ int main(int argc, char** argv) {
       if (!(error <= worst)) worst = error;  // NaN sticks
       if (!(error <= 1.0)) {
         ++failures;
-        std::printf("FAIL %s: %s d=%d group=%d chunk=%d seqs=%d max_chunks=%d window=%d seed=%llu: max error %.3g x "
+        std::printf("FAIL %s: %s d=%d group=%d chunk=%d seqs=%d max_blocks=%d window=%d seed=%llu: max error %.3g x "
                     "the allowed\n", argv[a], cs.bf16 ? "bf16" : "fp32", cs.head_dim, cs.group, cs.chunk_size,
-                    cs.num_seqs, cs.max_chunks_per_item, cs.window, static_cast<unsigned long long>(cs.seed), error);
+                    cs.num_seqs, cs.max_blocks_per_item, cs.window, static_cast<unsigned long long>(cs.seed), error);
       }
     }
     std::printf("variant %s: %zu cases, largest error %.2f x the allowed\n", argv[a], cases.size(), worst);
@@ -397,9 +395,10 @@ int main(int argc, char** argv) {
                 "a chunk, %d with one ending inside a chunk before the next)\n", argv[a], prefill.cases,
                 prefill.worst, prefill.starts_inside, prefill.ends_inside);
     std::printf("variant %s prefill with context: %d cases, largest error %.2f x the allowed (%d with context items, "
-                "%d with a run of sequences in 2 or more pieces, %d with a segment the context covers in part, %d "
-                "with a sequence computing part of a context segment, %d with an item ending inside a GQA group)\n",
-                argv[a], prefill.context_cases, prefill.context_worst, prefill.with_context, prefill.split_runs,
+                "%d with an item starting from a wider run's states, %d with a segment the context covers in part, %d "
+                "with a sequence computing keys another reads as context, %d with an item ending inside a GQA "
+                "group)\n",
+                argv[a], prefill.context_cases, prefill.context_worst, prefill.with_context, prefill.chained,
                 prefill.partly_covered, prefill.writers, prefill.items_in_group);
   }
   std::printf("kernel_test: %d runs, %d failing\n", runs, failures);

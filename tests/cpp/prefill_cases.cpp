@@ -12,10 +12,10 @@
 //   sharing prefixes of different lengths, packed next to each other in token order,
 //   most of them reading a shared prefix whole and some computing part of it in the
 //   step (no readers of it then), under a context plan built as prefill_schedule.py builds
-//   it: runs of adjacent readers, cut into 1 or more pieces, in items of 128 or 37 rows
-//   (so items end inside a token's GQA group too); the tiles walk the prefill plan's
-//   segments (a chunk's run of slots as one), so a sequence's context can end inside
-//   one of them.
+//   it: runs of adjacent readers in whole blocks of keys, level by level (a narrower group
+//   goes on from a wider one's states), in items of 128 or 37 rows (so items end inside a
+//   token's GQA group too); the tiles walk the prefill plan's segments (a chunk's run of
+//   slots as one), so a sequence's context can end inside one of them.
 // Pool slots no segment holds are NaN (behind a segment's end inside a chunk, spare
 // chunks, the guard chunk), and so is the partials' scratch: a kernel that reads one no
 // context item wrote fails. Query rows of no sequence must stay NaN. The run fails when
@@ -73,15 +73,16 @@ std::vector<std::vector<int>> prefill_sequences(Rng& rng, int C) {
   return seqs;
 }
 
-// 4 to 6 sequences of up to 80 tokens sharing prefixes of different lengths: the first of
-// 2C .. 80 tokens, each later one copies a prefix of an earlier one's (mostly its longer
-// half, so that shared prefixes span chunks), parts from it there and goes on at random.
+// 4 to 6 sequences of up to 180 tokens sharing prefixes of different lengths: the first of
+// 2C .. 180 tokens, each later one copies a prefix of an earlier one's (mostly its longer
+// half, so that shared prefixes span chunks and blocks of keys), parts from it there and
+// goes on at random.
 // Sorted: the sequences under a common prefix are next to each other (depth-first
 // order), as the step packs them.
 std::vector<std::vector<int>> shared_prefix_sequences(Rng& rng, int C) {
   std::vector<std::vector<int>> seqs(rng.uniform(4, 6));
   for (size_t s = 0; s < seqs.size(); ++s) {
-    size_t length = rng.uniform(2 * C, 80);
+    size_t length = rng.uniform(2 * C, 180);
     if (s > 0) {
       const std::vector<int>& parent = seqs[rng.uniform(0, static_cast<int>(s) - 1)];
       const int size = static_cast<int>(parent.size());
@@ -173,9 +174,8 @@ Step shared_step(Rng& rng, int C) {
 
 // The context phase's plan (PrefillParams' ctx_* and seq_ctx_*, sized as it is there).
 struct ContextPlan {
-  std::vector<int64_t> ctx_end, ctx_chunk, ctx_start, ctx_len, ctx_pos, items, seq_ctx_ptr, seq_ctx_offset;
+  std::vector<int64_t> ctx_end, items, levels{0}, seq_ctx_ptr, seq_ctx_offset;
   int64_t num_partial_rows = 0;
-  bool split_run = false;  // a run cut into 2 or more pieces
 };
 
 ContextPlan no_context(int num_seqs) {
@@ -186,15 +186,15 @@ ContextPlan no_context(int num_seqs) {
 }
 
 // The context plan of a step as prefill_schedule.py builds it (context_runs and
-// context_work), the tree's segments standing for its nodes, less the choice of
-// runs by the work they save (any plan must be right) and with a random number of
-// pieces (the threads' business there). A segment is read as context by the sequences
-// whose new tokens all come after it, those of them packed next to each other (2 or
-// more) together; a sequence's context is its path's leading segments read so. A run
-// of them with the same readers is cut into pieces, each its own partial rows over all
-// the readers' tokens, in items of at most item_rows query rows.
-ContextPlan context_plan(const Step& step, int group, int item_rows, Rng& rng) {
-  const int n = step.num_seqs();
+// context_work), the tree's segments standing for its nodes, less the choice of runs by
+// the work they save (any plan must be right). A segment is read as context by the
+// sequences whose new tokens all come after it, those of them packed next to each other (2
+// or more) together; a sequence's runs are its path's leading segments read so, one per
+// group of readers, each in whole blocks of keys from where the run before it (a wider
+// group's, a level up) stopped, in items of at most item_rows query rows that start from
+// that run's states.
+ContextPlan context_plan(const Step& step, int group, int item_rows) {
+  const int n = step.num_seqs(), B = kBlockKeys;
   ContextPlan plan = no_context(n);
   std::vector<int> order(n);  // sequences in token order
   for (int s = 0; s < n; ++s) order[s] = s;
@@ -218,52 +218,54 @@ ContextPlan context_plan(const Step& step, int group, int item_rows, Rng& rng) {
       if (run.size() > 1)
         for (int s : run) run_of[{key, s}] = run;
     }
-  // Each sequence walks its path's segments while it reads them with others; the first of
-  // the readers makes their context run (the others walk the same segments).
   struct ContextRun {
     std::vector<int> seqs;
-    std::vector<Segment> segments;
+    int64_t first, end;
+    int level;
   };
   std::vector<ContextRun> runs;
-  std::set<std::pair<std::vector<int>, Key>> made;  // (readers, first segment) of each run
   for (int s : order) {
-    const std::vector<int>* current = nullptr;
-    bool maker = false;
+    std::vector<std::pair<std::vector<int>, int64_t>> spans;  // each group's segments' end
     for (const Segment& x : step.tree.paths[s]) {
       const auto it = run_of.find({{x.chunk, x.start}, s});
       if (it == run_of.end()) break;
-      if (current == nullptr || *current != it->second) {
-        current = &it->second;
-        maker = made.insert({it->second, {x.chunk, x.start}}).second;
-        if (maker) runs.push_back({it->second, {}});
+      if (spans.empty() || spans.back().first != it->second) spans.push_back({it->second, 0});
+      spans.back().second = x.pos + x.len;
+    }
+    int64_t first = 0;
+    for (const auto& [seqs, span_end] : spans) {
+      const int64_t end = span_end / B * B;
+      if (end <= first) continue;  // within the block the run before reached
+      bool made = false;
+      int level = 0;
+      for (const ContextRun& r : runs) {
+        made |= r.seqs == seqs && r.first == first;
+        level += std::includes(r.seqs.begin(), r.seqs.end(), seqs.begin(), seqs.end()) && r.seqs != seqs;
       }
-      if (maker) runs.back().segments.push_back(x);
-      plan.ctx_end[s] = x.pos + x.len;
+      if (!made) runs.push_back({seqs, first, end, level});
+      first = plan.ctx_end[s] = end;
     }
   }
-  std::vector<std::vector<int64_t>> pieces_of(n);  // each sequence's partial offsets
-  for (const ContextRun& run : runs) {
-    const int first = static_cast<int>(plan.ctx_chunk.size());
-    for (const Segment& x : merged(run.segments)) {
-      plan.ctx_chunk.push_back(x.chunk), plan.ctx_start.push_back(x.start);
-      plan.ctx_len.push_back(x.len), plan.ctx_pos.push_back(x.pos);
-    }
-    const int num_segments = static_cast<int>(plan.ctx_chunk.size()) - first;
-    const int64_t token_begin = step.token_start[run.seqs.front()];
-    const int64_t token_end = step.token_start[run.seqs.back()] + step.num_tokens[run.seqs.back()];
-    const int pieces = rng.uniform(1, num_segments);
-    plan.split_run |= pieces > 1;  // (a run has 2 or more sequences)
-    for (int i = 0; i < pieces; ++i) {
-      const int64_t lo = first + num_segments * i / pieces, hi = first + num_segments * (i + 1) / pieces;
-      const int64_t offset = plan.num_partial_rows - token_begin;  // token t's partial: row offset + t
+  std::vector<int64_t> last(n, kNoState);  // each sequence's states so far
+  int max_level = 0;
+  for (const ContextRun& r : runs) max_level = std::max(max_level, r.level);
+  for (int level = 0; level <= max_level && !runs.empty(); ++level) {
+    for (const ContextRun& r : runs) {
+      if (r.level != level) continue;
+      const int64_t token_begin = step.token_start[r.seqs.front()];
+      const int64_t token_end = step.token_start[r.seqs.back()] + step.num_tokens[r.seqs.back()];
+      const int64_t offset = plan.num_partial_rows - token_begin;  // token t's state: row offset + t
       plan.num_partial_rows += token_end - token_begin;
+      const int64_t start = r.first > 0 ? last[r.seqs.front()] : kNoState;
       for (int64_t row = token_begin * group; row < token_end * group; row += item_rows)
-        plan.items.insert(plan.items.end(), {lo, hi - lo, row, std::min(token_end * group, row + item_rows), offset});
-      for (int s : run.seqs) pieces_of[s].push_back(offset);
+        plan.items.insert(plan.items.end(), {r.seqs.front(), r.first / B, r.end / B, row,
+                                             std::min(token_end * group, row + item_rows), offset, start});
+      for (int s : r.seqs) last[s] = offset;
     }
+    plan.levels.push_back(static_cast<int64_t>(plan.items.size() / 7));
   }
   for (int s = 0; s < n; ++s) {
-    plan.seq_ctx_offset.insert(plan.seq_ctx_offset.end(), pieces_of[s].begin(), pieces_of[s].end());
+    if (last[s] != kNoState) plan.seq_ctx_offset.push_back(last[s]);
     plan.seq_ctx_ptr[s + 1] = static_cast<int64_t>(plan.seq_ctx_offset.size());
   }
   return plan;
@@ -271,21 +273,23 @@ ContextPlan context_plan(const Step& step, int group, int item_rows, Rng& rng) {
 
 // Adds what a context case holds to the summary's counts (each 0 or 1 per case).
 void count_context(const Step& step, const ContextPlan& plan, int group, PrefillSummary& summary) {
-  bool partly_covered = false, writer = false, item_in_group = false;
+  bool partly_covered = false, writer = false, item_in_group = false, chained = false;
   for (int s = 0; s < step.num_seqs(); ++s) {
     const int64_t end = plan.ctx_end[s];
     for (const Segment& x : step.walk[s]) partly_covered |= x.pos < end && end < x.pos + x.len;
-    // a sequence that holds a context segment and computes some of its keys in the step
+    // a sequence that computes in the step keys another reads as context
     const auto slots = key_slots(step.tree.paths[s]);
-    for (size_t c = 0; c < plan.ctx_chunk.size(); ++c) {
-      const int64_t pos = plan.ctx_pos[c];
-      writer |= pos < static_cast<int64_t>(slots.size()) &&
-                slots[pos] == std::make_pair(plan.ctx_chunk[c], plan.ctx_start[c]) &&
-                step.q_start[s] < pos + plan.ctx_len[c];
+    for (int r = 0; r < step.num_seqs(); ++r) {
+      const auto theirs = key_slots(step.tree.paths[r]);
+      for (int64_t pos = step.q_start[s]; pos < plan.ctx_end[r] && pos < static_cast<int64_t>(slots.size()); ++pos)
+        writer |= r != s && slots[pos] == theirs[pos];
     }
   }
-  for (size_t i = 0; i < plan.items.size(); i += 5) item_in_group |= plan.items[i + 3] % group != 0;
-  summary.with_context += !plan.items.empty(), summary.split_runs += plan.split_run;
+  for (size_t i = 0; i < plan.items.size(); i += 7) {
+    item_in_group |= plan.items[i + 4] % group != 0;
+    chained |= plan.items[i + 6] != kNoState;
+  }
+  summary.with_context += !plan.items.empty(), summary.chained += chained;
   summary.partly_covered += partly_covered, summary.writers += writer, summary.items_in_group += item_in_group;
 }
 
@@ -321,7 +325,7 @@ double run(const Variant& variant, const Case& cs, PrefillSummary& summary) {
   for (int s = 0; s < num_seqs; ++s)
     for (int64_t r = 0; r < step.num_tokens[s] * group; r += cs.tile_rows)
       tiles.insert(tiles.end(), {s, r, std::min<int64_t>(step.num_tokens[s] * group, r + cs.tile_rows)});
-  const ContextPlan plan = cs.context ? context_plan(step, group, cs.item_rows, rng) : no_context(num_seqs);
+  const ContextPlan plan = cs.context ? context_plan(step, group, cs.item_rows) : no_context(num_seqs);
   if (cs.context) count_context(step, plan, group, summary);
   std::vector<float> partial_o(plan.num_partial_rows * H * D, std::nanf(""));  // NaN: unwritten
   std::vector<float> partial_m(plan.num_partial_rows * H, std::nanf("")), partial_n = partial_m;
@@ -331,17 +335,17 @@ double run(const Variant& variant, const Case& cs, PrefillSummary& summary) {
   p.seg_chunk = seg_chunk.data(), p.seg_start = seg_start.data(), p.seg_pos = seg_pos.data();
   p.q_start = step.q_start.data(), p.num_tokens = step.num_tokens.data();
   p.token_start = step.token_start.data(), p.tiles = tiles.data(), p.token_pos = token_pos.data();
-  p.ctx_end = plan.ctx_end.data(), p.ctx_chunk = plan.ctx_chunk.data(), p.ctx_start = plan.ctx_start.data();
-  p.ctx_len = plan.ctx_len.data(), p.ctx_pos = plan.ctx_pos.data(), p.ctx_items = plan.items.data();
+  p.ctx_end = plan.ctx_end.data(), p.ctx_items = plan.items.data(), p.ctx_levels = plan.levels.data();
   p.seq_ctx_ptr = plan.seq_ctx_ptr.data(), p.seq_ctx_offset = plan.seq_ctx_offset.data();
   p.partial_o = partial_o.data(), p.partial_m = partial_m.data(), p.partial_n = partial_n.data();
   p.num_partial_rows = plan.num_partial_rows;
-  p.num_tiles = static_cast<int>(tiles.size() / 3), p.num_ctx_items = static_cast<int>(plan.items.size() / 5);
+  p.num_tiles = static_cast<int>(tiles.size() / 3), p.num_ctx_items = static_cast<int>(plan.items.size() / 7);
+  p.num_ctx_levels = static_cast<int>(plan.levels.size()) - 1;
   p.num_threads = 1;
   p.num_seqs = num_seqs, p.max_segments = max_segments, p.num_heads = H, p.num_kv_heads = KV, p.head_dim = D;
   p.chunk_size = C, p.dtype = cs.bf16 ? DType::kBFloat16 : DType::kFloat32, p.scale = 1.f / std::sqrt(float(D));
   p.window = cs.window;
-  p.workspace_stride = prefill_workspace_floats(C, D);
+  p.workspace_stride = prefill_workspace_floats(D);
   std::vector<float> workspace(p.workspace_stride, std::nanf(""));
   p.workspace = workspace.data();
   variant.prefill(p);
@@ -420,11 +424,11 @@ PrefillSummary run_prefill_cases(const Variant& variant) {
     std::printf("FAIL %s prefill: no case has a segment starting inside a chunk, or ending inside one before the "
                 "next\n", variant.name);
   }
-  if (summary.split_runs == 0 || summary.partly_covered == 0 || summary.writers == 0 || summary.items_in_group == 0) {
+  if (summary.chained == 0 || summary.partly_covered == 0 || summary.writers == 0 || summary.items_in_group == 0) {
     ++summary.failures;
-    std::printf("FAIL %s prefill with context: no case has a run of sequences in 2 or more pieces, a segment the "
-                "context covers in part, a sequence computing part of a context segment, or an item ending inside a "
-                "GQA group\n", variant.name);
+    std::printf("FAIL %s prefill with context: no case has an item starting from a wider run's states, a segment the "
+                "context covers in part, a sequence computing keys another reads as context, or an item ending inside "
+                "a GQA group\n", variant.name);
   }
   return summary;
 }

@@ -15,9 +15,9 @@ struct PrefillSummary {
   int context_cases = 0;
   double context_worst = 0;
   int with_context = 0;     // cases with context items
-  int split_runs = 0;       // ... with a run of 2 or more sequences cut into 2 or more pieces
+  int chained = 0;          // ... with an item starting from a wider run's states
   int partly_covered = 0;   // ... with a tile segment that starts before its sequence's ctx_end
-  int writers = 0;          // ... with a sequence computing part of a context segment (no reader)
+  int writers = 0;          // ... with a sequence computing keys another reads as context
   int items_in_group = 0;   // ... with an item that ends inside a token's GQA group
   int failures = 0;         // of either kind, and coverage the cases lack
 };

@@ -117,17 +117,13 @@ chunk_attn_cpu::DType kernel_dtype(int dtype) {
   return dtype == CHUNK_LLAMA_BFLOAT16 ? chunk_attn_cpu::DType::kBFloat16 : chunk_attn_cpu::DType::kFloat32;
 }
 
-void tpp_decode(const void* q, const void* k_cache, const void* v_cache, const Geometry& g, int dtype, void* out,
-                const int64_t* plan, int64_t plan_numel, const int64_t* layout, int64_t layout_size, float* scratch,
-                int64_t scratch_numel, double scale, int64_t window, int64_t max_chunks_per_item, const char* isa,
-                int num_threads) {
+// The decode plan's arrays in p (geometry set), each checked before any pointer into the pool
+// or the scratch is made from it: a wrong chunk id, slot range or pair slot would reach out
+// of bounds.
+void decode_plan(chunk_attn_cpu::Params& p, int64_t capacity, const int64_t* plan, int64_t plan_numel,
+                 const int64_t* layout, int64_t layout_size) {
   using namespace chunk_attn_cpu;
-  const Variant& variant = variant_for(isa);
-  check_window(window);
-  const int num_seqs = static_cast<int>(g.q_rows), num_heads = static_cast<int>(g.num_heads);
-  const int head_dim = static_cast<int>(g.head_dim), num_kv_heads = static_cast<int>(g.num_kv_heads);
-  const int chunk_size = static_cast<int>(g.chunk_size);
-  const int64_t capacity = g.capacity;
+  const int num_seqs = p.num_seqs, chunk_size = p.chunk_size;
   check_layout(layout_size, kDecodeLayoutSize, "decode");
   const int64_t num_shared = layout[kDecodeNumShared], width = layout[kDecodeWidth];
   CHECK_VALUE(layout[kDecodeNumSeqs] == num_seqs && num_shared >= 0 && width >= 1, "the decode plan is for ",
@@ -137,71 +133,91 @@ void tpp_decode(const void* q, const void* k_cache, const void* v_cache, const G
   const auto array = [&](int slot, int64_t count) {
     return plan_array(plan, plan_numel, layout, slot, count, kDecodeArrayNames[slot - kDecodeCounts]);
   };
-  const int64_t *shared_chunk_ids = array(kSharedChunkIds, num_shared), *shared_start = array(kSharedStart, num_shared),
-                *shared_len = array(kSharedLen, num_shared), *shared_pos = array(kSharedPos, num_shared),
-                *shared_begin = array(kSharedBegin, num_shared), *shared_end = array(kSharedEnd, num_shared),
-                *shared_depth = array(kSharedDepth, num_shared),
-                *private_chunk_ids = array(kPrivateChunkIds, num_seqs * width),
-                *private_start = array(kPrivateStart, num_seqs * width),
-                *private_pos = array(kPrivatePos, num_seqs * width),
-                *num_shared_tokens = array(kNumSharedTokens, num_seqs), *lens = array(kSeqLens, num_seqs),
-                *pair_ptr = array(kSeqPairPtr, num_seqs + 1);
-  CHECK_VALUE(max_chunks_per_item >= 1, "max_chunks_per_item must be >= 1, got ", max_chunks_per_item);
-  for (int64_t s = 0; s < num_shared; ++s) {
-    const int64_t begin = shared_begin[s], end = shared_end[s], depth = shared_depth[s];
-    check_segment(shared_chunk_ids[s], shared_start[s], shared_len[s], capacity, chunk_size, "shared segment", s);
-    CHECK_VALUE(0 <= begin && begin < end && end <= num_seqs && depth >= 0, "shared segment ", s, ": rows ", begin,
-                " .. ", end, " at depth ", depth, " do not fit ", num_seqs, " sequences");
-    for (int64_t row = begin; row < end; ++row)
-      CHECK_VALUE(pair_ptr[row] + depth < pair_ptr[row + 1], "shared segment ", s, " at depth ", depth,
-                  " has no partial slot for sequence ", row);
-  }
+  p.shared_chunk_ids = array(kSharedChunkIds, num_shared), p.shared_start = array(kSharedStart, num_shared);
+  p.shared_len = array(kSharedLen, num_shared), p.shared_pos = array(kSharedPos, num_shared);
+  p.shared_begin = array(kSharedBegin, num_shared), p.shared_end = array(kSharedEnd, num_shared);
+  p.shared_depth = array(kSharedDepth, num_shared);
+  p.private_chunk_ids = array(kPrivateChunkIds, num_seqs * width), p.private_start = array(kPrivateStart, num_seqs * width);
+  p.private_pos = array(kPrivatePos, num_seqs * width);
+  p.num_shared_tokens = array(kNumSharedTokens, num_seqs), p.seq_lens = array(kSeqLens, num_seqs);
+  p.seq_pair_ptr = array(kSeqPairPtr, num_seqs + 1);
+  p.num_shared = static_cast<int>(num_shared);
+  p.max_private = static_cast<int>(width);
+  const int64_t* pair_ptr = p.seq_pair_ptr;
   for (int64_t i = 0; i < num_seqs; ++i) {
-    CHECK_VALUE(pair_ptr[i] >= 0 && pair_ptr[i] <= pair_ptr[i + 1] && lens[i] >= 1, "sequence ", i,
-                ": bad pair range or length");
-    check_segments(private_chunk_ids + i * width, private_start + i * width, private_pos + i * width, width,
-                   num_shared_tokens[i], lens[i], capacity, chunk_size, "private segment", i);
+    CHECK_VALUE(pair_ptr[i] >= 0 && pair_ptr[i] <= pair_ptr[i + 1] && p.seq_lens[i] >= 1 &&
+                    p.num_shared_tokens[i] >= 0 && p.num_shared_tokens[i] <= p.seq_lens[i],
+                "sequence ", i, ": bad pair range, length or shared tokens");
+    check_segments(p.private_chunk_ids + i * width, p.private_start + i * width, p.private_pos + i * width, width,
+                   p.num_shared_tokens[i], p.seq_lens[i], capacity, chunk_size, "private segment", i);
   }
-  CHECK_VALUE(num_threads >= 1, "num_threads must be >= 1, got ", num_threads);
-  const int64_t num_pairs = pair_ptr[num_seqs];
-  check_scratch(scratch_numel, scratch_floats(num_pairs, num_seqs, num_heads, num_kv_heads, head_dim, chunk_size,
-                                              num_threads));
+  for (int64_t s = 0; s < num_shared; ++s) {
+    const int64_t begin = p.shared_begin[s], end = p.shared_end[s], depth = p.shared_depth[s];
+    check_segment(p.shared_chunk_ids[s], p.shared_start[s], p.shared_len[s], capacity, chunk_size, "shared segment", s);
+    CHECK_VALUE(0 <= begin && begin < end && end <= num_seqs && depth >= 0 && p.shared_pos[s] >= 0, "shared segment ",
+                s, ": rows ", begin, " .. ", end, " at depth ", depth, " do not fit ", num_seqs, " sequences");
+    for (int64_t row = begin; row < end; ++row)
+      CHECK_VALUE(pair_ptr[row] + depth < pair_ptr[row + 1] && p.shared_pos[s] + p.shared_len[s] <=
+                      p.num_shared_tokens[row],
+                  "shared segment ", s, " at depth ", depth, " has no partial slot for sequence ", row,
+                  " or lies past its shared tokens");
+  }
+  // each sequence's shared segments, by depth, run from position 0 to its shared tokens
+  std::vector<int64_t> reach(num_seqs, 0);
+  std::vector<int64_t> at(static_cast<size_t>(pair_ptr[num_seqs]), -1);
+  for (int64_t s = 0; s < num_shared; ++s)
+    for (int64_t row = p.shared_begin[s]; row < p.shared_end[s]; ++row) at[pair_ptr[row] + p.shared_depth[s]] = s;
+  for (int64_t row = 0; row < num_seqs; ++row) {
+    for (int64_t k = pair_ptr[row]; k < pair_ptr[row + 1]; ++k) {
+      CHECK_VALUE(at[k] >= 0 && p.shared_pos[at[k]] == reach[row], "sequence ", row,
+                  ": its shared segments do not run in order from position 0");
+      reach[row] += p.shared_len[at[k]];
+    }
+    CHECK_VALUE(reach[row] == p.num_shared_tokens[row], "sequence ", row, ": its shared segments end at ", reach[row],
+                ", not at its ", p.num_shared_tokens[row], " shared tokens");
+  }
+}
 
-  Params p{};
+chunk_attn_cpu::Params decode_geometry(const Geometry& g, int num_threads, double scale, int64_t window) {
+  chunk_attn_cpu::Params p{};
+  check_window(window);
+  CHECK_VALUE(num_threads >= 1, "num_threads must be >= 1, got ", num_threads);
+  p.num_seqs = static_cast<int>(g.q_rows);
+  p.num_heads = static_cast<int>(g.num_heads);
+  p.num_kv_heads = static_cast<int>(g.num_kv_heads);
+  p.head_dim = static_cast<int>(g.head_dim);
+  p.chunk_size = static_cast<int>(g.chunk_size);
+  p.num_threads = num_threads;
+  p.scale = static_cast<float>(scale);
+  p.window = static_cast<int>(window);
+  return p;
+}
+
+void tpp_decode(const void* q, const void* k_cache, const void* v_cache, const Geometry& g, int dtype, void* out,
+                const int64_t* plan, int64_t plan_numel, const int64_t* layout, int64_t layout_size, float* scratch,
+                int64_t scratch_numel, double scale, int64_t window, int64_t max_blocks_per_item, const char* isa,
+                int num_threads) {
+  using namespace chunk_attn_cpu;
+  const Variant& variant = variant_for(isa);
+  Params p = decode_geometry(g, num_threads, scale, window);
+  decode_plan(p, g.capacity, plan, plan_numel, layout, layout_size);
+  CHECK_VALUE(max_blocks_per_item >= 0, "max_blocks_per_item must be >= 0 (0: chosen), got ", max_blocks_per_item);
+  const DecodeSchedule schedule = decode_schedule(p, static_cast<int>(std::min<int64_t>(max_blocks_per_item, 1 << 30)));
+  check_scratch(scratch_numel, schedule.scratch_floats(p, num_threads));
   p.q = q;
   p.k_cache = k_cache;
   p.v_cache = v_cache;
   p.out = out;
-  p.num_threads = num_threads;
-  p.shared_chunk_ids = shared_chunk_ids;
-  p.shared_start = shared_start;
-  p.shared_len = shared_len;
-  p.shared_pos = shared_pos;
-  p.shared_begin = shared_begin;
-  p.shared_end = shared_end;
-  p.shared_depth = shared_depth;
-  p.private_chunk_ids = private_chunk_ids;
-  p.private_start = private_start;
-  p.private_pos = private_pos;
-  p.num_shared_tokens = num_shared_tokens;
-  p.seq_lens = lens;
-  p.seq_pair_ptr = pair_ptr;
-  p.num_seqs = num_seqs;
-  p.num_heads = num_heads;
-  p.num_kv_heads = num_kv_heads;
-  p.head_dim = head_dim;
-  p.chunk_size = chunk_size;
-  p.num_shared = static_cast<int>(num_shared);
-  carve_scratch(p, scratch, num_pairs);
-  p.max_private = static_cast<int>(width);
   p.dtype = kernel_dtype(dtype);
-  p.scale = static_cast<float>(scale);
-  p.window = static_cast<int>(window);
-  const std::vector<ChunkItem> items =
-      chunk_items(p, static_cast<int>(std::min<int64_t>(max_chunks_per_item, 1 << 30)));
-  p.items = items.data();
-  p.num_items = static_cast<int>(items.size());
+  schedule.carve(p, scratch);
   variant.run(p);
+}
+
+int64_t decode_scratch_floats(const Geometry& g, const int64_t* plan, int64_t plan_numel, const int64_t* layout,
+                              int64_t layout_size, int num_threads) {
+  chunk_attn_cpu::Params p = decode_geometry(g, num_threads, 1.0, 0);
+  decode_plan(p, g.capacity, plan, plan_numel, layout, layout_size);
+  return chunk_attn_cpu::decode_schedule(p, 0).scratch_floats(p, num_threads);
 }
 
 // Prefill attention of every sequence of a step (prefill_params.h has the layout). The
@@ -221,10 +237,11 @@ void tpp_prefill(const void* q, const void* k_cache, const void* v_cache, const 
   const int group = num_heads / num_kv_heads;
   check_layout(layout_size, kPrefillLayoutSize, "prefill");
   const int64_t num_seqs = layout[kPrefillNumSeqs], width = layout[kPrefillWidth], num_tiles = layout[kNumTiles];
-  const int64_t num_ctx = layout[kNumCtxSegments], num_items = layout[kNumCtxItems];
+  const int64_t num_items = layout[kNumCtxItems], num_levels = layout[kNumCtxLevels];
   const int64_t num_partial_rows = layout[kNumPartialRows];
-  CHECK_VALUE(num_seqs >= 0 && width >= 1 && num_tiles >= 0 && num_ctx >= 0 && num_items >= 0 &&
-                  num_partial_rows >= 0 && layout[kNumQTokens] == num_q_tokens,
+  CHECK_VALUE(num_seqs >= 0 && width >= 1 && num_tiles >= 0 && num_items >= 0 && num_levels >= 0 &&
+                  num_partial_rows >= 0 &&
+                  layout[kNumQTokens] == num_q_tokens,
               "the prefill plan (", num_seqs, " sequences, ", layout[kNumQTokens], " query tokens) does not ",
               "match q's ", num_q_tokens, " rows");
   const auto array = [&](int slot, int64_t count) {
@@ -234,10 +251,8 @@ void tpp_prefill(const void* q, const void* k_cache, const void* v_cache, const 
                 *seg_pos = array(kSegPos, num_seqs * width), *starts = array(kQStart, num_seqs),
                 *counts = array(kNumTokens, num_seqs), *rows_at = array(kTokenStart, num_seqs),
                 *tiles = array(kTiles, num_tiles * 3), *token_pos = array(kTokenPos, num_q_tokens),
-                *ctx_end = array(kCtxEnd, num_seqs), *ctx_chunk = array(kCtxChunk, num_ctx),
-                *ctx_start = array(kCtxStart, num_ctx), *ctx_len = array(kCtxLen, num_ctx),
-                *ctx_pos = array(kCtxPos, num_ctx), *ctx_items = array(kCtxItems, num_items * 5),
-                *ctx_ptr = array(kSeqCtxPtr, num_seqs + 1);
+                *ctx_end = array(kCtxEnd, num_seqs), *ctx_items = array(kCtxItems, num_items * 7),
+                *ctx_levels = array(kCtxLevels, num_levels + 1), *ctx_ptr = array(kSeqCtxPtr, num_seqs + 1);
   const int64_t* ctx_offset = array(kSeqCtxOffset, ctx_ptr[num_seqs]);
   CHECK_VALUE(ctx_ptr[0] == 0, "seq_ctx_ptr must index seq_ctx_offset from 0");
   // a partial row's whole range of tokens [first, last] inside the partials
@@ -248,9 +263,11 @@ void tpp_prefill(const void* q, const void* k_cache, const void* v_cache, const 
   for (int64_t s = 0; s < num_seqs; ++s) {
     CHECK_VALUE(starts[s] >= 0 && counts[s] >= 0 && rows_at[s] >= 0 && rows_at[s] + counts[s] <= num_q_tokens,
                 "prefill sequence ", s, ": tokens ", rows_at[s], " + ", counts[s], " outside q's ", num_q_tokens);
-    CHECK_VALUE(ctx_end[s] >= 0 && ctx_end[s] <= starts[s], "prefill sequence ", s, ": context end ", ctx_end[s],
-                " past its first new token at ", starts[s]);
-    CHECK_VALUE(ctx_ptr[s] <= ctx_ptr[s + 1], "seq_ctx_ptr must not fall");
+    CHECK_VALUE(ctx_end[s] >= 0 && ctx_end[s] <= starts[s] && ctx_end[s] % kBlockKeys == 0, "prefill sequence ", s,
+                ": context end ", ctx_end[s], " is past its first new token at ", starts[s], " or not a multiple of ",
+                kBlockKeys);
+    CHECK_VALUE(ctx_ptr[s] <= ctx_ptr[s + 1] && ctx_ptr[s + 1] - ctx_ptr[s] == (ctx_end[s] > 0 ? 1 : 0),
+                "prefill sequence ", s, " must have one context state where its context end is past 0, else none");
     for (int64_t c = ctx_ptr[s]; c < ctx_ptr[s + 1] && counts[s] > 0; ++c)
       check_partials(ctx_offset[c], rows_at[s], rows_at[s] + counts[s] - 1, "prefill sequence", s);
     // from position 0, each segment to the next one's position: every position up to the
@@ -258,14 +275,20 @@ void tpp_prefill(const void* q, const void* k_cache, const void* v_cache, const 
     check_segments(seg_chunk + s * width, seg_start + s * width, seg_pos + s * width, width, 0, starts[s] + counts[s],
                    capacity, chunk_size, "prefill segment", s);
   }
-  for (int64_t i = 0; i < num_ctx; ++i)
-    check_segment(ctx_chunk[i], ctx_start[i], ctx_len[i], capacity, chunk_size, "context segment", i);
+  CHECK_VALUE(ctx_levels[0] == 0 && ctx_levels[num_levels] == num_items, "ctx_levels must run from 0 to the ",
+              num_items, " context items");
+  for (int64_t l = 0; l < num_levels; ++l)
+    CHECK_VALUE(ctx_levels[l] <= ctx_levels[l + 1], "ctx_levels must not fall");
   const int64_t* item = ctx_items;
-  for (int64_t i = 0; i < num_items; ++i, item += 5) {
-    CHECK_VALUE(item[0] >= 0 && item[1] >= 1 && item[0] + item[1] <= num_ctx && item[2] >= 0 && item[2] < item[3] &&
-                    item[3] <= int64_t{num_q_tokens} * group && item[3] - item[2] <= kRowsPerItem,
-                "context item ", i, " is not a run of context segments and at most ", kRowsPerItem, " query rows");
-    check_partials(item[4], item[2] / group, (item[3] - 1) / group, "context item", i);
+  for (int64_t i = 0; i < num_items; ++i, item += 7) {
+    CHECK_VALUE(item[0] >= 0 && item[0] < num_seqs && item[1] >= 0 && item[1] < item[2] && item[3] >= 0 &&
+                    item[3] < item[4] && item[4] <= int64_t{num_q_tokens} * group && item[4] - item[3] <= kRowsPerItem,
+                "context item ", i, " is not a run of blocks and at most ", kRowsPerItem, " query rows");
+    // its keys inside its sequence's path before that sequence's new tokens (checked above)
+    CHECK_VALUE(item[2] * kBlockKeys <= starts[item[0]], "context item ", i, ": blocks up to ", item[2],
+                " reach past its sequence's first new token at ", starts[item[0]]);
+    check_partials(item[5], item[3] / group, (item[4] - 1) / group, "context item", i);
+    if (item[6] != kNoState) check_partials(item[6], item[3] / group, (item[4] - 1) / group, "context item", i);
   }
   const int64_t* tile = tiles;
   for (int64_t i = 0; i < num_tiles; ++i, tile += 3)
@@ -274,7 +297,7 @@ void tpp_prefill(const void* q, const void* k_cache, const void* v_cache, const 
                 "prefill tile ", i, " (", tile[0], ", ", tile[1], ", ", tile[2], ") is not a range of at most ",
                 kRowsPerItem, " rows of its sequence");
   CHECK_VALUE(num_threads >= 1, "num_threads must be >= 1, got ", num_threads);
-  const int64_t stride = prefill_workspace_floats(chunk_size, head_dim);
+  const int64_t stride = prefill_workspace_floats(head_dim);
   const int64_t partial_floats = num_partial_rows * num_heads * (head_dim + 2);
   check_scratch(scratch_numel, partial_floats + stride * num_threads);
 
@@ -292,10 +315,10 @@ void tpp_prefill(const void* q, const void* k_cache, const void* v_cache, const 
   p.seg_chunk = seg_chunk, p.seg_start = seg_start, p.seg_pos = seg_pos;
   p.q_start = starts, p.num_tokens = counts, p.token_start = rows_at;
   p.tiles = tiles, p.token_pos = token_pos, p.ctx_end = ctx_end;
-  p.ctx_chunk = ctx_chunk, p.ctx_start = ctx_start, p.ctx_len = ctx_len, p.ctx_pos = ctx_pos;
-  p.ctx_items = ctx_items, p.seq_ctx_ptr = ctx_ptr, p.seq_ctx_offset = ctx_offset;
+  p.ctx_items = ctx_items, p.ctx_levels = ctx_levels, p.seq_ctx_ptr = ctx_ptr, p.seq_ctx_offset = ctx_offset;
   p.num_tiles = static_cast<int>(num_tiles);
   p.num_ctx_items = static_cast<int>(num_items);
+  p.num_ctx_levels = static_cast<int>(num_levels);
   p.num_threads = num_threads;
   p.num_seqs = static_cast<int>(num_seqs);
   p.max_segments = static_cast<int>(width);
@@ -345,23 +368,25 @@ const char* chunk_llama_cpu_prefill_layout(void) {
   return names.c_str();
 }
 
-int64_t chunk_llama_cpu_scratch_floats(int64_t num_pairs, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                                       int64_t head_dim, int64_t chunk_size, int64_t num_threads) {
+int64_t chunk_llama_cpu_decode_scratch_floats(int64_t q_rows, int64_t num_heads, int64_t head_dim, int64_t capacity,
+                                              int64_t num_kv_heads, int64_t chunk_size, const int64_t* plan,
+                                              int64_t plan_numel, const int64_t* layout, int64_t layout_size,
+                                              int64_t num_threads) {
   int64_t floats = -1;
   guarded([&] {
-    CHECK_VALUE(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && num_threads > 0, "scratch_floats: bad geometry");
-    floats = chunk_attn_cpu::scratch_floats(num_pairs, static_cast<int>(num_seqs), static_cast<int>(num_heads),
-                                            static_cast<int>(num_kv_heads), static_cast<int>(head_dim),
-                                            static_cast<int>(chunk_size), static_cast<int>(num_threads));
+    CHECK_VALUE(num_threads >= 1 && num_threads <= INT32_MAX, "decode_scratch_floats: bad thread count ", num_threads);
+    // (the geometry's pool extents are the call's to check: here only the plan's shape counts)
+    const Geometry g = check_geometry(q_rows, num_heads, head_dim, capacity, num_kv_heads, chunk_size, head_dim,
+                                      INT64_MAX, INT64_MAX, CHUNK_LLAMA_FLOAT32);
+    floats = decode_scratch_floats(g, plan, plan_numel, layout, layout_size, static_cast<int>(num_threads));
   });
   return floats;
 }
 
-int64_t chunk_llama_cpu_prefill_scratch_floats(int64_t num_partial_rows, int64_t num_heads, int64_t chunk_size,
-                                               int64_t head_dim, int64_t num_threads) {
+int64_t chunk_llama_cpu_prefill_scratch_floats(int64_t num_partial_rows, int64_t num_heads, int64_t head_dim,
+                                               int64_t num_threads) {
   return num_partial_rows * num_heads * (head_dim + 2) +
-         chunk_attn_cpu::prefill_workspace_floats(static_cast<int>(chunk_size), static_cast<int>(head_dim)) *
-             num_threads;
+         chunk_attn_cpu::prefill_workspace_floats(static_cast<int>(head_dim)) * num_threads;
 }
 
 int chunk_llama_cpu_tpp_decode(const void* q, int64_t q_rows, int64_t num_heads, int64_t head_dim,
@@ -369,12 +394,12 @@ int chunk_llama_cpu_tpp_decode(const void* q, int64_t q_rows, int64_t num_heads,
                                int64_t chunk_size, int64_t kv_head_dim, int64_t k_extent, int64_t v_extent, int dtype,
                                void* out, const int64_t* plan, int64_t plan_numel, const int64_t* layout,
                                int64_t layout_size, float* scratch, int64_t scratch_numel, double scale,
-                               int64_t window, int64_t max_chunks_per_item, const char* isa, int num_threads) {
+                               int64_t window, int64_t max_blocks_per_item, const char* isa, int num_threads) {
   return guarded([&] {
     const Geometry g = check_geometry(q_rows, num_heads, head_dim, capacity, num_kv_heads, chunk_size, kv_head_dim,
                                       k_extent, v_extent, dtype);
     tpp_decode(q, k_cache, v_cache, g, dtype, out, plan, plan_numel, layout, layout_size, scratch, scratch_numel,
-               scale, window, max_chunks_per_item, isa, num_threads);
+               scale, window, max_blocks_per_item, isa, num_threads);
   });
 }
 

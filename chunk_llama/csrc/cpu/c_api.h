@@ -24,7 +24,7 @@ extern "C" {
 
 /* Bumped whenever an entry point's arguments change: a loader refuses a library whose
  * version differs from the one its binding was written for. */
-#define CHUNK_LLAMA_CPU_ABI_VERSION 4
+#define CHUNK_LLAMA_CPU_ABI_VERSION 5
 
 enum { CHUNK_LLAMA_OK = 0, CHUNK_LLAMA_VALUE_ERROR = 1, CHUNK_LLAMA_TYPE_ERROR = 2 };
 /* Element types of q and the pool (params.h DType). */
@@ -41,25 +41,30 @@ CHUNK_LLAMA_API int chunk_llama_cpu_host_runs(const char* isa);
 CHUNK_LLAMA_API const char* chunk_llama_cpu_decode_layout(void);
 CHUNK_LLAMA_API const char* chunk_llama_cpu_prefill_layout(void);
 
-/* Floats of scratch one call needs; -1 (and an error) for a bad geometry. */
-CHUNK_LLAMA_API int64_t chunk_llama_cpu_scratch_floats(int64_t num_pairs, int64_t num_seqs, int64_t num_heads,
-                                                       int64_t num_kv_heads, int64_t head_dim, int64_t chunk_size,
-                                                       int64_t num_threads);
+/* Floats of scratch one call needs (decode: for this plan, as chunk_llama_cpu_tpp_decode
+ * takes it, any window); -1 (and an error) for a bad geometry or plan. */
+CHUNK_LLAMA_API int64_t chunk_llama_cpu_decode_scratch_floats(int64_t q_rows, int64_t num_heads, int64_t head_dim,
+                                                              int64_t capacity, int64_t num_kv_heads,
+                                                              int64_t chunk_size, const int64_t* plan,
+                                                              int64_t plan_numel, const int64_t* layout,
+                                                              int64_t layout_size, int64_t num_threads);
 CHUNK_LLAMA_API int64_t chunk_llama_cpu_prefill_scratch_floats(int64_t num_partial_rows, int64_t num_heads,
-                                                               int64_t chunk_size, int64_t head_dim,
-                                                               int64_t num_threads);
+                                                               int64_t head_dim, int64_t num_threads);
 
 /* Both attention ops take: q [q_rows, num_heads, head_dim]; the layer's K and V pools
  * [capacity, num_kv_heads, chunk_size, kv_head_dim] with, for each, the elements its
  * memory holds from its first element on (the guard chunk behind the last must be there);
  * out, shaped like q; the step's plan (plan_numel int64s) and its layout (layout_size
- * host integers, plan_layout.h); the caller's float32 scratch; then the scalars. */
+ * host integers, plan_layout.h); the caller's float32 scratch; then the scalars
+ * (max_blocks_per_item: the most shared blocks of keys one work item of decode's first
+ * phase takes, 0: chosen for the threads). Both compute each query's attention in the same
+ * blocks of keys and order (blocks.h): a query's output does not depend on the batch. */
 CHUNK_LLAMA_API int chunk_llama_cpu_tpp_decode(
     const void* q, int64_t q_rows, int64_t num_heads, int64_t head_dim, const void* k_cache, const void* v_cache,
     int64_t capacity, int64_t num_kv_heads, int64_t chunk_size, int64_t kv_head_dim, int64_t k_extent,
     int64_t v_extent, int dtype, void* out, const int64_t* plan, int64_t plan_numel, const int64_t* layout,
     int64_t layout_size, float* scratch, int64_t scratch_numel, double scale, int64_t window,
-    int64_t max_chunks_per_item, const char* isa, int num_threads);
+    int64_t max_blocks_per_item, const char* isa, int num_threads);
 
 CHUNK_LLAMA_API int chunk_llama_cpu_tpp_prefill(
     const void* q, int64_t q_rows, int64_t num_heads, int64_t head_dim, const void* k_cache, const void* v_cache,
@@ -129,7 +134,18 @@ CHUNK_LLAMA_API int chunk_llama_cpu_decoder_layer_decode(
     int64_t capacity, int64_t num_kv_heads, int64_t chunk_size, int64_t kv_head_dim, int64_t k_extent,
     int64_t v_extent, int dtype, const int64_t* plan, int64_t plan_numel, const int64_t* layout,
     int64_t layout_size, float* scratch, int64_t scratch_numel, double scale, int64_t window,
-    int64_t max_chunks_per_item, const char* isa, int num_threads);
+    int64_t max_blocks_per_item, const char* isa, int num_threads);
+
+/* The same layer for a prefill step: hidden_in [rows, hidden_size] the step's new tokens
+ * (packed), their rotary cos and sin [rows, head_dim]; attention over the prefill plan (as
+ * chunk_llama_cpu_tpp_prefill takes it). The same arithmetic per row as the decode entry. */
+CHUNK_LLAMA_API int chunk_llama_cpu_decoder_layer_prefill(
+    const chunk_llama_cpu_decoder_layer* layer, const float* hidden_in, float* hidden_out, int64_t rows,
+    const float* cos, const float* sin, const int64_t* write_token, const int64_t* write_chunk,
+    const int64_t* write_offset, int64_t num_writes, void* k_cache, void* v_cache, int64_t capacity,
+    int64_t num_kv_heads, int64_t chunk_size, int64_t kv_head_dim, int64_t k_extent, int64_t v_extent, int dtype,
+    const int64_t* plan, int64_t plan_numel, const int64_t* layout, int64_t layout_size, float* scratch,
+    int64_t scratch_numel, double scale, int64_t window, const char* isa, int num_threads);
 
 /* num_layers decoder layers in a row, as chunk_llama_cpu_decoder_layer_decode would run
  * them one after the other, each in place on hidden_out (the input copied there first):
@@ -143,7 +159,7 @@ CHUNK_LLAMA_API int chunk_llama_cpu_decoder_stack_decode(
     const int64_t* row_order, int64_t capacity, int64_t num_kv_heads, int64_t chunk_size, int64_t kv_head_dim,
     const int64_t* k_extents, const int64_t* v_extents, int dtype, const int64_t* plan, int64_t plan_numel,
     const int64_t* layout, int64_t layout_size, float* scratch, int64_t scratch_numel, double scale, int64_t window,
-    int64_t max_chunks_per_item, const char* isa, int num_threads);
+    int64_t max_blocks_per_item, const char* isa, int num_threads);
 
 #ifdef __cplusplus
 }

@@ -66,6 +66,7 @@ inline Vec vbit_field(uint32_t bits, int first) {
 }
 inline Vec vsub(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline Vec vmul(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Vec vdiv(Vec a, Vec b) { return {_mm512_div_ps(a.v, b.v)}; }
 inline Vec vmax(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
 inline Vec vfma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline float vreduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }

@@ -16,7 +16,7 @@
 //   vnibbles(p, &low, &high)     low: p[i] & 15, high: p[i] >> 4 (one load)      quantized
 //   vint8(p)                     lane i = p[i], p: kLanes int8
 //   vbit_field(bits, first)      lane i = (bits >> (first + i)) & 1              weights)
-//   vadd, vsub, vmul, vmax   lane-wise; vfma(a, b, c) = a * b + c
+//   vadd, vsub, vmul, vdiv, vmax  lane-wise (correctly rounded); vfma(a, b, c) = a * b + c
 //   vreduce_add, vreduce_max one float from all lanes
 //   vsum_lanes(x)            x[kLanes] -> lane j = sum of x[j]'s lanes (x may be overwritten)
 //   vexp2(x)                 2^x for x <= 0, exp2_scalar's method lane by lane
@@ -70,6 +70,7 @@ inline Vec vadd(Vec a, Vec b) { return {a.v + b.v}; }
 #include "lanes_quant_scalar.h"
 inline Vec vsub(Vec a, Vec b) { return {a.v - b.v}; }
 inline Vec vmul(Vec a, Vec b) { return {a.v * b.v}; }
+inline Vec vdiv(Vec a, Vec b) { return {a.v / b.v}; }
 inline Vec vmax(Vec a, Vec b) {
   for (int i = 0; i < kLanes; ++i) a.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i];
   return a;

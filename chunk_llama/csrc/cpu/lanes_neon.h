@@ -35,6 +35,7 @@ inline Vec vadd(Vec a, Vec b) { return {vaddq_f32(a.v, b.v)}; }
 #include "lanes_quant_scalar.h"
 inline Vec vsub(Vec a, Vec b) { return {vsubq_f32(a.v, b.v)}; }
 inline Vec vmul(Vec a, Vec b) { return {vmulq_f32(a.v, b.v)}; }
+inline Vec vdiv(Vec a, Vec b) { return {vdivq_f32(a.v, b.v)}; }
 inline Vec vmax(Vec a, Vec b) { return {vmaxq_f32(a.v, b.v)}; }
 inline Vec vfma(Vec a, Vec b, Vec c) { return {vfmaq_f32(c.v, a.v, b.v)}; }
 inline float vreduce_add(Vec a) { return vaddvq_f32(a.v); }

@@ -1,5 +1,5 @@
-// A linear layer of few rows (decode batches) on the CPU, free of torch and of any
-// instruction set: y = x W^T (+ bias), W an nn.Linear's weight in place. Included like
+// A linear layer on the CPU, free of torch and of any instruction set: y = x W^T (+ bias),
+// W an nn.Linear's weight in place; and a decoder layer's elementwise steps. Included like
 // params.h (the glue, every variant before its target pragma, the test driver).
 #pragma once
 
@@ -16,10 +16,38 @@ struct LinearParams {
   int num_threads;
 };
 
+// A decoder layer's RMSNorm of `rows` vectors of n (layer_ops.h): out = t * (offset + weight),
+// t = x * (1 / sqrt(mean(x^2) + eps)); out may be x.
+struct NormParams {
+  const float* x;
+  const float* weight;  // [n]
+  float offset, eps;
+  float* out;
+  int64_t rows, n;
+  int num_threads;
+};
+
+// A decoder layer's gated activation (layer_ops.h): gate <- act(gate) * up over n values;
+// activation 0: SiLU, 1: GELU's tanh approximation.
+struct GateParams {
+  int activation;
+  float* gate;
+  const float* up;
+  int64_t n;
+  int num_threads;
+};
+
 // Entry points of the variants (kernel_<isa>.cpp), beside tpp_decode and tpp_prefill.
-namespace avx512 { void small_linear(const LinearParams& p); }
-namespace avx2 { void small_linear(const LinearParams& p); }
-namespace neon { void small_linear(const LinearParams& p); }
-namespace generic { void small_linear(const LinearParams& p); }
+#define CHUNK_ATTN_DECLARE_LAYER_OPS(isa)      \
+  namespace isa {                              \
+  void small_linear(const LinearParams& p);    \
+  void rms_norm(const NormParams& p);          \
+  void gate_mul(const GateParams& p);          \
+  }
+CHUNK_ATTN_DECLARE_LAYER_OPS(avx512)
+CHUNK_ATTN_DECLARE_LAYER_OPS(avx2)
+CHUNK_ATTN_DECLARE_LAYER_OPS(neon)
+CHUNK_ATTN_DECLARE_LAYER_OPS(generic)
+#undef CHUNK_ATTN_DECLARE_LAYER_OPS
 
 }  // namespace chunk_attn_cpu

@@ -9,17 +9,45 @@
 // CPU that lacks those instructions.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 namespace chunk_attn_cpu {
 
 enum class DType : int { kFloat32 = 0, kBFloat16 = 1 };  // bf16: raw uint16 storage
 
-// Phase-1 work item: a piece of a run of shared segments, for one KV head and up to
-// kRowsPerItem query rows (row = sequence * group + head of the group).
+// Keys per block of the canonical attention (blocks.h): a query's keys are cut into blocks
+// at positions [b * kBlockKeys, (b + 1) * kBlockKeys), whatever chunks hold them.
+constexpr int kBlockKeys = 64;
+
+// A block of keys on the paths of several sequences (their shared prefix holds its last
+// key, so all of it): phase 1 computes its partial (o_b, m_b, n_b) for all their query rows
+// at once. Its partials: per KV head [D + 2][stride] floats at offset + kv_head * (D + 2) *
+// stride of shared_partials (o_b's D rows of lanes, then m_b's, then n_b's), a lane per query
+// row seq * group + g - seq_begin * group, stride those rows rounded up to 16.
+struct SharedBlock {
+  int64_t block;
+  int64_t seq_begin, seq_end;  // the sequences (plan rows) under it
+  int64_t offset, stride;
+};
+
+// Phase-1 work item: shared blocks [first, first + count) (consecutive blocks on the same
+// sequences' paths), for one KV head and up to kRowsPerItem of their query rows (row =
+// sequence * group + head of the group), which start a multiple of kRowsPerItem into them.
 struct ChunkItem {
-  int first, count;        // shared segments [first, first + count)
-  int row_begin, row_end;  // query rows of this KV head
+  int first, count;
+  int row_begin, row_end;
+  int kv_head;
+};
+
+// Final work item: query rows [row_begin, row_end) of one KV head (at most kRowsPerItem) of
+// sequences that share the same shared blocks (fold_blocks [first, first + count), in
+// position order): those folded (rows in lanes), then each row's private blocks' partials,
+// normalised into out.
+struct FoldItem {
+  int row_begin, row_end;
+  int64_t first;
+  int count;
   int kv_head;
 };
 
@@ -28,17 +56,9 @@ struct Params {
   const void* k_cache;  // [capacity, num_kv_heads, chunk_size, head_dim]
   const void* v_cache;
   void* out;            // [num_seqs, num_heads, head_dim]
-  float* partial_o;     // [num_pairs, num_heads, head_dim]
-  float* partial_m;     // [num_pairs, num_heads]; -inf marks a slot merged into an earlier slot
-  float* partial_n;     // [num_pairs, num_heads]
-  float* part_o;        // [num_seqs, kMaxParts, num_heads, head_dim]: phase 2's parts (see num_parts)
-  float* part_m;        // [num_seqs, kMaxParts, num_heads]
-  float* part_n;        // [num_seqs, kMaxParts, num_heads]
-  float* q_t;           // [num_kv_heads, head_dim, q_t_stride]: Q^T per KV head, pre-scaled
-  float* workspace;     // [num_threads, workspace_stride]: each thread's buffers
-  // K/V are read by segment: slots [start, start + len) of one chunk, at consecutive
-  // positions (chunk_llama/step/decode_plan.py). Most are whole chunks; one ends inside a chunk
-  // where requests part (token-granular sharing).
+  // The step's plan (chunk_llama/step/decode_plan.py): K/V by segment, slots [start, start +
+  // len) of one chunk at consecutive positions. Most are whole chunks; one ends inside a
+  // chunk where requests part (token-granular sharing).
   const int64_t* shared_chunk_ids;   // [num_shared] the segments on >= 2 paths
   const int64_t* shared_start;       // [num_shared] first slot in the chunk
   const int64_t* shared_len;         // [num_shared] keys, 1 .. chunk_size - start
@@ -53,9 +73,24 @@ struct Params {
   const int64_t* num_shared_tokens;  // [num_seqs]
   const int64_t* seq_lens;           // [num_seqs]
   const int64_t* seq_pair_ptr;       // [num_seqs + 1]
-  const ChunkItem* items;            // [num_items] phase-1 work (see schedule.h)
+  // The call's schedule (schedule.h decode_schedule, from the plan):
+  const int64_t* path_ptr;    // [num_seqs + 1] sequence i's whole path is path_* [path_ptr[i], path_ptr[i + 1])
+  const int64_t* path_chunk;  //   chunk, first slot and position of each segment in order (a
+  const int64_t* path_start;  //   segment runs to the next one's position, the last to the
+  const int64_t* path_pos;    //   sequence's length)
+  const int64_t* private_slot;  // [num_seqs + 1] sequence i's private blocks, from block
+                                // num_shared_tokens[i] / kBlockKeys on, have the partial slots
+                                // [private_slot[i], private_slot[i + 1]) ([num_heads][D + 2] each)
+  const SharedBlock* shared_blocks;  // [num_shared_blocks]
+  const ChunkItem* items;            // [num_items] phase-1 work
+  const FoldItem* folds;             // [num_folds] final work
+  const int32_t* fold_blocks;        // the shared blocks the folds take, by index
+  float* q_rows;            // [num_kv_heads, q_rows_per_head(num_seqs, group), head_dim] Q pre-scaled
+  float* shared_partials;   // see SharedBlock
+  float* private_partials;  // [private slots, num_heads, head_dim + 2]: o_b, m_b, n_b
+  float* workspace;         // [num_threads, workspace_stride]: each thread's buffers
   int64_t workspace_stride;
-  int num_items, num_threads;
+  int num_items, num_folds, num_shared_blocks, num_threads;
   int num_seqs, num_heads, num_kv_heads, head_dim, chunk_size, num_shared, max_private;
   int window;  // sliding window: a query sees the `window` latest positions, itself included; 0: all
   DType dtype;
@@ -71,23 +106,23 @@ static inline int64_t window_start(int64_t pos, int window) { return window > 0 
 // pool keeps a guard chunk behind the last so that such a read stays in bounds.
 constexpr int kGuardRows = 16;
 
-// Phase 2 cuts a sequence's private keys into parts, each a work item per KV head, so that
+// Phase 2 cuts a sequence's private blocks into parts, each a work item per KV head, so that
 // one or two sequences still give every thread work (a batch of one has as many items as
-// KV heads otherwise: 3 for 2 threads, one thread doing two), and merges the parts in order.
-// The cut depends on the sequence's own keys only, never on the batch: a request's attention
-// is computed the same alone or among others. Parts are kPartKeys keys (the last fewer),
-// longer where that would make more than kMaxParts.
-constexpr int kPartKeys = 128;
+// KV heads otherwise: 3 for 2 threads, one thread doing two). Each block's partial goes to
+// its slot and the blocks are folded in order afterwards, so the cut changes no number.
+// Parts are kPartBlocks blocks (the last fewer), longer where that would make more than
+// kMaxParts.
+constexpr int kPartBlocks = 2;
 constexpr int kMaxParts = 16;
-static inline int64_t part_keys(int64_t keys) {
-  const int64_t spread = ((keys + kMaxParts - 1) / kMaxParts + 15) / 16 * 16;
-  return spread > kPartKeys ? spread : kPartKeys;
+static inline int64_t part_blocks(int64_t blocks) {
+  const int64_t spread = (blocks + kMaxParts - 1) / kMaxParts;
+  return spread > kPartBlocks ? spread : kPartBlocks;
 }
-static inline int num_parts(int64_t keys) {
-  return keys <= kPartKeys ? 1 : static_cast<int>((keys + part_keys(keys) - 1) / part_keys(keys));
+static inline int num_parts(int64_t blocks) {
+  return blocks <= 0 ? 0 : static_cast<int>((blocks + part_blocks(blocks) - 1) / part_blocks(blocks));
 }
 
-constexpr int kRowsPerItem = 128;  // bounds a phase-1 item's O buffer; more rows split into items
+constexpr int kRowsPerItem = 128;  // bounds a work item's rows (its O buffer); more rows split into items
 constexpr int kMaxBlockRows = 64;  // widest phase-1 row block of any variant (kRowVecs * kLanes)
 
 // The head dims the kernels are instantiated for (X(D) once each): those of the model
@@ -103,46 +138,23 @@ static inline bool supports(int chunk_size, int head_dim) {
 
 static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
-// Q^T rows are padded (with zeros) so that a row block starting at any row stays
-// inside; rounded to 16 floats to keep each dimension's row 64-byte aligned.
-static inline int64_t q_t_stride(int num_seqs, int num_heads, int num_kv_heads) {
-  return round_up(static_cast<int64_t>(num_seqs) * (num_heads / num_kv_heads) + kMaxBlockRows, 16);
+// Rows of q_rows per KV head: the query rows, then zeros up to a row block past them (a
+// block starting at any row stays inside), rounded to 16.
+static inline int64_t q_rows_per_head(int num_seqs, int group) {
+  return round_up(static_cast<int64_t>(num_seqs) * group + kMaxBlockRows, 16);
 }
 
-// Floats of one thread's buffers, the larger of the two phases' needs (rounded to
-// 64 bytes so that no two threads share a cache line).
-//   phase 1: O^T [D][kRowsPerItem], m and n [kRowsPerItem], scores [C][kMaxBlockRows],
-//            the chunk's K and V as fp32 [C][D] each (bf16 storage)
-//   phase 2: q and O [group][D], m and n [group]
-static inline int64_t workspace_floats(int chunk_size, int head_dim, int group) {
-  const int64_t c = chunk_size, d = head_dim, g = group;
-  const int64_t phase1 = kRowsPerItem * (d + 2) + c * kMaxBlockRows + 2 * c * d;
-  const int64_t phase2 = g * (2 * d + 2);
-  return round_up(phase1 > phase2 ? phase1 : phase2, 16);
-}
-
-// Scratch floats the caller provides: partials, phase 2's parts, Q^T, then the threads'
-// workspaces.
-static inline int64_t scratch_floats(int64_t num_pairs, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                                     int chunk_size, int num_threads) {
-  return (num_pairs + static_cast<int64_t>(num_seqs) * kMaxParts) * num_heads * (head_dim + 2) +
-         static_cast<int64_t>(num_kv_heads) * head_dim * q_t_stride(num_seqs, num_heads, num_kv_heads) +
-         static_cast<int64_t>(num_threads) * workspace_floats(chunk_size, head_dim, num_heads / num_kv_heads);
-}
-
-// Points p's buffers into `scratch` (scratch_floats of them, in that function's order); p's
-// geometry (num_seqs, num_heads, num_kv_heads, head_dim, chunk_size) is set.
-static inline void carve_scratch(Params& p, float* scratch, int64_t num_pairs) {
-  const int64_t H = p.num_heads, D = p.head_dim, part_slots = static_cast<int64_t>(p.num_seqs) * kMaxParts * H;
-  p.partial_o = scratch;
-  p.partial_m = p.partial_o + num_pairs * H * D;
-  p.partial_n = p.partial_m + num_pairs * H;
-  p.part_o = p.partial_n + num_pairs * H;
-  p.part_m = p.part_o + part_slots * D;
-  p.part_n = p.part_m + part_slots;
-  p.q_t = p.part_n + part_slots;
-  p.workspace = p.q_t + static_cast<int64_t>(p.num_kv_heads) * D * q_t_stride(p.num_seqs, p.num_heads, p.num_kv_heads);
-  p.workspace_stride = workspace_floats(p.chunk_size, p.head_dim, p.num_heads / p.num_kv_heads);
+// Floats of one thread's buffers, the largest of the passes' needs (rounded to 64 bytes so
+// that no two threads share a cache line):
+//   phase 1: a block's scores [kBlockKeys][kMaxBlockRows], its K and V as fp32 [kBlockKeys][D] each
+//   phase 2: a block's scores [kBlockKeys] and one head's o_b [D]
+//   folds:   O^T [D][kRowsPerItem], m and n [kRowsPerItem], a row's o [D]
+static inline int64_t workspace_floats(int head_dim) {
+  const int64_t d = head_dim;
+  const int64_t phase1 = kBlockKeys * kMaxBlockRows + 2 * kBlockKeys * d;
+  const int64_t phase2 = kBlockKeys + d;
+  const int64_t folds = kRowsPerItem * (d + 2) + d;
+  return round_up(std::max(phase1, std::max(phase2, folds)), 16);
 }
 
 // Entry points of the variants (one translation unit each, kernel_<isa>.cpp). Which

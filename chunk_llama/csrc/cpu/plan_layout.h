@@ -20,14 +20,14 @@ constexpr const char* kDecodeArrayNames[] = {
     "private_chunk_ids", "private_start", "private_pos", "num_shared_tokens", "seq_lens", "seq_pair_ptr"};
 
 enum PrefillLayout : int {
-  kPrefillNumSeqs, kPrefillWidth, kNumQTokens, kNumTiles, kNumCtxSegments, kNumCtxItems, kNumPartialRows,  // counts
-  kSegChunk, kSegStart, kSegPos, kQStart, kNumTokens, kTokenStart, kTiles, kTokenPos, kCtxEnd, kCtxChunk,
-  kCtxStart, kCtxLen, kCtxPos, kCtxItems, kSeqCtxPtr, kSeqCtxOffset,
+  kPrefillNumSeqs, kPrefillWidth, kNumQTokens, kNumTiles, kNumCtxItems, kNumCtxLevels, kNumPartialRows,  // counts
+  kSegChunk, kSegStart, kSegPos, kQStart, kNumTokens, kTokenStart, kTiles, kTokenPos, kCtxEnd, kCtxItems,
+  kCtxLevels, kSeqCtxPtr, kSeqCtxOffset,
   kPrefillLayoutSize,
 };
 constexpr int kPrefillCounts = kSegChunk;
 constexpr const char* kPrefillArrayNames[] = {
     "seg_chunk", "seg_start", "seg_pos", "q_start", "num_tokens", "token_start", "tiles", "token_pos", "ctx_end",
-    "ctx_chunk", "ctx_start", "ctx_len", "ctx_pos", "ctx_items", "seq_ctx_ptr", "seq_ctx_offset"};
+    "ctx_items", "ctx_levels", "seq_ctx_ptr", "seq_ctx_offset"};
 
 }  // namespace chunk_attn_cpu

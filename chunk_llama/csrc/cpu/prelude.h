@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #ifdef _OPENMP
 #include <omp.h>
 #endif

@@ -18,6 +18,8 @@ struct Variant {
   void (*linear)(const LinearParams&);        // a linear layer of few rows
   void (*quant_linear)(const QuantLinearParams&);  // a linear layer on GGML blocks
   void (*dequantize)(const DequantizeParams&);
+  void (*rms_norm)(const NormParams&);        // a decoder layer's elementwise steps
+  void (*gate_mul)(const GateParams&);
   bool (*host_runs)();
 };
 
@@ -35,15 +37,15 @@ static inline bool host_runs_always() { return true; }
 // Best first; the last one (generic) runs everywhere.
 static const Variant kVariants[] = {
 #if defined(__x86_64__) || defined(_M_X64)
-    {"avx512", avx512::tpp_decode, avx512::tpp_prefill, avx512::small_linear, avx512::quant_linear, avx512::dequantize,
+    {"avx512", avx512::tpp_decode, avx512::tpp_prefill, avx512::small_linear, avx512::quant_linear, avx512::dequantize, avx512::rms_norm, avx512::gate_mul,
      host_runs_avx512},
-    {"avx2", avx2::tpp_decode, avx2::tpp_prefill, avx2::small_linear, avx2::quant_linear, avx2::dequantize,
+    {"avx2", avx2::tpp_decode, avx2::tpp_prefill, avx2::small_linear, avx2::quant_linear, avx2::dequantize, avx2::rms_norm, avx2::gate_mul,
      host_runs_avx2},
 #elif defined(__aarch64__)
-    {"neon", neon::tpp_decode, neon::tpp_prefill, neon::small_linear, neon::quant_linear, neon::dequantize,
+    {"neon", neon::tpp_decode, neon::tpp_prefill, neon::small_linear, neon::quant_linear, neon::dequantize, neon::rms_norm, neon::gate_mul,
      host_runs_always},  // Advanced SIMD is part of ARMv8-A
 #endif
-    {"generic", generic::tpp_decode, generic::tpp_prefill, generic::small_linear, generic::quant_linear, generic::dequantize,
+    {"generic", generic::tpp_decode, generic::tpp_prefill, generic::small_linear, generic::quant_linear, generic::dequantize, generic::rms_norm, generic::gate_mul,
      host_runs_always},
 };
 constexpr int kNumVariants = sizeof(kVariants) / sizeof(kVariants[0]);
