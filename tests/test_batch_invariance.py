@@ -1,8 +1,8 @@
 """Batch invariance: a greedy request's logits are bit for bit those of its lone run, whatever
 else is in its batch (sequences sharing its prefix or not), with its prefix cached (by a
 prefill or by decode steps of an earlier request), with its prompt prefilled in pieces, with
-another chunk size, on every CPU kernel variant this CPU runs, with float32 weights and with
-GGUF blocks (a tiny Llama of head dim 64, so the CPU kernels run).
+another chunk size, with one thread instead of torch's, on every CPU kernel variant this CPU
+runs, with float32 weights and with GGUF blocks (a tiny Llama of head dim 64, so the CPU kernels run).
 
 What makes it hold (docs/ARCHITECTURE.md, "Batch invariance"): the linear layers run one
 arithmetic per output for every row count (`ops/linear.py`, `csrc/cpu/linear.h`,
@@ -32,7 +32,7 @@ NEW_TOKENS = 8
 CONFIG = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
                           return_dict_in_generate=True, eos_token_id=None)
 SCENARIOS = ("split_prefill", "cached_prefix", "cached_from_decode", "batch_shared_prefix", "batch",
-             "other_chunk_size")
+             "other_chunk_size", "one_thread")
 
 
 @pytest.fixture(scope="module", params=["float32", "gguf_q4_1"])
@@ -100,8 +100,15 @@ def run(model, scenario: str):
         out = engine(model).generate([request, *sharing], CONFIG)[0]
     elif scenario == "batch":
         out = engine(model).generate([request, *others], CONFIG)[0]
-    else:
+    elif scenario == "other_chunk_size":
         out = engine(model, chunk_size=16).generate([request], CONFIG)[0]
+    else:  # the kernels split their work over torch's threads: one thread does it all
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            out = engine(model).generate([request], CONFIG)[0]
+        finally:
+            torch.set_num_threads(threads)
     return request, out.token_ids, out.logits
 
 

@@ -118,11 +118,18 @@ class CudaPrefill:
         self.attend = attend
 
     def plan(self, plan: PrefillPlan) -> None:
+        self._device = plan.device
         self._context = plan.varlen()
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int = 0,
             new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """q: [num_q_tokens, num_heads, head_dim]; new_kv: the layer's new K and V
         ([num_q_tokens, num_kv_heads, head_dim] each) -> [num_q_tokens, num_heads, head_dim]"""
+        plan_device = self._device  # ("cuda" means the current device, as a tensor's "cuda:0" does)
+        if plan_device.type != q.device.type or plan_device.index not in (None, q.device.index):
+            # (FlashAttention would name a tensor of the plan's, not why)
+            where = "the CPU" if plan_device.type == "cpu" else str(plan_device)
+            raise ValueError(f"the prefill plan was built for {where}, q is on {q.device}: build it there "
+                             f"(build_prefill_plan(..., device=...) or PrefillPlan.to)")
         return packed_prefill_attention_varlen(q, k_cache, v_cache, self._context, scale, window, self.attend,
                                                new_kv)

@@ -160,8 +160,16 @@ void small_linear(const LinearParams& p) {
       for (int64_t item = first; item < last; ++item) {
         const int64_t col = item * kLinCols;
         const int nr = static_cast<int>(p.out_features - col < kLinCols ? p.out_features - col : kLinCols);
-        const Vec bias = bias_lanes(p.bias, col, nr);
         float* y = p.y + row0 * p.out_features + col;
+        if (rows < kLinRows) {  // a decode step's few rows: one narrow tile, stored as it comes
+          float out[kLanes];
+          any_tile(static_cast<int>(rows), nr, p.x + row0 * p.in_features, p.w + col * p.in_features, p.in_features,
+                   out);
+          for (int64_t r = 0; r < rows; ++r)  // (the bias as store_tile adds it, lane by lane)
+            for (int c = 0; c < nr; ++c) y[r * p.out_features + c] = out[r * nr + c] + (p.bias ? p.bias[col + c] : 0.f);
+          continue;
+        }
+        const Vec bias = bias_lanes(p.bias, col, nr);
         tile_sums(p.x + row0 * p.in_features, p.w + col * p.in_features, p.in_features, nr, rows,
                   [&](int64_t row, int mr, Vec sums) { store_tile(vadd(sums, bias), mr, nr, y + row * p.out_features,
                                                                   p.out_features); });

@@ -66,9 +66,10 @@ __attribute__((nothrow)) inline void add_offsets(int mr, int nr, const float* sx
 // decoded from the blocks (w: the tile's first weight row) just before its FMAs (x: MR
 // rows; for formats with an offset, sx: their group sums [MR, stride], and offsets
 // [kLinCols, stride], zero-padded, for the groups' offsets). (Templates called in a
-// parallel loop are marked nothrow, as in linear.h.)
+// parallel loop are marked nothrow, as in linear.h; noinline: inlined into its caller's loop,
+// GCC allocated its registers worse and a decode step's layers ran 15-20% slower.)
 template <int Type, int MR>
-__attribute__((nothrow)) inline void quant_tile(const float* x, const float* sx, const uint8_t* w, int64_t row_bytes,
+__attribute__((nothrow, noinline)) void quant_tile(const float* x, const float* sx, const uint8_t* w, int64_t row_bytes,
                                                 int64_t in_features, float* offsets, int64_t stride, float* out) {
   const int64_t groups = in_features / kGroup;
   const int64_t share = (kLinCols * row_bytes + groups - 1) / groups;
@@ -105,6 +106,19 @@ __attribute__((nothrow)) inline void any_quant_tile(int mr, const float* x, cons
   }
 }
 
+// A tile of mr rows and nr columns of x against w's rows (lanes r * kLinCols + c), as
+// small_linear's tile_sums computes it.
+__attribute__((nothrow)) inline Vec tile_lanes(int mr, int nr, const float* x, const float* w, int64_t in_features) {
+  if (mr == kLinRows && nr == kLinCols && in_features % kLanes == 0)
+    return linear_sums<kLinRows, kLinCols>(x, w, in_features);
+  float sums[kLanes];
+  alignas(64) float lanes[kLanes] = {};
+  any_tile(mr, nr, x, w, in_features, sums);
+  for (int r = 0; r < mr; ++r)
+    for (int c = 0; c < nr; ++c) lanes[r * kLinCols + c] = sums[r * nr + c];
+  return vload(lanes);
+}
+
 // The offsets' share of a tile of mr rows (lanes r * kLinCols + c), as add_offsets computes it.
 __attribute__((nothrow)) inline Vec offset_lanes(int mr, int nr, const float* sx, const float* offsets,
                                                  int64_t stride) {
@@ -117,13 +131,73 @@ __attribute__((nothrow)) inline Vec offset_lanes(int mr, int nr, const float* sx
   return vload(lanes);
 }
 
+// A decode step's few rows (up to kLinRows): each item's groups decoded in registers just
+// before their FMAs (a last item of fewer than kLinCols weight rows through the buffer).
 template <int Type>
-void quant_linear_of(const QuantLinearParams& p) {
+void quant_few_rows(const QuantLinearParams& p, float* g, float* offsets, const float* sx) {
   const QuantFormat f = quant_format(Type);
   const int64_t row_bytes = p.in_features / f.block_elems * f.block_bytes, stride = padded_groups(p.in_features);
   const int64_t num_items = (p.out_features + kLinCols - 1) / kLinCols;
-  const bool few_rows = p.rows <= kLinRows;
-  const int64_t block = few_rows ? kLinRows : row_block(p.in_features);
+  const int mr = static_cast<int>(p.rows);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+  for (int64_t item = 0; item < num_items; ++item) {
+    const int64_t col = item * kLinCols;
+    const int nr = static_cast<int>(p.out_features - col < kLinCols ? p.out_features - col : kLinCols);
+    float out[kLanes];
+    if (nr == kLinCols) {
+      any_quant_tile<Type>(mr, p.x, sx, p.w + col * row_bytes, row_bytes, p.in_features, offsets, stride, out);
+    } else {  // small_linear's tile on the buffer, then the offsets, as the many-row path below
+      for (int c = 0; c < nr; ++c)
+        decode_row<Type>(p.w + (col + c) * row_bytes, p.in_features, g + c * p.in_features,
+                         kHasOffset<Type> ? offsets + c * stride : nullptr);
+      alignas(64) float lanes[kLanes];
+      vstore(lanes, tile_lanes(mr, nr, p.x, g, p.in_features));
+      if constexpr (kHasOffset<Type>) vstore(lanes, vadd(vload(lanes), offset_lanes(mr, nr, sx, offsets, stride)));
+      for (int t = 0; t < kLanes; ++t) out[t] = lanes[t];
+    }
+    for (int r = 0; r < mr; ++r)  // (the bias as the many-row path adds it, lane by lane)
+      for (int c = 0; c < nr; ++c)
+        p.y[r * p.out_features + col + c] = out[r * kLinCols + c] + (p.bias ? p.bias[col + c] : 0.f);
+  }
+}
+
+// More rows: each item's weight rows decoded into the per-thread buffer (in L1) per block of
+// rows of x (in L2), small_linear's tiles on it, then the offsets as quant_tile adds them.
+// The decode is repeated per block: its arithmetic is a few operations a weight against a
+// block's rows of FMAs.
+template <int Type>
+void quant_many_rows(const QuantLinearParams& p, float* g, float* offsets, const float* sx, int64_t thread,
+                     int64_t threads) {
+  const QuantFormat f = quant_format(Type);
+  const int64_t row_bytes = p.in_features / f.block_elems * f.block_bytes, stride = padded_groups(p.in_features);
+  const int64_t num_items = (p.out_features + kLinCols - 1) / kLinCols, block = row_block(p.in_features);
+  // each thread its share of the weight rows (what schedule(static) gives), for every block
+  const int64_t first = num_items * thread / threads, last = num_items * (thread + 1) / threads;
+  for (int64_t row0 = 0; row0 < p.rows; row0 += block) {
+    const int64_t rows = p.rows - row0 < block ? p.rows - row0 : block;
+    const float* x = p.x + row0 * p.in_features;
+    const float* block_sx = sx + row0 * stride;
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t col = item * kLinCols;
+      const int nr = static_cast<int>(p.out_features - col < kLinCols ? p.out_features - col : kLinCols);
+      for (int c = 0; c < nr; ++c)
+        decode_row<Type>(p.w + (col + c) * row_bytes, p.in_features, g + c * p.in_features,
+                         kHasOffset<Type> ? offsets + c * stride : nullptr);
+      const Vec bias = bias_lanes(p.bias, col, nr);
+      float* y = p.y + row0 * p.out_features + col;
+      tile_sums(x, g, p.in_features, nr, rows, [&](int64_t row, int mr, Vec sums) {
+        if constexpr (kHasOffset<Type>) sums = vadd(sums, offset_lanes(mr, nr, block_sx + row * stride, offsets, stride));
+        store_tile(vadd(sums, bias), mr, nr, y + row * p.out_features, p.out_features);
+      });
+    }
+  }
+}
+
+template <int Type>
+void quant_linear_of(const QuantLinearParams& p) {
+  const int64_t stride = padded_groups(p.in_features);
 #ifdef _OPENMP
 #pragma omp parallel num_threads(p.num_threads)
 #endif
@@ -142,37 +216,10 @@ void quant_linear_of(const QuantLinearParams& p) {
       for (int64_t i = 0; i < kQuantScratchRows * stride; ++i) offsets[i] = 0.f;
       group_sums(p.x, p.rows, p.in_features, sx, stride);
     }
-    // each thread its share of the weight rows (what schedule(static) gives), for every
-    // block of rows of x (decoded again per block: its arithmetic is a few operations a
-    // weight against a block's rows of FMAs)
-    const int64_t first = num_items * thread / threads, last = num_items * (thread + 1) / threads;
-    for (int64_t row0 = 0; row0 < p.rows; row0 += block) {
-      const int64_t rows = p.rows - row0 < block ? p.rows - row0 : block;
-      const float* x = p.x + row0 * p.in_features;
-      const float* block_sx = sx + row0 * stride;
-      for (int64_t item = first; item < last; ++item) {
-        const int64_t col = item * kLinCols;
-        const int nr = static_cast<int>(p.out_features - col < kLinCols ? p.out_features - col : kLinCols);
-        const Vec bias = bias_lanes(p.bias, col, nr);
-        float* y = p.y + row0 * p.out_features + col;
-        if (few_rows && nr == kLinCols) {  // each group decoded in registers just before its FMAs
-          alignas(64) float out[kLanes] = {};
-          any_quant_tile<Type>(static_cast<int>(rows), x, block_sx, p.w + col * row_bytes, row_bytes, p.in_features,
-                               offsets, stride, out);
-          store_tile(vadd(vload(out), bias), static_cast<int>(rows), nr, y, p.out_features);
-          continue;
-        }
-        // small_linear's tiles on the item's weight rows decoded into the buffer, then the
-        // offsets as quant_tile adds them
-        for (int c = 0; c < nr; ++c)
-          decode_row<Type>(p.w + (col + c) * row_bytes, p.in_features, g + c * p.in_features,
-                           kHasOffset<Type> ? offsets + c * stride : nullptr);
-        tile_sums(x, g, p.in_features, nr, rows, [&](int64_t row, int mr, Vec sums) {
-          if constexpr (kHasOffset<Type>) sums = vadd(sums, offset_lanes(mr, nr, block_sx + row * stride, offsets, stride));
-          store_tile(vadd(sums, bias), mr, nr, y + row * p.out_features, p.out_features);
-        });
-      }
-    }
+    if (p.rows <= kLinRows)
+      quant_few_rows<Type>(p, g, offsets, sx);
+    else
+      quant_many_rows<Type>(p, g, offsets, sx, thread, threads);
   }
 }
 
