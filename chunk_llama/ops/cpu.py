@@ -81,9 +81,8 @@ class CpuDecode:
         num_heads, num_kv_heads, head_dim, chunk_size = self.geometry
         self._plan = plan
         self._layout = int64_array(plan.layout)  # converted once per step, read by every layer
-        # (the pool's capacity is the call's to check; any value that fits the plan's chunk ids here)
         self._scratch = self.workspace.scratch(self._ops.decode_scratch_floats(
-            plan.index, self._layout, plan.num_seqs, num_heads, head_dim, 1 << 40, num_kv_heads, chunk_size,
+            plan.index, self._layout, plan.num_seqs, num_heads, head_dim, num_kv_heads, chunk_size,
             torch.get_num_threads()))
         self._calls: dict[tuple, object] = {}  # (scale, window): the plan's call, arguments converted once
 

@@ -27,7 +27,7 @@ _SIGNATURES = {  # name: (argument types, result type), as c_api.h declares them
     "host_runs": ([STR], I32),
     "decode_layout": ([], STR),
     "prefill_layout": ([], STR),
-    "decode_scratch_floats": ([I64] * 6 + [P, I64, P, I64, I64], I64),
+    "decode_scratch_floats": ([I64] * 5 + [P, I64, P, I64, I64], I64),
     "prefill_scratch_floats": ([I64] * 4, I64),
     "tpp_decode": ([*_ATTENTION, I64, STR, I32], I32),
     "tpp_prefill": ([*_ATTENTION, STR, I32], I32),
@@ -341,13 +341,13 @@ class CpuLibrary:
         return out if code == 0 else self.raise_error(code)
 
     def decode_scratch_floats(self, plan: torch.Tensor, layout, num_seqs: int, num_heads: int, head_dim: int,
-                              capacity: int, num_kv_heads: int, chunk_size: int, num_threads: int) -> int:
+                              num_kv_heads: int, chunk_size: int, num_threads: int) -> int:
         """Floats of scratch a decode call on this plan (`DecodePlan.index`, layout as an int64
         array) needs, whatever its window."""
         if plan.dtype != torch.int64 or not plan.is_cpu or not plan.is_contiguous():
             raise TypeError(f"the plan must be a contiguous int64 CPU tensor, got {plan.dtype} on {plan.device}")
         floats = self._lib.chunk_llama_cpu_decode_scratch_floats(
-            num_seqs, num_heads, head_dim, capacity, num_kv_heads, chunk_size, plan.data_ptr(), plan.numel(),
+            num_seqs, num_heads, head_dim, num_kv_heads, chunk_size, plan.data_ptr(), plan.numel(),
             layout, len(layout), num_threads)
         return floats if floats >= 0 else self.raise_error(1)
 

@@ -368,16 +368,18 @@ const char* chunk_llama_cpu_prefill_layout(void) {
   return names.c_str();
 }
 
-int64_t chunk_llama_cpu_decode_scratch_floats(int64_t q_rows, int64_t num_heads, int64_t head_dim, int64_t capacity,
+int64_t chunk_llama_cpu_decode_scratch_floats(int64_t q_rows, int64_t num_heads, int64_t head_dim,
                                               int64_t num_kv_heads, int64_t chunk_size, const int64_t* plan,
                                               int64_t plan_numel, const int64_t* layout, int64_t layout_size,
                                               int64_t num_threads) {
   int64_t floats = -1;
   guarded([&] {
     CHECK_VALUE(num_threads >= 1 && num_threads <= INT32_MAX, "decode_scratch_floats: bad thread count ", num_threads);
-    // (the geometry's pool extents are the call's to check: here only the plan's shape counts)
-    const Geometry g = check_geometry(q_rows, num_heads, head_dim, capacity, num_kv_heads, chunk_size, head_dim,
-                                      INT64_MAX, INT64_MAX, CHUNK_LLAMA_FLOAT32);
+    CHECK_VALUE(q_rows >= 0 && q_rows <= INT32_MAX && num_kv_heads > 0 && num_heads % num_kv_heads == 0 &&
+                    chunk_attn_cpu::supports(static_cast<int>(chunk_size), static_cast<int>(head_dim)),
+                "decode_scratch_floats: bad geometry");
+    // (no pool here: the call checks the plan's chunks against its pool; sizing reads the plan only)
+    const Geometry g{q_rows, num_heads, head_dim, INT64_MAX, num_kv_heads, chunk_size};
     floats = decode_scratch_floats(g, plan, plan_numel, layout, layout_size, static_cast<int>(num_threads));
   });
   return floats;

@@ -44,10 +44,10 @@ CHUNK_LLAMA_API const char* chunk_llama_cpu_prefill_layout(void);
 /* Floats of scratch one call needs (decode: for this plan, as chunk_llama_cpu_tpp_decode
  * takes it, any window); -1 (and an error) for a bad geometry or plan. */
 CHUNK_LLAMA_API int64_t chunk_llama_cpu_decode_scratch_floats(int64_t q_rows, int64_t num_heads, int64_t head_dim,
-                                                              int64_t capacity, int64_t num_kv_heads,
-                                                              int64_t chunk_size, const int64_t* plan,
-                                                              int64_t plan_numel, const int64_t* layout,
-                                                              int64_t layout_size, int64_t num_threads);
+                                                              int64_t num_kv_heads, int64_t chunk_size,
+                                                              const int64_t* plan, int64_t plan_numel,
+                                                              const int64_t* layout, int64_t layout_size,
+                                                              int64_t num_threads);
 CHUNK_LLAMA_API int64_t chunk_llama_cpu_prefill_scratch_floats(int64_t num_partial_rows, int64_t num_heads,
                                                                int64_t head_dim, int64_t num_threads);
 

@@ -18,11 +18,11 @@ inline int64_t chunk_offset(int num_kv_heads, int chunk_size, int head_dim, int6
 }  // namespace CHUNK_ATTN_ISA
 }  // namespace chunk_attn_cpu
 
+#include "linear.h"
 #include "blocks.h"
 #include "chunk_first.h"
 #include "seq_first.h"
 #include "prefill.h"
-#include "linear.h"
 #include "layer_ops.h"
 #include "quant.h"
 #include "quant_linear.h"

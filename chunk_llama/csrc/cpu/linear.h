@@ -77,6 +77,20 @@ __attribute__((nothrow)) inline void any_tile(int mr, int nr, const float* x, co
 constexpr int64_t kSplitK = 768;
 constexpr int kSplitRows = 16 * kLinRows;
 
+// A tile of mr <= kLinRows rows of x and nr <= kLinCols rows of w, as a vector (lane r *
+// kLinCols + c; the lanes past mr or nr 0): linear_sums for a whole tile, any_tile else
+// (the same FMAs and tree for each output).
+__attribute__((nothrow)) inline Vec tile_lanes(int mr, int nr, const float* x, const float* w, int64_t in_features) {
+  if (mr == kLinRows && nr == kLinCols && in_features % kLanes == 0)
+    return linear_sums<kLinRows, kLinCols>(x, w, in_features);
+  float sums[kLanes];
+  alignas(64) float lanes[kLanes] = {};
+  any_tile(mr, nr, x, w, in_features, sums);
+  for (int r = 0; r < mr; ++r)
+    for (int c = 0; c < nr; ++c) lanes[r * kLinCols + c] = sums[r * nr + c];
+  return vload(lanes);
+}
+
 // x [rows, in_features] (row stride in_features) against the first nr of kLinCols rows of
 // w: emit(row, mr, sums) per tile of mr <= kLinRows rows from `row`, sums' lane r * kLinCols
 // + c the dot product of row + r and column c (no bias; lanes past mr or nr: garbage).
@@ -106,12 +120,7 @@ __attribute__((nothrow)) inline void tile_sums(const float* x, const float* w, i
   }
   for (int64_t row = whole; row < rows; row += kLinRows) {  // the rest: narrower tiles
     const int mr = static_cast<int>(rows - row < kLinRows ? rows - row : kLinRows);
-    float out[kLanes];
-    alignas(64) float lanes[kLanes] = {};
-    any_tile(mr, nr, x + row * in_features, w, in_features, out);
-    for (int r = 0; r < mr; ++r)
-      for (int c = 0; c < nr; ++c) lanes[r * kLinCols + c] = out[r * nr + c];
-    emit(row, mr, vload(lanes));
+    emit(row, mr, tile_lanes(mr, nr, x + row * in_features, w, in_features));
   }
 }
 

@@ -106,31 +106,6 @@ __attribute__((nothrow)) inline void any_quant_tile(int mr, const float* x, cons
   }
 }
 
-// A tile of mr rows and nr columns of x against w's rows (lanes r * kLinCols + c), as
-// small_linear's tile_sums computes it.
-__attribute__((nothrow)) inline Vec tile_lanes(int mr, int nr, const float* x, const float* w, int64_t in_features) {
-  if (mr == kLinRows && nr == kLinCols && in_features % kLanes == 0)
-    return linear_sums<kLinRows, kLinCols>(x, w, in_features);
-  float sums[kLanes];
-  alignas(64) float lanes[kLanes] = {};
-  any_tile(mr, nr, x, w, in_features, sums);
-  for (int r = 0; r < mr; ++r)
-    for (int c = 0; c < nr; ++c) lanes[r * kLinCols + c] = sums[r * nr + c];
-  return vload(lanes);
-}
-
-// The offsets' share of a tile of mr rows (lanes r * kLinCols + c), as add_offsets computes it.
-__attribute__((nothrow)) inline Vec offset_lanes(int mr, int nr, const float* sx, const float* offsets,
-                                                 int64_t stride) {
-  if (mr == kLinRows && nr == kLinCols) return linear_sums<kLinRows, kLinCols>(sx, offsets, stride);
-  float shares[kLanes];
-  alignas(64) float lanes[kLanes] = {};
-  any_tile(mr, nr, sx, offsets, stride, shares);
-  for (int r = 0; r < mr; ++r)
-    for (int c = 0; c < nr; ++c) lanes[r * kLinCols + c] = shares[r * nr + c];
-  return vload(lanes);
-}
-
 // A decode step's few rows (up to kLinRows): each item's groups decoded in registers just
 // before their FMAs (a last item of fewer than kLinCols weight rows through the buffer).
 template <int Type>
@@ -154,7 +129,7 @@ void quant_few_rows(const QuantLinearParams& p, float* g, float* offsets, const 
                          kHasOffset<Type> ? offsets + c * stride : nullptr);
       alignas(64) float lanes[kLanes];
       vstore(lanes, tile_lanes(mr, nr, p.x, g, p.in_features));
-      if constexpr (kHasOffset<Type>) vstore(lanes, vadd(vload(lanes), offset_lanes(mr, nr, sx, offsets, stride)));
+      if constexpr (kHasOffset<Type>) vstore(lanes, vadd(vload(lanes), tile_lanes(mr, nr, sx, offsets, stride)));
       for (int t = 0; t < kLanes; ++t) out[t] = lanes[t];
     }
     for (int r = 0; r < mr; ++r)  // (the bias as the many-row path adds it, lane by lane)
@@ -188,7 +163,8 @@ void quant_many_rows(const QuantLinearParams& p, float* g, float* offsets, const
       const Vec bias = bias_lanes(p.bias, col, nr);
       float* y = p.y + row0 * p.out_features + col;
       tile_sums(x, g, p.in_features, nr, rows, [&](int64_t row, int mr, Vec sums) {
-        if constexpr (kHasOffset<Type>) sums = vadd(sums, offset_lanes(mr, nr, block_sx + row * stride, offsets, stride));
+        // the offsets' share, as add_offsets computes it (stride: whole vectors)
+        if constexpr (kHasOffset<Type>) sums = vadd(sums, tile_lanes(mr, nr, block_sx + row * stride, offsets, stride));
         store_tile(vadd(sums, bias), mr, nr, y + row * p.out_features, p.out_features);
       });
     }
