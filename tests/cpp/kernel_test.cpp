@@ -184,7 +184,7 @@ double run_case(const Variant& variant, const Case& cs) {
   p.scale = 1.f / std::sqrt(static_cast<float>(D));
   p.window = cs.window;
   p.num_threads = 2;
-  const DecodeSchedule schedule = decode_schedule(p, cs.max_blocks_per_item);
+  const DecodeSchedule schedule = decode_schedule(p, pair_segments(p), cs.max_blocks_per_item);
   std::vector<float> scratch(schedule.scratch_floats(p, p.num_threads), std::nanf(""));
   schedule.carve(p, scratch.data());
   variant.run(p);

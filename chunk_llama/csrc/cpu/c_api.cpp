@@ -119,8 +119,8 @@ chunk_attn_cpu::DType kernel_dtype(int dtype) {
 
 // The decode plan's arrays in p (geometry set), each checked before any pointer into the pool
 // or the scratch is made from it: a wrong chunk id, slot range or pair slot would reach out
-// of bounds.
-void decode_plan(chunk_attn_cpu::Params& p, int64_t capacity, const int64_t* plan, int64_t plan_numel,
+// of bounds. Returns the plan's pair_segments (checked: what decode_schedule takes).
+std::vector<int64_t> decode_plan(chunk_attn_cpu::Params& p, int64_t capacity, const int64_t* plan, int64_t plan_numel,
                  const int64_t* layout, int64_t layout_size) {
   using namespace chunk_attn_cpu;
   const int num_seqs = p.num_seqs, chunk_size = p.chunk_size;
@@ -164,9 +164,7 @@ void decode_plan(chunk_attn_cpu::Params& p, int64_t capacity, const int64_t* pla
   }
   // each sequence's shared segments, by depth, run from position 0 to its shared tokens
   std::vector<int64_t> reach(num_seqs, 0);
-  std::vector<int64_t> at(static_cast<size_t>(pair_ptr[num_seqs]), -1);
-  for (int64_t s = 0; s < num_shared; ++s)
-    for (int64_t row = p.shared_begin[s]; row < p.shared_end[s]; ++row) at[pair_ptr[row] + p.shared_depth[s]] = s;
+  const std::vector<int64_t> at = pair_segments(p);
   for (int64_t row = 0; row < num_seqs; ++row) {
     for (int64_t k = pair_ptr[row]; k < pair_ptr[row + 1]; ++k) {
       CHECK_VALUE(at[k] >= 0 && p.shared_pos[at[k]] == reach[row], "sequence ", row,
@@ -176,6 +174,7 @@ void decode_plan(chunk_attn_cpu::Params& p, int64_t capacity, const int64_t* pla
     CHECK_VALUE(reach[row] == p.num_shared_tokens[row], "sequence ", row, ": its shared segments end at ", reach[row],
                 ", not at its ", p.num_shared_tokens[row], " shared tokens");
   }
+  return at;
 }
 
 chunk_attn_cpu::Params decode_geometry(const Geometry& g, int num_threads, double scale, int64_t window) {
@@ -200,9 +199,10 @@ void tpp_decode(const void* q, const void* k_cache, const void* v_cache, const G
   using namespace chunk_attn_cpu;
   const Variant& variant = variant_for(isa);
   Params p = decode_geometry(g, num_threads, scale, window);
-  decode_plan(p, g.capacity, plan, plan_numel, layout, layout_size);
+  const std::vector<int64_t> pair_seg = decode_plan(p, g.capacity, plan, plan_numel, layout, layout_size);
   CHECK_VALUE(max_blocks_per_item >= 0, "max_blocks_per_item must be >= 0 (0: chosen), got ", max_blocks_per_item);
-  const DecodeSchedule schedule = decode_schedule(p, static_cast<int>(std::min<int64_t>(max_blocks_per_item, 1 << 30)));
+  const DecodeSchedule schedule =
+      decode_schedule(p, pair_seg, static_cast<int>(std::min<int64_t>(max_blocks_per_item, 1 << 30)));
   check_scratch(scratch_numel, schedule.scratch_floats(p, num_threads));
   p.q = q;
   p.k_cache = k_cache;
@@ -216,8 +216,8 @@ void tpp_decode(const void* q, const void* k_cache, const void* v_cache, const G
 int64_t decode_scratch_floats(const Geometry& g, const int64_t* plan, int64_t plan_numel, const int64_t* layout,
                               int64_t layout_size, int num_threads) {
   chunk_attn_cpu::Params p = decode_geometry(g, num_threads, 1.0, 0);
-  decode_plan(p, g.capacity, plan, plan_numel, layout, layout_size);
-  return chunk_attn_cpu::decode_schedule(p, 0).scratch_floats(p, num_threads);
+  const std::vector<int64_t> pair_seg = decode_plan(p, g.capacity, plan, plan_numel, layout, layout_size);
+  return chunk_attn_cpu::decode_schedule(p, pair_seg, 0).scratch_floats(p, num_threads);
 }
 
 // Prefill attention of every sequence of a step (prefill_params.h has the layout). The

@@ -35,9 +35,8 @@ void decode(const Params& p) {
   const int num_seq_items = p.num_seqs * p.num_kv_heads;
   int max_parts = 0;  // phase 2's items: (sequence, KV head, part), parts innermost
   for (int seq = 0; seq < p.num_seqs; ++seq) {
-    const int64_t length = p.seq_lens[seq];
-    const int64_t from = std::max(p.num_shared_tokens[seq], window_first(length - 1, p.window)) / kBlockKeys;
-    max_parts = std::max(max_parts, num_parts((length - 1) / kBlockKeys - from + 1));
+    const PrivateBlocks blocks = private_blocks(p, seq);
+    max_parts = std::max(max_parts, num_parts(blocks.last - blocks.from + 1));
   }
   const int64_t num_work = p.num_items + static_cast<int64_t>(num_seq_items) * max_parts;
 #ifdef _OPENMP

@@ -42,17 +42,25 @@ struct DecodeSchedule {
   }
 };
 
-// The schedule of p's plan (checked by the caller: every shared segment's rows have a pair
-// slot at its depth, every private segment lies inside its chunk). max_blocks_per_item: the
-// most shared blocks one phase-1 item takes (0: chosen for p.num_threads).
-static inline DecodeSchedule decode_schedule(const Params& p, int max_blocks_per_item) {
-  const int group = p.num_heads / p.num_kv_heads, n = p.num_seqs, B = kBlockKeys;
-  DecodeSchedule s;
-  // each sequence's path: its shared segments by depth (a pair slot each), then its own
-  std::vector<int64_t> pair_seg(static_cast<size_t>(p.seq_pair_ptr[n]), -1);
+// The shared segment of each pair slot (seq_pair_ptr[row] + depth), -1 where none says so
+// (the caller checks there is none such; its rows' slots at their depth exist).
+static inline std::vector<int64_t> pair_segments(const Params& p) {
+  std::vector<int64_t> pair_seg(static_cast<size_t>(p.seq_pair_ptr[p.num_seqs]), -1);
   for (int i = 0; i < p.num_shared; ++i)
     for (int64_t row = p.shared_begin[i]; row < p.shared_end[i]; ++row)
       pair_seg[p.seq_pair_ptr[row] + p.shared_depth[i]] = i;
+  return pair_seg;
+}
+
+// The schedule of p's plan, pair_seg its pair_segments (checked by the caller: every pair
+// slot has its segment, in position order from 0; every private segment lies inside its
+// chunk). max_blocks_per_item: the most shared blocks one phase-1 item takes (0: chosen for
+// p.num_threads).
+static inline DecodeSchedule decode_schedule(const Params& p, const std::vector<int64_t>& pair_seg,
+                                             int max_blocks_per_item) {
+  const int group = p.num_heads / p.num_kv_heads, n = p.num_seqs, B = kBlockKeys;
+  DecodeSchedule s;
+  // each sequence's path: its shared segments by depth (a pair slot each), then its own
   s.path_ptr.push_back(0);
   s.private_slot.push_back(0);
   for (int row = 0; row < n; ++row) {

@@ -58,6 +58,17 @@ inline int64_t window_first(int64_t pos, int window) {
   return lo > 0 ? lo : 0;
 }
 
+// A sequence's private blocks: from `first` (its fully shared blocks' end: its slots are
+// numbered from there) to `last` (the one holding its query); `from`, at or after first, is
+// the first its window reaches (the earlier ones are neither computed nor folded).
+struct PrivateBlocks {
+  int64_t first, from, last;
+};
+inline PrivateBlocks private_blocks(const Params& p, int seq) {
+  const int64_t length = p.seq_lens[seq], first = p.num_shared_tokens[seq] / kBlockKeys;
+  return {first, std::max(first, window_first(length - 1, p.window) / kBlockKeys), (length - 1) / kBlockKeys};
+}
+
 // Work item (sequence, KV head, part) of phase 2: the part's blocks, for each head of the
 // group, into their slots ([num_heads][D + 2]: o_b, m_b, n_b). Blocks before the window are
 // neither computed nor folded. A part past the sequence's last: nothing.
@@ -66,8 +77,8 @@ void private_item(const Params& p, int seq, int kv_head, int part, float* ws) {
   constexpr int kVecs = D / kLanes;
   const int H = p.num_heads, group = H / p.num_kv_heads;
   const int64_t length = p.seq_lens[seq], lo = window_first(length - 1, p.window);
-  const int64_t slot0 = p.private_slot[seq], first = p.num_shared_tokens[seq] / kBlockKeys;
-  const int64_t from = std::max(first, lo / kBlockKeys), last = (length - 1) / kBlockKeys;
+  const int64_t slot0 = p.private_slot[seq];
+  const auto [first, from, last] = private_blocks(p, seq);
   const int64_t blocks = last - from + 1;
   const int parts = num_parts(blocks);
   if (part >= parts) return;
@@ -158,9 +169,8 @@ void fold_item(const Params& p, const FoldItem& f, float* ws) {
     const int row = f.row_begin + r, seq = row / group, head = f.kv_head * group + row % group;
     float mr = m[r], nr = n[r];
     for (int d = 0; d < D; ++d) o[d] = ot[d * R + r];
-    const int64_t length = p.seq_lens[seq], first = p.num_shared_tokens[seq] / kBlockKeys;
-    const int64_t from = std::max(first, window_first(length - 1, p.window) / kBlockKeys);
-    for (int64_t b = from; b <= (length - 1) / kBlockKeys; ++b) {
+    const auto [first, from, last] = private_blocks(p, seq);
+    for (int64_t b = from; b <= last; ++b) {
       const float* src = p.private_partials + ((p.private_slot[seq] + b - first) * H + head) * (D + 2);
       fold_one<D>(mr, nr, o, src[D], src[D + 1], src);
     }
