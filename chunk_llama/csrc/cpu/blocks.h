@@ -178,19 +178,19 @@ inline void fold_one(float& m, float& n, float* o, float mb, float nb, const flo
   for (int d = 0; d < D; d += kLanes) vstore(o + d, fold(vload(o + d), vload(ob + d), w));
 }
 
-// Calls f(RowVecs<vectors>{}) for a run-time vectors in [1, RV]: each block width is its
-// own instantiation of the register tiles.
+// Calls f(Count<n>{}) for a run-time n in [1, N]: each width of a register tile (row
+// vectors, heads, dim vectors) is its own instantiation.
 template <int N>
-struct RowVecs {
+struct Count {
   static constexpr int value = N;
 };
-template <int RV, typename F>
-inline void with_row_vecs(int vectors, F&& f) {
-  if constexpr (RV >= 1) {
-    if (vectors == RV)
-      f(RowVecs<RV>{});
+template <int N, typename F>
+inline void with_count(int n, F&& f) {
+  if constexpr (N >= 1) {
+    if (n == N)
+      f(Count<N>{});
     else
-      with_row_vecs<RV - 1>(vectors, f);
+      with_count<N - 1>(n, f);
   }
 }
 

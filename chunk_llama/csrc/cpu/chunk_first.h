@@ -82,7 +82,7 @@ void shared_item(const Params& p, const ChunkItem& item, float* ws) {
     const float* v = block_floats<D>(v_cache, rows, kBlockKeys, D, v_buf);
     for (int b = 0; b < padded; b += L) {
       const int vectors = (padded - b) / kLanes < kRowVecs ? (padded - b) / kLanes : kRowVecs;
-      with_row_vecs<kRowVecs>(vectors, [&](auto rv) {
+      with_count<kRowVecs>(vectors, [&](auto rv) {
         constexpr int RV = decltype(rv)::value;
         row_scores<D, RV>(q + static_cast<int64_t>(b) * D, k, kBlockKeys, st);
         if (key0 < max_lo) window_mask<RV * kLanes>(st, kBlockKeys, key0, lo + b);

@@ -10,6 +10,9 @@
 namespace chunk_attn_cpu {
 namespace CHUNK_ATTN_ISA {
 
+static_assert(kRowVecs * kLanes <= kMaxBlockRows, "the workspaces hold kMaxBlockRows rows of a block");
+static_assert(kSeqHeads <= kMaxSeqHeads, "the workspace holds kMaxSeqHeads heads' scores");
+
 // Offset of one chunk's [C][D] block for one KV head in k_cache / v_cache.
 inline int64_t chunk_offset(int num_kv_heads, int chunk_size, int head_dim, int64_t chunk_id, int kv_head) {
   return (chunk_id * num_kv_heads + kv_head) * static_cast<int64_t>(chunk_size) * head_dim;
@@ -33,10 +36,16 @@ namespace CHUNK_ATTN_ISA {
 template <typename T, int D>
 void decode(const Params& p) {
   const int num_seq_items = p.num_seqs * p.num_kv_heads;
-  int max_parts = 0;  // phase 2's items: (sequence, KV head, part), parts innermost
+  int64_t total_blocks = 0;  // phase 2's items: (sequence, KV head, part), parts innermost
   for (int seq = 0; seq < p.num_seqs; ++seq) {
     const PrivateBlocks blocks = private_blocks(p, seq);
-    max_parts = std::max(max_parts, num_parts(blocks.last - blocks.from + 1));
+    total_blocks += std::max<int64_t>(0, blocks.last - blocks.from + 1);
+  }
+  const int64_t part_len = phase2_part_len(total_blocks, p.num_kv_heads, p.num_threads);
+  int max_parts = 0;
+  for (int seq = 0; seq < p.num_seqs; ++seq) {
+    const PrivateBlocks blocks = private_blocks(p, seq);
+    max_parts = std::max(max_parts, num_parts(blocks.last - blocks.from + 1, part_len));
   }
   const int64_t num_work = p.num_items + static_cast<int64_t>(num_seq_items) * max_parts;
 #ifdef _OPENMP
@@ -64,7 +73,7 @@ void decode(const Params& p) {
       }
       const int64_t j = i - p.num_items, item = j / std::max(max_parts, 1);
       private_item<T, D>(p, static_cast<int>(item / p.num_kv_heads), static_cast<int>(item % p.num_kv_heads),
-                         static_cast<int>(j % std::max(max_parts, 1)), ws);
+                         static_cast<int>(j % std::max(max_parts, 1)), part_len, ws);
     }
     // (implicit barrier) the folds, in position order, and the output
 #ifdef _OPENMP

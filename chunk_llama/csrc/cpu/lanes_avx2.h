@@ -8,13 +8,12 @@ namespace avx2 {
 
 constexpr int kLanes = 8;
 // Register tiles for 16 YMM registers.
-//   phase 1, S^T = K Q^T: 4 keys x 2 row vectors (16 rows) of accumulators, plus the 2
-//     Q^T vectors and a broadcast key: 8 + 2 + 1 registers.
+//   phase 1, S^T = K Q^T: a tile of 8 rows against one key: 8 accumulators + a K vector.
 //   phase 1, O^T = V^T P^T: 4 dims x 2 row vectors: 8 + 2 P^T vectors + 1 broadcast.
-//   phase 2, O_g += p V: up to 8 dim vectors (64 dims) in registers, V as memory operands.
-constexpr int kRowVecs = 2, kKeyTile = 4;
+//   phase 2, O += p V: 3 heads x 4 dim vectors, plus 3 broadcasts and a V vector: 12 + 3 + 1.
+constexpr int kRowVecs = 2;
 constexpr int kPvDims = 4;
-constexpr int kSeqPvVecs = 8;
+constexpr int kSeqHeads = 3, kSeqPvVecs = 4;
 
 struct Vec {
   __m256 v;

@@ -8,12 +8,12 @@ namespace avx512 {
 
 constexpr int kLanes = 16;
 // Register tiles for 32 ZMM registers.
-//   phase 1, S^T = K Q^T: 8 keys x 2 row vectors (32 rows): 16 + 2 + 1 registers.
+//   phase 1, S^T = K Q^T: a tile of 16 rows against one key: 16 accumulators + a K vector.
 //   phase 1, O^T = V^T P^T: 8 dims x 2 row vectors: 16 + 2 P^T vectors + 1 broadcast.
-//   phase 2, O_g += p V: up to 8 dim vectors (128 dims) in registers, V as memory operands.
-constexpr int kRowVecs = 2, kKeyTile = 8;
+//   phase 2, O += p V: 4 heads x 4 dim vectors, plus 4 broadcasts and a V vector: 16 + 4 + 1.
+constexpr int kRowVecs = 2;
 constexpr int kPvDims = 8;
-constexpr int kSeqPvVecs = 8;
+constexpr int kSeqHeads = 4, kSeqPvVecs = 4;
 
 struct Vec {
   __m512 v;

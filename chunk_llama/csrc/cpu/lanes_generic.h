@@ -4,9 +4,10 @@
 //
 // The lane API, the same in every lanes_<isa>.h, all fp32 math:
 //   kLanes                   fp32 lanes of a Vec (one register of the target)
-//   kRowVecs, kKeyTile       phase-1 S^T tile: kKeyTile keys x kRowVecs vectors of rows
+//   kRowVecs                 phase-1 row block: kRowVecs vectors of rows
 //   kPvDims                  phase-1 O^T tile: kPvDims dims x kRowVecs vectors of rows
-//   kSeqPvVecs               phase-2 P V: dim vectors of O_g held in registers
+//   kSeqHeads, kSeqPvVecs    phase-2 tile: kSeqHeads heads of a GQA group, P V of kSeqPvVecs
+//                            dim vectors of each in registers
 //   vzero, vset1(x)          all lanes 0 / x
 //   vload(p), vstore(p, a)   kLanes consecutive fp32, or bf16 (uint16_t) converted in registers
 //                            (stores round to nearest even)
@@ -28,11 +29,12 @@ namespace generic {
 
 constexpr int kLanes = 8;
 // Tiles for an unknown target, sized so that even sixteen 128-bit registers (SSE2, the
-// x86-64 baseline: a Vec is two of them) hold them: 4 + 2 + 1 Vecs. Four-key tiles
-// spilled there and ran 28x slower than the AVX2 variant.
-constexpr int kRowVecs = 2, kKeyTile = 2;
+// x86-64 baseline: a Vec is two of them) hold them: phase 1's O^T 2 dims x 2 row vectors
+// + 2 + 1 Vecs, phase 2's 2 heads x 2 dim vectors + 2 + 1. Larger tiles spilled there and
+// ran 28x slower than the AVX2 variant.
+constexpr int kRowVecs = 2;
 constexpr int kPvDims = 2;
-constexpr int kSeqPvVecs = 4;
+constexpr int kSeqHeads = 2, kSeqPvVecs = 2;
 
 // Whole-vector arithmetic also compiles in 5 s where plain arrays, which the optimiser
 // must first unroll and vectorise, took 17-38 s: this file is on the first-use build path.

@@ -8,12 +8,12 @@ namespace neon {
 
 constexpr int kLanes = 4;
 // Register tiles for 32 Q registers.
-//   phase 1, S^T = K Q^T: 4 keys x 4 row vectors (16 rows): 16 + 4 + 1 registers.
+//   phase 1, S^T = K Q^T: a tile of 4 rows against one key: 4 accumulators + a K vector.
 //   phase 1, O^T = V^T P^T: 4 dims x 4 row vectors: 16 + 4 P^T vectors + 1 broadcast.
-//   phase 2, O_g += p V: up to 16 dim vectors (64 dims) in registers.
-constexpr int kRowVecs = 4, kKeyTile = 4;
+//   phase 2, O += p V: 4 heads x 4 dim vectors, plus 4 broadcasts and a V vector: 16 + 4 + 1.
+constexpr int kRowVecs = 4;
 constexpr int kPvDims = 4;
-constexpr int kSeqPvVecs = 16;
+constexpr int kSeqHeads = 4, kSeqPvVecs = 4;
 
 struct Vec {
   float32x4_t v;

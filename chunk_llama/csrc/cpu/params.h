@@ -106,24 +106,27 @@ static inline int64_t window_start(int64_t pos, int window) { return window > 0 
 // pool keeps a guard chunk behind the last so that such a read stays in bounds.
 constexpr int kGuardRows = 16;
 
-// Phase 2 cuts a sequence's private blocks into parts, each a work item per KV head, so that
-// one or two sequences still give every thread work (a batch of one has as many items as
-// KV heads otherwise: 3 for 2 threads, one thread doing two). Each block's partial goes to
-// its slot and the blocks are folded in order afterwards, so the cut changes no number.
-// Parts are kPartBlocks blocks (the last fewer), longer where that would make more than
-// kMaxParts.
-constexpr int kPartBlocks = 2;
-constexpr int kMaxParts = 16;
-static inline int64_t part_blocks(int64_t blocks) {
-  const int64_t spread = (blocks + kMaxParts - 1) / kMaxParts;
-  return spread > kPartBlocks ? spread : kPartBlocks;
+// Phase 2 cuts a sequence's private blocks into parts of part_len blocks (the last fewer),
+// each a work item per KV head, so that one or two sequences still give every thread work
+// (a batch of one has as many items as KV heads otherwise: 3 for 2 threads, one thread
+// doing two). Each block's partial goes to its slot and the blocks are folded in order
+// afterwards, so the cut changes no number. A call's part_len gives about kPartsPerThread
+// items per thread over all its blocks, and at least kPartBlocks blocks: longer parts keep
+// the next block's prefetch going (an item's first block is not prefetched; at 2 blocks a
+// part, 32 x 1,024 keys read their K/V from DRAM at 26 GB/s).
+constexpr int kPartBlocks = 2, kPartsPerThread = 8;
+static inline int64_t phase2_part_len(int64_t total_blocks, int num_kv_heads, int num_threads) {
+  const int64_t parts = static_cast<int64_t>(kPartsPerThread) * (num_threads > 0 ? num_threads : 1);
+  const int64_t len = (total_blocks * num_kv_heads + parts - 1) / parts;
+  return len > kPartBlocks ? len : kPartBlocks;
 }
-static inline int num_parts(int64_t blocks) {
-  return blocks <= 0 ? 0 : static_cast<int>((blocks + part_blocks(blocks) - 1) / part_blocks(blocks));
+static inline int num_parts(int64_t blocks, int64_t part_len) {
+  return blocks <= 0 ? 0 : static_cast<int>((blocks + part_len - 1) / part_len);
 }
 
 constexpr int kRowsPerItem = 128;  // bounds a work item's rows (its O buffer); more rows split into items
 constexpr int kMaxBlockRows = 64;  // widest phase-1 row block of any variant (kRowVecs * kLanes)
+constexpr int kMaxSeqHeads = 4;    // widest phase-2 head tile of any variant (kSeqHeads)
 
 // The head dims the kernels are instantiated for (X(D) once each): those of the model
 // families people run (32: tiny configs; 64, 128: most; 80: Phi-2, StableLM; 96: Phi-3;
@@ -147,12 +150,12 @@ static inline int64_t q_rows_per_head(int num_seqs, int group) {
 // Floats of one thread's buffers, the largest of the passes' needs (rounded to 64 bytes so
 // that no two threads share a cache line):
 //   phase 1: a block's scores [kBlockKeys][kMaxBlockRows], its K and V as fp32 [kBlockKeys][D] each
-//   phase 2: a block's scores [kBlockKeys] and one head's o_b [D]
+//   phase 2: a block's scores for a tile of heads [kMaxSeqHeads][kBlockKeys]
 //   folds:   O^T [D][kRowsPerItem], m and n [kRowsPerItem], a row's o [D]
 static inline int64_t workspace_floats(int head_dim) {
   const int64_t d = head_dim;
   const int64_t phase1 = kBlockKeys * kMaxBlockRows + 2 * kBlockKeys * d;
-  const int64_t phase2 = kBlockKeys + d;
+  const int64_t phase2 = kMaxSeqHeads * kBlockKeys;
   const int64_t folds = kRowsPerItem * (d + 2) + d;
   return round_up(std::max(phase1, std::max(phase2, folds)), 16);
 }

@@ -126,7 +126,7 @@ void attend_blocks(const PrefillParams& p, int kv_head, ItemRows& it, const Path
       const int num_keys = static_cast<int>(seen < count ? seen : count);
       const bool diagonal = key0 + num_keys - 1 > min_pos[block];  // some row sees fewer keys
       const bool windowed = key0 < max_lo[block];                  // some row's window starts later
-      with_row_vecs<kRowVecs>(vectors, [&](auto rv) {
+      with_count<kRowVecs>(vectors, [&](auto rv) {
         constexpr int RV = decltype(rv)::value;
         row_scores<D, RV>(it.q + static_cast<int64_t>(b) * D, k, num_keys, it.st);
         if (diagonal) causal_mask<RV * kLanes>(it.st, num_keys, key0, it.pos + b);

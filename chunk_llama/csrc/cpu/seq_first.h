@@ -4,12 +4,13 @@
 // Phase 2: one work item per (sequence, KV head, part of its private blocks: params.h
 // num_parts) computes each block's partial for every head of the GQA group (keys in lanes,
 // blocks.h) into the block's slot. This phase reads each private K/V byte once and does
-// little math per byte, so it is bound by memory reads, and its loop order is chosen for
-// the hardware prefetchers: each K and V row read whole and in address order (reading
-// eight rows side by side, a vector of each at a time, ran at 60% of the speed), the rows
-// reused from L1 or L2 by the other heads of the group, and the next block's rows
-// prefetched in software, which also covers the jumps between segments that the hardware
-// prefetchers do not follow.
+// little math per byte, so its loop order is chosen for the memory reads and the FMA
+// chains: each K and V row read whole and in address order (reading eight rows side by
+// side, a vector of each at a time, ran at 60% of the speed), each vector of it loaded once
+// for kSeqHeads heads of the group (independent FMA chains; one head at a time waited on
+// each score's chain and reloaded every row per head), and the next block's rows prefetched
+// in software, which also covers the jumps between segments that the hardware prefetchers
+// do not follow.
 //
 // Folds: one work item per (rows of sequences with the same shared blocks, KV head) folds
 // those blocks' partials in order (rows in lanes), then each row's private partials, and
@@ -23,33 +24,14 @@ namespace CHUNK_ATTN_ISA {
 // only, the step's K/V (evicted from every cache by the weights' stream) arrived at 12-15
 // GB/s; a block ahead into L2, 15-18 (30 layers of 1,300 keys, 2 threads, Zen 4, 2026-11-25).
 template <typename T, int D>
-inline void prefetch_rows(const Params& p, const int64_t* rows, int count) {
+inline void prefetch_row(const T* k_cache, const T* v_cache, int64_t row) {
   constexpr int kBytes = D * sizeof(T);
-  for (int u = 0; u < count; ++u) {
-    const char* k = reinterpret_cast<const char*>(static_cast<const T*>(p.k_cache) + rows[u]);
-    const char* v = reinterpret_cast<const char*>(static_cast<const T*>(p.v_cache) + rows[u]);
-    for (int off = 0; off < kBytes; off += 64) {
-      __builtin_prefetch(k + off, 0, 2);
-      __builtin_prefetch(v + off, 0, 2);
-    }
+  const char* k = reinterpret_cast<const char*>(k_cache + row);
+  const char* v = reinterpret_cast<const char*>(v_cache + row);
+  for (int off = 0; off < kBytes; off += 64) {
+    __builtin_prefetch(k + off, 0, 2);
+    __builtin_prefetch(v + off, 0, 2);
   }
-}
-
-// o[0 : NV * kLanes] += sum over u < num_keys of probs[u] * (V row at rows[u])[0 : NV * kLanes]:
-// NV dim vectors in registers, each V row read in order.
-template <int NV, typename T>
-inline void accumulate_pv(float* o, const T* v_cache, const int64_t* rows, int d0, const float* probs, int num_keys) {
-  Vec out[NV];
-#pragma GCC unroll 16
-  for (int i = 0; i < NV; ++i) out[i] = vload(o + i * kLanes);
-  for (int u = 0; u < num_keys; ++u) {
-    const Vec pu = vset1(probs[u]);
-    const T* v = v_cache + rows[u] + d0;
-#pragma GCC unroll 16
-    for (int i = 0; i < NV; ++i) out[i] = vfma(pu, vload(v + i * kLanes), out[i]);
-  }
-#pragma GCC unroll 16
-  for (int i = 0; i < NV; ++i) vstore(o + i * kLanes, out[i]);
 }
 
 // The first block a query at pos sees (its window's), and its first visible position.
@@ -69,22 +51,97 @@ inline PrivateBlocks private_blocks(const Params& p, int seq) {
   return {first, std::max(first, window_first(length - 1, p.window) / kBlockKeys), (length - 1) / kBlockKeys};
 }
 
-// Work item (sequence, KV head, part) of phase 2: the part's blocks, for each head of the
-// group, into their slots ([num_heads][D + 2]: o_b, m_b, n_b). Blocks before the window are
-// neither computed nor folded. A part past the sequence's last: nothing.
+// One block's partials for HT heads of a GQA group (keys in lanes, blocks.h), each K and V
+// row loaded once for all of them: q [HT][D] (pre-scaled), the block's count keys at rows
+// (the first `skip` before the window), s: [HT][kBlockKeys] scratch, dst: [HT][D + 2]
+// (o_b, m_b, n_b per head). A head's numbers are key_scores' and row_pv's, chain by chain.
+template <int HT, int D, typename T>
+inline void private_heads(const T* k_cache, const T* v_cache, const int64_t* rows, int count, int skip,
+                          const float* q, float* s, float* dst, const int64_t* next, int next_count) {
+  constexpr int kVecs = D / kLanes, B = kBlockKeys;
+  const int padded = static_cast<int>(round_up(count, kLanes));
+  for (int u0 = 0; u0 < count; u0 += kLanes) {  // the scores: each K row read once, in order
+    Vec acc[HT][kLanes];
+#pragma GCC unroll 4
+    for (int g = 0; g < HT; ++g)
+#pragma GCC unroll 16
+      for (int u = 0; u < kLanes; ++u) acc[g][u] = vzero();
+    const int keys = count - u0 < kLanes ? count - u0 : kLanes;
+    for (int u = 0; u < keys; ++u) {
+      if (u0 + u < next_count) prefetch_row<T, D>(k_cache, v_cache, next[u0 + u]);
+      const T* k = k_cache + rows[u0 + u];
+      Vec a[HT];
+#pragma GCC unroll 4
+      for (int g = 0; g < HT; ++g) a[g] = vzero();
+#pragma GCC unroll 16
+      for (int i = 0; i < kVecs; ++i) {
+        const Vec kv = vload(k + i * kLanes);
+#pragma GCC unroll 4
+        for (int g = 0; g < HT; ++g) a[g] = score_chain(kv, vload(q + g * D + i * kLanes), a[g]);
+      }
+#pragma GCC unroll 4
+      for (int g = 0; g < HT; ++g) acc[g][u] = a[g];
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < HT; ++g) vstore(s + g * B + u0, vsum_lanes(acc[g]));
+  }
+  for (int g = 0; g < HT; ++g) {  // the block's softmax per head
+    float* sg = s + g * B;
+    for (int u = count; u < padded; ++u) sg[u] = kMaskedScore;
+    for (int u = 0; u < skip; ++u) sg[u] = kMaskedScore;
+    Vec mv = vload(sg);
+    for (int u = kLanes; u < padded; u += kLanes) mv = vmax(mv, vload(sg + u));
+    const float mb = vreduce_max(mv);
+    for (int u = 0; u < padded; u += kLanes) vstore(sg + u, vexp2(vsub(vload(sg + u), vset1(mb))));
+    float nb = 0.f;
+    for (int u = 0; u < count; ++u) nb += sg[u];  // in key order, as the rows-in-lanes sum
+    dst[g * (D + 2) + D] = mb;
+    dst[g * (D + 2) + D + 1] = nb;
+  }
+  // P V: a slice of NV dim vectors for the HT heads in registers, each V row read in order
+  constexpr int NV = kVecs < kSeqPvVecs ? kVecs : kSeqPvVecs;
+  for (int d0 = 0; d0 < D; d0 += NV * kLanes) {
+    const int nv = (D - d0) / kLanes < NV ? (D - d0) / kLanes : NV;  // (the last slice may be narrower)
+    with_count<NV>(nv, [&](auto n) {
+      constexpr int W = decltype(n)::value;
+      Vec o[HT][W];
+#pragma GCC unroll 4
+      for (int g = 0; g < HT; ++g)
+#pragma GCC unroll 16
+        for (int i = 0; i < W; ++i) o[g][i] = vzero();
+      for (int u = 0; u < count; ++u) {
+        Vec pu[HT];
+#pragma GCC unroll 4
+        for (int g = 0; g < HT; ++g) pu[g] = vset1(s[g * B + u]);
+        const T* v = v_cache + rows[u] + d0;
+#pragma GCC unroll 16
+        for (int i = 0; i < W; ++i) {
+          const Vec vv = vload(v + i * kLanes);
+#pragma GCC unroll 4
+          for (int g = 0; g < HT; ++g) o[g][i] = vfma(pu[g], vv, o[g][i]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int g = 0; g < HT; ++g)
+#pragma GCC unroll 16
+        for (int i = 0; i < W; ++i) vstore(dst + g * (D + 2) + d0 + i * kLanes, o[g][i]);
+    });
+  }
+}
+
+// Work item (sequence, KV head, part of part_len blocks) of phase 2: the part's blocks, for each head of the
+// group (kSeqHeads at a time), into their slots ([num_heads][D + 2]: o_b, m_b, n_b). Blocks
+// before the window are neither computed nor folded. A part past the sequence's last: nothing.
 template <typename T, int D>
-void private_item(const Params& p, int seq, int kv_head, int part, float* ws) {
-  constexpr int kVecs = D / kLanes;
+void private_item(const Params& p, int seq, int kv_head, int part, int64_t part_len, float* ws) {
   const int H = p.num_heads, group = H / p.num_kv_heads;
   const int64_t length = p.seq_lens[seq], lo = window_first(length - 1, p.window);
   const int64_t slot0 = p.private_slot[seq];
   const auto [first, from, last] = private_blocks(p, seq);
   const int64_t blocks = last - from + 1;
-  const int parts = num_parts(blocks);
-  if (part >= parts) return;
-  const int64_t per = part_blocks(blocks), b0 = from + part * per, b1 = std::min(last + 1, b0 + per);
-  float* s = ws;                // [kBlockKeys] the scores, then the weights
-  float* ob = s + kBlockKeys;   // [D] one head's o_b
+  if (part >= num_parts(blocks, part_len)) return;
+  const int64_t b0 = from + part * part_len, b1 = std::min(last + 1, b0 + part_len);
+  float* s = ws;  // [kSeqHeads][kBlockKeys] the scores, then the weights
   const T* k_cache = static_cast<const T*>(p.k_cache);
   const T* v_cache = static_cast<const T*>(p.v_cache);
   const float* q = p.q_rows + (kv_head * q_rows_per_head(p.num_seqs, group) + static_cast<int64_t>(seq) * group) * D;
@@ -100,35 +157,14 @@ void private_item(const Params& p, int seq, int kv_head, int part, float* ws) {
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t* at = rows[(b - b0) % 2];
     int next_count = 0;
-    if (b + 1 < b1) {  // the next block's rows, prefetched while this one is computed
-      next_count = locate(b + 1, rows[(b + 1 - b0) % 2]);
-      prefetch_rows<T, D>(p, rows[(b + 1 - b0) % 2], next_count);
-    }
-    const int64_t key0 = b * kBlockKeys;
-    const int skip = static_cast<int>(std::max<int64_t>(0, lo - key0));  // keys before the window
-    const int padded = static_cast<int>(round_up(count, kLanes));
-    for (int g = 0; g < group; ++g) {
-      const int head = kv_head * group + g;
-      key_scores<D>(k_cache, at, count, q + g * D, s);
-      for (int u = count; u < padded; ++u) s[u] = kMaskedScore;
-      for (int u = 0; u < skip; ++u) s[u] = kMaskedScore;
-      Vec mv = vload(s);
-      for (int u = kLanes; u < padded; u += kLanes) mv = vmax(mv, vload(s + u));
-      const float mb = vreduce_max(mv);
-      for (int u = 0; u < padded; u += kLanes) vstore(s + u, vexp2(vsub(vload(s + u), vset1(mb))));
-      float nb = 0.f;
-      for (int u = 0; u < count; ++u) nb += s[u];  // in key order, as the rows-in-lanes sum
-      for (int d = 0; d < D; d += kLanes) vstore(ob + d, vzero());
-      // o_b in registers where it fits; wider, a slice of dims at a time, the last one
-      // narrower where kSeqPvVecs vectors do not divide D
-      constexpr int kSlice = (kVecs < kSeqPvVecs ? kVecs : kSeqPvVecs) * kLanes, kWhole = D / kSlice * kSlice;
-      for (int d0 = 0; d0 < kWhole; d0 += kSlice) accumulate_pv<kSlice / kLanes>(ob + d0, v_cache, at, d0, s, count);
-      if constexpr (kWhole < D) accumulate_pv<(D - kWhole) / kLanes>(ob + kWhole, v_cache, at, kWhole, s, count);
-      float* dst = p.private_partials + ((slot0 + b - first) * H + head) * (D + 2);
-      std::memcpy(dst, ob, sizeof(float) * D);
-      dst[D] = mb;
-      dst[D + 1] = nb;
-    }
+    if (b + 1 < b1) next_count = locate(b + 1, rows[(b + 1 - b0) % 2]);  // prefetched while this one is computed
+    const int skip = static_cast<int>(std::max<int64_t>(0, lo - b * kBlockKeys));  // keys before the window
+    float* dst = p.private_partials + ((slot0 + b - first) * H + kv_head * group) * (D + 2);
+    for (int g0 = 0; g0 < group; g0 += kSeqHeads)
+      with_count<kSeqHeads>(std::min(kSeqHeads, group - g0), [&](auto heads) {
+        private_heads<decltype(heads)::value, D>(k_cache, v_cache, at, count, skip, q + g0 * D, s, dst + g0 * (D + 2),
+                                                 rows[(b + 1 - b0) % 2], g0 == 0 ? next_count : 0);
+      });
     count = next_count;
   }
 }
