@@ -62,6 +62,22 @@ inline const float* block_floats(const T* cache, const int64_t* rows, int count,
   return buf;
 }
 
+// Prefetches one K and one V row (hint 2: the outer caches). Decode asks for the next
+// block's row j while it scores key j: a block ahead, spread over the block. With the next
+// few keys only, the step's K/V (evicted from every cache by the weights' stream) arrived at
+// 12-15 GB/s; a whole block ahead at once, 15-18 (Zen 4, 2026-11-25), 31 (Zen 5, AVX2,
+// 32 x 1,024 keys, 2026-11-27); spread, 45 (the DRAM's read bandwidth on 2 cores there).
+template <typename T, int D>
+inline void prefetch_row(const T* k_cache, const T* v_cache, int64_t row) {
+  constexpr int kBytes = D * sizeof(T);
+  const char* k = reinterpret_cast<const char*>(k_cache + row);
+  const char* v = reinterpret_cast<const char*>(v_cache + row);
+  for (int off = 0; off < kBytes; off += 64) {
+    __builtin_prefetch(k + off, 0, 2);
+    __builtin_prefetch(v + off, 0, 2);
+  }
+}
+
 // One step of a score's chain: the products of a vector of dims of k and q, added lane by lane.
 inline Vec score_chain(Vec k, Vec q, Vec acc) { return vfma(k, q, acc); }
 
@@ -91,10 +107,12 @@ inline void key_scores(const T* cache, const int64_t* rows, int count, const flo
 // computes it: a tile is kLanes rows against one key, a row's chain in each accumulator, so
 // a key's scores for a vector of rows leave as one vector (a 4 x 4 tile of rows and keys
 // needs a quarter of the loads but four partial stores per key: it ran 2x slower).
-template <int D, int RV>
-inline void row_scores(const float* q, const float* k, int num_keys, float* st) {
+// before_key(j) runs before key j's scores (a prefetch).
+template <int D, int RV, typename BeforeKey>
+inline void row_scores(const float* q, const float* k, int num_keys, float* st, BeforeKey&& before_key) {
   constexpr int L = RV * kLanes, kVecs = D / kLanes;
-  for (int j = 0; j < num_keys; ++j)
+  for (int j = 0; j < num_keys; ++j) {
+    before_key(j);
     for (int rv = 0; rv < RV; ++rv) {
       Vec acc[kLanes];
 #pragma GCC unroll 16
@@ -108,6 +126,7 @@ inline void row_scores(const float* q, const float* k, int num_keys, float* st) 
       }
       vstore(st + j * L + rv * kLanes, vsum_lanes(acc));
     }
+  }
 }
 
 // Rows in lanes: st's scores [num_keys][RV * kLanes] become e = 2^(s - m_b); mb and nb get
@@ -129,15 +148,23 @@ inline void row_softmax(float* st, int num_keys, Vec* mb, Vec* nb) {
   }
 }
 
-// Rows in lanes: o_b of dims [d0, d0 + kPvDims) for RV row vectors (v: [num_keys][kVStride],
-// e: st), then emit(dim, row vector, o_b). Each V value broadcast, each e vector loaded once
-// per key; a row's FMAs run in key order from 0.
+// Dims of one row_pv pass for RV row vectors: kPvDims, twice as many for a single row
+// vector (few rows per KV head: MHA models, small batches), where kPvDims chains were too
+// few to hide the FMA's latency. Every head dim the kernels take is a multiple of both.
+template <int RV>
+constexpr int pv_dims() {
+  return RV == 1 ? 2 * kPvDims : kPvDims;
+}
+
+// Rows in lanes: o_b of dims [d0, d0 + pv_dims<RV>()) for RV row vectors (v: [num_keys]
+// [kVStride], e: st), then emit(dim, row vector, o_b). Each V value broadcast, each e vector
+// loaded once per key; a row's FMAs run in key order from 0.
 template <int RV, int kVStride, typename Emit>
 inline void row_pv(const float* v, int num_keys, const float* st, int d0, Emit&& emit) {
-  constexpr int L = RV * kLanes;
-  Vec acc[kPvDims][RV];
+  constexpr int L = RV * kLanes, PD = pv_dims<RV>();
+  Vec acc[PD][RV];
 #pragma GCC unroll 16
-  for (int e = 0; e < kPvDims; ++e)
+  for (int e = 0; e < PD; ++e)
 #pragma GCC unroll 4
     for (int r = 0; r < RV; ++r) acc[e][r] = vzero();
   for (int j = 0; j < num_keys; ++j) {
@@ -145,14 +172,14 @@ inline void row_pv(const float* v, int num_keys, const float* st, int d0, Emit&&
 #pragma GCC unroll 4
     for (int r = 0; r < RV; ++r) pt[r] = vload(st + j * L + r * kLanes), vpin(pt[r]);
 #pragma GCC unroll 16
-    for (int e = 0; e < kPvDims; ++e) {
+    for (int e = 0; e < PD; ++e) {
       const Vec x = vset1(v[j * kVStride + d0 + e]);
 #pragma GCC unroll 4
       for (int r = 0; r < RV; ++r) acc[e][r] = vfma(x, pt[r], acc[e][r]);
     }
   }
 #pragma GCC unroll 16
-  for (int e = 0; e < kPvDims; ++e)
+  for (int e = 0; e < PD; ++e)
 #pragma GCC unroll 4
     for (int r = 0; r < RV; ++r) emit(d0 + e, r, acc[e][r]);
 }
@@ -177,6 +204,15 @@ inline void fold_one(float& m, float& n, float* o, float mb, float nb, const flo
   n = vreduce_max(fold(vset1(n), vset1(nb), w));
   for (int d = 0; d < D; d += kLanes) vstore(o + d, fold(vload(o + d), vload(ob + d), w));
 }
+
+// V's row stride for the P V product (row_pv), which walks V a column of a few values at a time
+// down all the block's rows: at D >= 128 (512 bytes or more) those rows fall into one
+// eighth of L1's sets or fewer and evict each other, so V is copied to rows 16 floats
+// (a cache line) longer: D = 128 ran 4% faster in the prefill (one thread, 1,024 tokens),
+// and decode's shared blocks with 8 rows per KV head 5.4 -> 4.9 ms (AVX2, 8 x 2,048 keys, 32
+// heads). At D = 64 the rows spread over enough sets and the copy only cost time (about 5%).
+template <int D>
+constexpr int kVStride = D >= 128 ? D + 16 : D;
 
 // Calls f(Count<n>{}) for a run-time n in [1, N]: each width of a register tile (row
 // vectors, heads, dim vectors) is its own instantiation.

@@ -50,7 +50,7 @@ void shared_item(const Params& p, const ChunkItem& item, float* ws) {
   const int num_rows = item.row_end - item.row_begin, padded = static_cast<int>(round_up(num_rows, kLanes));
   float* st = ws;                                // [kBlockKeys][kMaxBlockRows]
   float* k_buf = st + kBlockKeys * kMaxBlockRows;  // [kBlockKeys][D]
-  float* v_buf = k_buf + kBlockKeys * D;           // [kBlockKeys][D]
+  float* v_buf = k_buf + kBlockKeys * D;           // [kBlockKeys][kVStride<D>]
   // Under a sliding window, each row's first visible position (the query is at seq_len - 1);
   // padding rows see everything.
   int64_t lo[kRowsPerItem];
@@ -62,10 +62,23 @@ void shared_item(const Params& p, const ChunkItem& item, float* ws) {
   const float* q = p.q_rows + (item.kv_head * q_rows_per_head(p.num_seqs, group) + item.row_begin) * D;
   const T* k_cache = static_cast<const T*>(p.k_cache);
   const T* v_cache = static_cast<const T*>(p.v_cache);
-  int64_t rows[kBlockKeys], seg = 0;
-  for (int e = item.first; e < item.first + item.count; ++e) {
+  // The blocks' K/V rows (all on the path of the run's first sequence), the next block's
+  // prefetched a key at a time during this one's scores (a block ahead, as phase 2 does):
+  // with few rows per KV head this phase reads K/V at the memory's speed.
+  const Path path = seq_path(p, static_cast<int>(p.shared_blocks[item.first].seq_begin));
+  int64_t rows[2][kBlockKeys], seg = 0;
+  const auto locate = [&](int e, int64_t* at) {
+    key_rows(path, p.num_kv_heads, p.chunk_size, D, item.kv_head, p.shared_blocks[e].block * kBlockKeys, kBlockKeys,
+             seg, at);
+  };
+  const int end = item.first + item.count;
+  locate(item.first, rows[0]);
+  for (int e = item.first; e < end; ++e) {
     const SharedBlock& sb = p.shared_blocks[e];
     const int64_t key0 = sb.block * kBlockKeys, stride = sb.stride;
+    const int64_t* at = rows[(e - item.first) % 2];
+    const int64_t* next = e + 1 < end ? rows[(e + 1 - item.first) % 2] : nullptr;
+    if (next) locate(e + 1, rows[(e + 1 - item.first) % 2]);
     float* part = p.shared_partials + sb.offset + item.kv_head * (D + 2) * stride +
                   (item.row_begin - sb.seq_begin * group);
     if (key0 + kBlockKeys <= min_lo) {  // before every row's window: a partial that folds as nothing
@@ -76,20 +89,20 @@ void shared_item(const Params& p, const ChunkItem& item, float* ws) {
       }
       continue;
     }
-    key_rows(seq_path(p, static_cast<int>(sb.seq_begin)), p.num_kv_heads, p.chunk_size, D, item.kv_head, key0,
-             kBlockKeys, seg, rows);
-    const float* k = block_floats<D>(k_cache, rows, kBlockKeys, D, k_buf);
-    const float* v = block_floats<D>(v_cache, rows, kBlockKeys, D, v_buf);
+    const float* k = block_floats<D>(k_cache, at, kBlockKeys, D, k_buf);
+    const float* v = block_floats<D>(v_cache, at, kBlockKeys, kVStride<D>, v_buf);
     for (int b = 0; b < padded; b += L) {
       const int vectors = (padded - b) / kLanes < kRowVecs ? (padded - b) / kLanes : kRowVecs;
       with_count<kRowVecs>(vectors, [&](auto rv) {
         constexpr int RV = decltype(rv)::value;
-        row_scores<D, RV>(q + static_cast<int64_t>(b) * D, k, kBlockKeys, st);
+        row_scores<D, RV>(q + static_cast<int64_t>(b) * D, k, kBlockKeys, st, [&](int j) {
+          if (b == 0 && next) prefetch_row<T, D>(k_cache, v_cache, next[j]);
+        });
         if (key0 < max_lo) window_mask<RV * kLanes>(st, kBlockKeys, key0, lo + b);
         Vec mb[RV], nb[RV];
         row_softmax<RV>(st, kBlockKeys, mb, nb);
-        for (int d0 = 0; d0 < D; d0 += kPvDims)
-          row_pv<RV, D>(v, kBlockKeys, st, d0, [&](int d, int r, Vec o) { vstore(part + d * stride + b + r * kLanes, o); });
+        for (int d0 = 0; d0 < D; d0 += pv_dims<RV>())
+          row_pv<RV, kVStride<D>>(v, kBlockKeys, st, d0, [&](int d, int r, Vec o) { vstore(part + d * stride + b + r * kLanes, o); });
         for (int r = 0; r < RV; ++r) {
           vstore(part + D * stride + b + r * kLanes, mb[r]);
           vstore(part + (D + 1) * stride + b + r * kLanes, nb[r]);

@@ -149,12 +149,13 @@ static inline int64_t q_rows_per_head(int num_seqs, int group) {
 
 // Floats of one thread's buffers, the largest of the passes' needs (rounded to 64 bytes so
 // that no two threads share a cache line):
-//   phase 1: a block's scores [kBlockKeys][kMaxBlockRows], its K and V as fp32 [kBlockKeys][D] each
+//   phase 1: a block's scores [kBlockKeys][kMaxBlockRows], its K and V as fp32 [kBlockKeys][D]
+//            and [kBlockKeys][D + 16] (blocks.h kVStride)
 //   phase 2: a block's scores for a tile of heads [kMaxSeqHeads][kBlockKeys]
 //   folds:   O^T [D][kRowsPerItem], m and n [kRowsPerItem], a row's o [D]
 static inline int64_t workspace_floats(int head_dim) {
   const int64_t d = head_dim;
-  const int64_t phase1 = kBlockKeys * kMaxBlockRows + 2 * kBlockKeys * d;
+  const int64_t phase1 = kBlockKeys * kMaxBlockRows + kBlockKeys * (2 * d + 16);
   const int64_t phase2 = kMaxSeqHeads * kBlockKeys;
   const int64_t folds = kRowsPerItem * (d + 2) + d;
   return round_up(std::max(phase1, std::max(phase2, folds)), 16);

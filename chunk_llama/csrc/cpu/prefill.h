@@ -34,14 +34,6 @@ inline void causal_mask(float* st, int num_keys, int64_t key0, const int64_t* po
   }
 }
 
-// V's row stride for the P V product, which walks V a column of kPvDims values at a time
-// down all the block's rows: at D >= 128 (512 bytes or more) those rows fall into one
-// eighth of L1's sets or fewer and evict each other, so V is copied to rows 16 floats
-// (a cache line) longer: D = 128 ran 4% faster (one thread, 1,024 tokens). At D = 64
-// the rows spread over enough sets and the copy only cost time (about 5%).
-template <int D>
-constexpr int kVStride = D >= 128 ? D + 16 : D;
-
 // An item's query rows: Q of rows [row0, row0 + num_rows) of one KV head (global rows, row =
 // token * group + head of the group), pre-scaled by scale * log2 e, each row's position and
 // window start, and the running (O^T, m, n).
@@ -128,7 +120,7 @@ void attend_blocks(const PrefillParams& p, int kv_head, ItemRows& it, const Path
       const bool windowed = key0 < max_lo[block];                  // some row's window starts later
       with_count<kRowVecs>(vectors, [&](auto rv) {
         constexpr int RV = decltype(rv)::value;
-        row_scores<D, RV>(it.q + static_cast<int64_t>(b) * D, k, num_keys, it.st);
+        row_scores<D, RV>(it.q + static_cast<int64_t>(b) * D, k, num_keys, it.st, [](int) {});
         if (diagonal) causal_mask<RV * kLanes>(it.st, num_keys, key0, it.pos + b);
         if (windowed) window_mask<RV * kLanes>(it.st, num_keys, key0, it.lo + b);
         Vec mb[RV], nb[RV];
@@ -139,7 +131,7 @@ void attend_blocks(const PrefillParams& p, int kv_head, ItemRows& it, const Path
           vstore(it.n + b + r * kLanes, fold(vload(it.n + b + r * kLanes), nb[r], w[r]));
           vstore(it.m + b + r * kLanes, w[r].m);
         }
-        for (int d0 = 0; d0 < D; d0 += kPvDims)
+        for (int d0 = 0; d0 < D; d0 += pv_dims<RV>())
           row_pv<RV, kVStride<D>>(v, num_keys, it.st, d0, [&](int d, int r, Vec o) {
             float* at = it.ot + d * S + b + r * kLanes;
             vstore(at, fold(vload(at), o, w[r]));

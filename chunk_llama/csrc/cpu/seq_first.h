@@ -20,22 +20,6 @@
 namespace chunk_attn_cpu {
 namespace CHUNK_ATTN_ISA {
 
-// Prefetches one K and one V row (hint 2: the outer caches). Phase 2 asks for the next
-// block's row u while it scores key u: a block ahead, spread over the block. With the next
-// few keys only, the step's K/V (evicted from every cache by the weights' stream) arrived at
-// 12-15 GB/s; a whole block ahead at once, 15-18 (Zen 4, 2026-11-25), 31 (Zen 5, AVX2,
-// 32 x 1,024 keys, 2026-11-27); spread, 45 (the DRAM's read bandwidth on 2 cores there).
-template <typename T, int D>
-inline void prefetch_row(const T* k_cache, const T* v_cache, int64_t row) {
-  constexpr int kBytes = D * sizeof(T);
-  const char* k = reinterpret_cast<const char*>(k_cache + row);
-  const char* v = reinterpret_cast<const char*>(v_cache + row);
-  for (int off = 0; off < kBytes; off += 64) {
-    __builtin_prefetch(k + off, 0, 2);
-    __builtin_prefetch(v + off, 0, 2);
-  }
-}
-
 // The first block a query at pos sees (its window's), and its first visible position.
 inline int64_t window_first(int64_t pos, int window) {
   const int64_t lo = window_start(pos, window);
