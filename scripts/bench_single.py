@@ -116,6 +116,22 @@ def run_stock(model, prompt: list[int], new_tokens: int, runs: int):
     return results
 
 
+def torchao_quantized(model, kind: str):
+    """model (the float32 copy) with torchao's weight-only quantization on every linear layer,
+    in place: int8 per channel, or int4 in groups of 32 in torchao's CPU layout (tinygemm's
+    _weight_int4pack_mm_for_cpu)."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    if kind == "int4":
+        from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
+
+        config = PrototypeInt4WeightOnlyConfig(group_size=32)
+    else:
+        config = Int8WeightOnlyConfig()
+    quantize_(model, config)
+    return model
+
+
 def chunk_llama_runs(model, tokenizer, prompt: list[int], new_tokens: int):
     """One run per next(): (prefill ms, decode tokens/s, tokens) of the prompt on one engine
     (closed with the generator)."""
@@ -211,6 +227,13 @@ def main() -> None:
                              "(default: the keyword is not passed)")
     parser.add_argument("--chunk-llama-arg", type=_kwarg, action="append", default=[], metavar="KEY=VALUE",
                         help="chunk-llama: another keyword for load_model (repeatable)")
+    parser.add_argument("--torchao", choices=("int4", "int8"),
+                        help="also stock and chunk-llama on the dequantized copy with torchao's weight-only "
+                             "quantization (int4: groups of 32, torchao's CPU layout), its activations in "
+                             "--torchao-dtype: systems stock (torchao X) and chunk-llama (torchao X)")
+    parser.add_argument("--torchao-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="activations of the torchao systems (torchao's CPU int4 kernel is made for "
+                             "bfloat16: with float32 a 300-token prefill took 25 s)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="threads for torch and llama.cpp (default: torch's)")
     parser.add_argument("--model", default=None, help="a .gguf file (default: the default model's)")
@@ -225,7 +248,7 @@ def main() -> None:
     gguf = args.model or default_model_path()
     runs = args.repeat + 1
 
-    rows, reference, tokenizer = [], None, None
+    rows, reference, tokenizer, model = [], None, None, None
     if "stock" in args.systems or "chunk-llama" in args.systems:  # stock's: transformers' float32 copy
         model, tokenizer = load_model(gguf, device="cpu", dtype=torch.float32, gguf_weights="dequantized")
     else:
@@ -248,6 +271,13 @@ def main() -> None:
 
     if "stock" in args.systems:
         add("stock", run_stock(model, prompt, args.new_tokens, runs))
+    quantized = None
+    if args.torchao:  # stock and chunk-llama on one torchao-quantized copy
+        if model is None:
+            model, _ = load_model(gguf, device="cpu", dtype=torch.float32, gguf_weights="dequantized")
+        quantized = torchao_quantized(model.to(getattr(torch, args.torchao_dtype)), args.torchao)
+        add(f"stock (torchao {args.torchao}, {args.torchao_dtype})",
+            run_stock(quantized, prompt, args.new_tokens, runs))
     model = None  # stock's freed first
     pending = []  # (name, generator of runs): chunk-llama's forms and llama.cpp
     llama_desc, bench_line = "llama.cpp: not run", None
@@ -265,6 +295,9 @@ def main() -> None:
                     print(json.dumps(rows[-1]), flush=True)
                     continue
                 pending.append((name, chunk_llama_runs(loaded, tokenizer, prompt, args.new_tokens)))
+            if quantized is not None:
+                pending.append((f"chunk-llama (torchao {args.torchao}, {args.torchao_dtype})",
+                                chunk_llama_runs(quantized, tokenizer, prompt, args.new_tokens)))
         if "llama.cpp" in args.systems:
             try:
                 bin_dir = peer.find_bin(build=args.build_llama_cpp)

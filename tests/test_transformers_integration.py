@@ -201,6 +201,29 @@ def test_torchao_int8_weights_run_their_own_linear(saved):
     assert [out.token_ids for out in engine.generate(prompts, GREEDY)] == want
 
 
+def test_torchao_int4_weights_run_their_own_linear(saved):
+    """Weight-only int4 in torchao's CPU layout (Int4OpaqueTensor: tinygemm's
+    _weight_int4pack_mm_for_cpu), groups of 32: the engine leaves those layers to torchao
+    and matches the quantized model under stock generate."""
+    pytest.importorskip("torchao.quantization")
+    workflow = pytest.importorskip("torchao.prototype.quantization.int4.inference_workflow",
+                                   reason="this torchao has no CPU int4 weight-only layout")
+    from torchao.quantization import quantize_
+
+    _, base = saved
+    stock = copy.deepcopy(base)
+    quantize_(stock, workflow.PrototypeInt4WeightOnlyConfig(group_size=32))
+    assert type(stock.model.layers[0].self_attn.q_proj.weight).__name__ == "Int4OpaqueTensor"
+    engine = ChunkLlamaEngine(copy.deepcopy(stock), max_batch_size=4, chunk_size=16, kv_cache_bytes=1 << 22)
+    prompts = shared_batch(seed=8, pad_rows=())[0].tolist()
+    with torch.no_grad():
+        want = [stock.generate(torch.tensor([p]), generation_config=GREEDY)[0, len(p):].tolist() for p in prompts]
+        float_answers = [base.generate(torch.tensor([p]), generation_config=GREEDY)[0, len(p):].tolist()
+                         for p in prompts]
+    assert [out.token_ids for out in engine.generate(prompts, GREEDY)] == want
+    assert want != float_answers  # the int4 weights change the answers (else the test could not tell)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_a_model_split_over_two_gpus_keeps_each_layers_kv_there(saved):
     folder, _ = saved
