@@ -12,6 +12,7 @@ package carries none for this host. This module uses the standard library only, 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -64,6 +65,7 @@ class KernelBuild:
         return f"lib{self.name}.so"
 
 
+@functools.cache  # (the dispatch asks per decode step)
 def host_arch() -> str:
     """'x86_64', 'aarch64' or what `platform.machine()` says."""
     machine = platform.machine().lower()
@@ -80,6 +82,7 @@ def compiled_variants(arch: str | None = None) -> tuple[str, ...]:
     return ("generic",)
 
 
+@functools.cache
 def cpu_build(arch: str | None = None) -> KernelBuild:
     """The CPU library for `arch` (default: this machine's): the C interface and one
     translation unit per variant. About 15 s on the project's 2-core machine."""
