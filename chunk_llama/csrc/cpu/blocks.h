@@ -18,7 +18,8 @@
 // A block whose keys the query sees none of changes nothing once a visible block was folded
 // (c = 0, a = 1) and before that leaves finite values that the first visible block multiplies
 // by a = 2^(kMaskedScore - m_b) = 0: a path may fold such a block or skip it. Two layouts
-// compute the same numbers: keys in lanes (one query against a block: decode's phase 2) and
+// compute the same numbers: keys in lanes (a few queries against a block, each key's row
+// loaded once for them: decode's phase 2) and
 // rows in lanes (a block of queries against a block: decode's phase 1, prefill), whose scores
 // come from tiles of kLanes rows against one key, each row's chain in its own accumulator.
 #pragma once
@@ -81,24 +82,38 @@ inline void prefetch_row(const T* k_cache, const T* v_cache, int64_t row) {
 // One step of a score's chain: the products of a vector of dims of k and q, added lane by lane.
 inline Vec score_chain(Vec k, Vec q, Vec acc) { return vfma(k, q, acc); }
 
-// Keys in lanes: s[u] for u < count, the scores of one query q [D] against the keys at rows
-// (up to kBlockKeys), kLanes at a time; lanes past count score 0 (mask them).
-template <int D, typename T>
-inline void key_scores(const T* cache, const int64_t* rows, int count, const float* q, float* s) {
+// Keys in lanes: s[g * kBlockKeys + u] for u < count, the scores of HT queries q [HT][D]
+// against the keys at rows (up to kBlockKeys), kLanes keys at a time, each K vector loaded
+// once for the HT queries (their chains independent); lanes past count score 0 (mask them).
+// before_key(u) runs before key u's scores (a prefetch).
+template <int HT, int D, typename T, typename BeforeKey>
+inline void key_scores(const T* cache, const int64_t* rows, int count, const float* q, float* s,
+                       BeforeKey&& before_key) {
   constexpr int kVecs = D / kLanes;
   for (int u0 = 0; u0 < count; u0 += kLanes) {
-    Vec acc[kLanes];
+    Vec acc[HT][kLanes];
+#pragma GCC unroll 4
+    for (int g = 0; g < HT; ++g)
 #pragma GCC unroll 16
-    for (int u = 0; u < kLanes; ++u) acc[u] = vzero();
+      for (int u = 0; u < kLanes; ++u) acc[g][u] = vzero();
     const int keys = count - u0 < kLanes ? count - u0 : kLanes;
     for (int u = 0; u < keys; ++u) {  // row by row: each K row read in order
+      before_key(u0 + u);
       const T* k = cache + rows[u0 + u];
-      Vec a = vzero();
+      Vec a[HT];
+#pragma GCC unroll 4
+      for (int g = 0; g < HT; ++g) a[g] = vzero();
 #pragma GCC unroll 16
-      for (int i = 0; i < kVecs; ++i) a = score_chain(vload(k + i * kLanes), vload(q + i * kLanes), a);
-      acc[u] = a;
+      for (int i = 0; i < kVecs; ++i) {
+        const Vec kv = vload(k + i * kLanes);
+#pragma GCC unroll 4
+        for (int g = 0; g < HT; ++g) a[g] = score_chain(kv, vload(q + g * D + i * kLanes), a[g]);
+      }
+#pragma GCC unroll 4
+      for (int g = 0; g < HT; ++g) acc[g][u] = a[g];
     }
-    vstore(s + u0, vsum_lanes(acc));
+#pragma GCC unroll 4
+    for (int g = 0; g < HT; ++g) vstore(s + g * kBlockKeys + u0, vsum_lanes(acc[g]));
   }
 }
 
