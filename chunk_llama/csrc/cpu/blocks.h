@@ -19,7 +19,7 @@
 // (c = 0, a = 1) and before that leaves finite values that the first visible block multiplies
 // by a = 2^(kMaskedScore - m_b) = 0: a path may fold such a block or skip it. Two layouts
 // compute the same numbers: keys in lanes (a few queries against a block, each key's row
-// loaded once for them: decode's phase 2) and
+// loaded once for them: decode's phase 2, seq_first.h private_heads) and
 // rows in lanes (a block of queries against a block: decode's phase 1, prefill), whose scores
 // come from tiles of kLanes rows against one key, each row's chain in its own accumulator.
 #pragma once
@@ -82,44 +82,9 @@ inline void prefetch_row(const T* k_cache, const T* v_cache, int64_t row) {
 // One step of a score's chain: the products of a vector of dims of k and q, added lane by lane.
 inline Vec score_chain(Vec k, Vec q, Vec acc) { return vfma(k, q, acc); }
 
-// Keys in lanes: s[g * kBlockKeys + u] for u < count, the scores of HT queries q [HT][D]
-// against the keys at rows (up to kBlockKeys), kLanes keys at a time, each K vector loaded
-// once for the HT queries (their chains independent); lanes past count score 0 (mask them).
-// before_key(u) runs before key u's scores (a prefetch).
-template <int HT, int D, typename T, typename BeforeKey>
-inline void key_scores(const T* cache, const int64_t* rows, int count, const float* q, float* s,
-                       BeforeKey&& before_key) {
-  constexpr int kVecs = D / kLanes;
-  for (int u0 = 0; u0 < count; u0 += kLanes) {
-    Vec acc[HT][kLanes];
-#pragma GCC unroll 4
-    for (int g = 0; g < HT; ++g)
-#pragma GCC unroll 16
-      for (int u = 0; u < kLanes; ++u) acc[g][u] = vzero();
-    const int keys = count - u0 < kLanes ? count - u0 : kLanes;
-    for (int u = 0; u < keys; ++u) {  // row by row: each K row read in order
-      before_key(u0 + u);
-      const T* k = cache + rows[u0 + u];
-      Vec a[HT];
-#pragma GCC unroll 4
-      for (int g = 0; g < HT; ++g) a[g] = vzero();
-#pragma GCC unroll 16
-      for (int i = 0; i < kVecs; ++i) {
-        const Vec kv = vload(k + i * kLanes);
-#pragma GCC unroll 4
-        for (int g = 0; g < HT; ++g) a[g] = score_chain(kv, vload(q + g * D + i * kLanes), a[g]);
-      }
-#pragma GCC unroll 4
-      for (int g = 0; g < HT; ++g) acc[g][u] = a[g];
-    }
-#pragma GCC unroll 4
-    for (int g = 0; g < HT; ++g) vstore(s + g * kBlockKeys + u0, vsum_lanes(acc[g]));
-  }
-}
-
 // Rows in lanes: st[j * RV * kLanes + r] for keys j < num_keys (k: [num_keys][D]) and rows
-// r < RV * kLanes (q: their rows [RV * kLanes][D], pre-scaled), each score as key_scores
-// computes it: a tile is kLanes rows against one key, a row's chain in each accumulator, so
+// r < RV * kLanes (q: their rows [RV * kLanes][D], pre-scaled), each score as keys in lanes
+// compute it (seq_first.h private_heads): a tile is kLanes rows against one key, a row's chain in each accumulator, so
 // a key's scores for a vector of rows leave as one vector (a 4 x 4 tile of rows and keys
 // needs a quarter of the loads but four partial stores per key: it ran 2x slower).
 // before_key(j) runs before key j's scores (a prefetch).

@@ -40,16 +40,39 @@ inline PrivateBlocks private_blocks(const Params& p, int seq) {
 // One block's partials for HT heads of a GQA group (keys in lanes, blocks.h), each K and V
 // row loaded once for all of them: q [HT][D] (pre-scaled), the block's count keys at rows
 // (the first `skip` before the window), s: [HT][kBlockKeys] scratch, dst: [HT][D + 2]
-// (o_b, m_b, n_b per head), the next block's rows (next_count of them) prefetched meanwhile.
-// A head's P V is row_pv's numbers, chain by chain.
+// (o_b, m_b, n_b per head). A head's scores are row_scores' numbers and its P V row_pv's,
+// chain by chain, in the keys-in-lanes layout (the next block's rows, next_count of them,
+// prefetched meanwhile).
 template <int HT, int D, typename T>
 inline void private_heads(const T* k_cache, const T* v_cache, const int64_t* rows, int count, int skip,
                           const float* q, float* s, float* dst, const int64_t* next, int next_count) {
   constexpr int kVecs = D / kLanes, B = kBlockKeys;
   const int padded = static_cast<int>(round_up(count, kLanes));
-  key_scores<HT, D>(k_cache, rows, count, q, s, [&](int u) {
-    if (u < next_count) prefetch_row<T, D>(k_cache, v_cache, next[u]);
-  });
+  for (int u0 = 0; u0 < count; u0 += kLanes) {  // the scores: each K row read once, in order
+    Vec acc[HT][kLanes];
+#pragma GCC unroll 4
+    for (int g = 0; g < HT; ++g)
+#pragma GCC unroll 16
+      for (int u = 0; u < kLanes; ++u) acc[g][u] = vzero();
+    const int keys = count - u0 < kLanes ? count - u0 : kLanes;
+    for (int u = 0; u < keys; ++u) {
+      if (u0 + u < next_count) prefetch_row<T, D>(k_cache, v_cache, next[u0 + u]);
+      const T* k = k_cache + rows[u0 + u];
+      Vec a[HT];
+#pragma GCC unroll 4
+      for (int g = 0; g < HT; ++g) a[g] = vzero();
+#pragma GCC unroll 16
+      for (int i = 0; i < kVecs; ++i) {
+        const Vec kv = vload(k + i * kLanes);
+#pragma GCC unroll 4
+        for (int g = 0; g < HT; ++g) a[g] = score_chain(kv, vload(q + g * D + i * kLanes), a[g]);
+      }
+#pragma GCC unroll 4
+      for (int g = 0; g < HT; ++g) acc[g][u] = a[g];
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < HT; ++g) vstore(s + g * B + u0, vsum_lanes(acc[g]));
+  }
   for (int g = 0; g < HT; ++g) {  // the block's softmax per head
     float* sg = s + g * B;
     for (int u = count; u < padded; ++u) sg[u] = kMaskedScore;
