@@ -36,17 +36,14 @@ namespace CHUNK_ATTN_ISA {
 template <typename T, int D>
 void decode(const Params& p) {
   const int num_seq_items = p.num_seqs * p.num_kv_heads;
-  int64_t total_blocks = 0;  // phase 2's items: (sequence, KV head, part), parts innermost
+  int64_t total_blocks = 0, max_blocks = 0;  // phase 2's items: (sequence, KV head, part), parts innermost
   for (int seq = 0; seq < p.num_seqs; ++seq) {
     const PrivateBlocks blocks = private_blocks(p, seq);
     total_blocks += std::max<int64_t>(0, blocks.last - blocks.from + 1);
+    max_blocks = std::max(max_blocks, blocks.last - blocks.from + 1);
   }
   const int64_t part_len = phase2_part_len(total_blocks, p.num_kv_heads, p.num_threads);
-  int max_parts = 0;
-  for (int seq = 0; seq < p.num_seqs; ++seq) {
-    const PrivateBlocks blocks = private_blocks(p, seq);
-    max_parts = std::max(max_parts, num_parts(blocks.last - blocks.from + 1, part_len));
-  }
+  const int max_parts = num_parts(max_blocks, part_len);  // (the longest sequence has the most)
   const int64_t num_work = p.num_items + static_cast<int64_t>(num_seq_items) * max_parts;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(p.num_threads)
