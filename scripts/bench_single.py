@@ -117,9 +117,9 @@ def run_stock(model, prompt: list[int], new_tokens: int, runs: int):
 
 
 def torchao_quantized(model, kind: str):
-    """model (the dequantized copy, in the activations' dtype) with torchao's weight-only quantization on every linear layer,
-    in place: int8 per channel, or int4 in groups of 32 in torchao's CPU layout (tinygemm's
-    _weight_int4pack_mm_for_cpu)."""
+    """model (the dequantized copy, in the activations' dtype) with torchao's weight-only
+    quantization on every linear layer, in place: int8 per channel, or int4 in groups of 32
+    in torchao's CPU layout (tinygemm's _weight_int4pack_mm_for_cpu)."""
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
     if kind == "int4":
