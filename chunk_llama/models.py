@@ -126,6 +126,32 @@ def check_dtype(dtype: torch.dtype) -> None:
         raise ValueError(f"dtype {dtype} is not supported; use one of {SUPPORTED_DTYPES}")
 
 
+def resolve_kv_dtype(kv_dtype: str | torch.dtype | None, model_dtype: torch.dtype | None,
+                     device: torch.device) -> torch.dtype:
+    """The K/V pool's dtype: `auto` (or None) the model's (float32 where `model_dtype` is
+    None: unknown); else the named dtype, which must be the model's or bfloat16 under a
+    float32 model on the CPU (K/V stored rounded to bfloat16, attention computed in float32:
+    half the pool's bytes and the attention's reads; the CPU kernels widen bfloat16 in
+    registers)."""
+    if kv_dtype is None or kv_dtype == "auto":
+        return model_dtype or torch.float32
+    if isinstance(kv_dtype, str):
+        resolved = getattr(torch, kv_dtype, None)
+        if not isinstance(resolved, torch.dtype):
+            raise ValueError(f"kv_dtype must be auto or one of float32, bfloat16, float16, got {kv_dtype!r}")
+        kv_dtype = resolved
+    if not isinstance(kv_dtype, torch.dtype):
+        raise TypeError(f"kv_dtype must be a torch.dtype or its name, got {type(kv_dtype).__name__}")
+    name = lambda t: str(t).removeprefix("torch.")  # noqa: E731
+    if model_dtype is None:
+        check_dtype(kv_dtype)
+    elif kv_dtype != model_dtype and not (device.type == "cpu" and model_dtype == torch.float32
+                                        and kv_dtype == torch.bfloat16):
+        raise ValueError(f"kv_dtype={name(kv_dtype)} under a {name(model_dtype)} model on {device.type}: the K/V "
+                         f"pool holds the model's dtype, or bfloat16 under a float32 model on the CPU")
+    return kv_dtype
+
+
 def kv_geometry(config) -> tuple[int, int, int]:
     """(num_layers, num_kv_heads, head_dim) of a model config."""
     heads = config.num_attention_heads

@@ -55,6 +55,9 @@ class EngineArgs:
     max_batch_size: int = option(32, "most sequences decoded at once")
     chunk_size: int = option(64, "tokens per KV chunk")
     kv_cache_bytes: int | None = option(None, "K/V budget of all layers in bytes (default: from free memory)")
+    kv_dtype: str = option("auto", "the K/V cache's dtype; auto: the model's; bfloat16 under a float32 model on "
+                                   "the CPU stores K/V in half the bytes (attention still computed in float32)",
+                           choices=DTYPE_CHOICES)
     max_prefill_tokens: int = option(1024, "most uncached prompt tokens computed in one step; longer prompts "
                                            "are prefilled in pieces between decode steps")
     prefix_caching: bool = option(True, "keep finished requests' chunks as a prefix cache "
@@ -65,17 +68,22 @@ class EngineArgs:
     def engine_kwargs(self) -> dict:
         """The keyword arguments of `ChunkLlamaEngine` these settings give."""
         return dict(max_batch_size=self.max_batch_size, chunk_size=self.chunk_size,
-                    kv_cache_bytes=self.kv_cache_bytes, max_prefill_tokens=self.max_prefill_tokens,
+                    kv_cache_bytes=self.kv_cache_bytes, kv_dtype=self.kv_dtype,
+                    max_prefill_tokens=self.max_prefill_tokens,
                     retain_prefixes=self.prefix_caching, max_model_len=self.max_model_len)
 
     def load(self, announce: bool = True, **load_kwargs):
         """(model, tokenizer) on the chosen device and dtype (`models.load_model`, which also takes
         `load_kwargs`: revision, trust_remote_code); `announce`: say what is loaded where on
         stderr (after the device and dtype were checked)."""
-        from chunk_llama.models import load_model, resolve_device, resolve_dtype
+        from chunk_llama.models import load_model, resolve_device, resolve_dtype, resolve_kv_dtype
 
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
+        try:  # before any weights are read
+            resolve_kv_dtype(self.kv_dtype, dtype, device)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
         if announce:
             name = self.model or "the default model (SmolLM2-135M-Instruct)"
             print(f"loading {name} on {device} in {str(dtype).removeprefix('torch.')} ...", file=sys.stderr)

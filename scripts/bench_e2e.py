@@ -4,6 +4,8 @@
     python scripts/bench_e2e.py --rps 0.1 0.25 inf --systems engine stock cb_share --out docs/bench
     python scripts/bench_e2e.py --n-shared 0 --n-prompt 512 --systems engine cb_share cb_noshare
     python scripts/bench_e2e.py --prompt-set toolqa --limit 10 --systems engine cb_share
+    python scripts/bench_e2e.py --n-shared 0 --n-prompt 2000 --num-requests 32 --systems engine \
+        --kv-dtype auto bfloat16      # float32 and bfloat16 K/V, one after the other
     python scripts/bench_e2e.py --device cuda --dtype bfloat16 --geometry llama-3.2-1b \
         --num-requests 32 --n-shared 2000 --max-new-tokens 64
 
@@ -15,7 +17,8 @@ real model's shape with random weights instead of the default model's file (spee
 not depend on the weights' values; parity is still checked on the same weights), on
 random token ids: the shared prefix, then 24 unique tokens per request. Systems, all on the same
 model, prompts and greedy settings in this process:
-  engine      this library's engine (online API)
+  engine      this library's engine (online API); `engine kv=bfloat16` with `--kv-dtype` (a
+              float32 model's K/V stored in bfloat16)
   stock       stock `model.generate` on static left-padded batches
   cb_share    transformers continuous batching (`generate_batch`'s manager), block sharing on
   cb_noshare  the same with block sharing off
@@ -108,6 +111,9 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--chunk-size", type=int, default=64, help="the engine's chunk size")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kv-dtype", nargs="+", default=["auto"],
+                        help="the engine's kv_dtype, one engine system per value (auto: `engine`, else "
+                             "`engine kv=VALUE`), each run in turn")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--geometry", choices=sorted(GEOMETRIES),
                         help="random weights of this model's shapes instead of the default model's file")
@@ -143,23 +149,27 @@ def main() -> None:
         prompts = build_prompts(tokenizer, args.n_shared, args.n_prompt, args.num_requests)
     config = greedy_config(model, args.max_new_tokens)
     reference = None if args.no_parity else per_request_reference(model, prompts, config)
+    engines = {"engine" if kv == "auto" else f"engine kv={kv}": kv for kv in args.kv_dtype}
     runners = dict(
-        engine=lambda arr: run_engine(engine_model, prompts, arr, config, args.max_batch_size, args.chunk_size),
+        **{name: lambda arr, kv=kv: run_engine(engine_model, prompts, arr, config, args.max_batch_size,
+                                               args.chunk_size, kv) for name, kv in engines.items()},
         stock=lambda arr: run_stock(model, prompts, arr, config, args.max_batch_size),
         cb_share=lambda arr: run_generate_batch(model, prompts, arr, config, block_sharing=True),
         cb_noshare=lambda arr: run_generate_batch(model, prompts, arr, config, block_sharing=False),
     )
     small = greedy_config(model, 2)  # warm-up: first-call costs (allocation, thread start) out of the timings
-    warm = dict(engine=lambda: run_engine(engine_model, prompts[:2], [0, 0], small),
+    warm = dict(**{name: lambda kv=kv: run_engine(engine_model, prompts[:2], [0, 0], small, kv_dtype=kv)
+                   for name, kv in engines.items()},
                 stock=lambda: run_stock(model, prompts[:2], [0, 0], small),
                 cb_share=lambda: run_generate_batch(model, prompts[:2], [0, 0], small, True),
                 cb_noshare=lambda: run_generate_batch(model, prompts[:2], [0, 0], small, False))
-    for system in args.systems:
+    systems = [s for system in args.systems for s in (engines if system == "engine" else [system])]
+    for system in systems:
         warm[system]()
     rows = []
     for rps in args.rps:
         arrivals = poisson_arrivals(rps, len(prompts), args.seed)
-        for system in args.systems:
+        for system in systems:
             records, extra = runners[system](arrivals)
             row = dict(system=system, rps=rps, **summarize(records, extra, reference))
             rows.append(row)
@@ -174,7 +184,7 @@ def main() -> None:
               f"{args.max_new_tokens} new tokens, {args.dtype}, {model_name}, torch {torch.__version__}, "
               f"{machine}, {datetime.date.today()}")
     table = render_table(rows, header)
-    engine_all_at_once = [r for r in rows if r["system"] == "engine" and math.isinf(r["rps"])]
+    engine_all_at_once = [r for r in rows if r["system"].startswith("engine") and math.isinf(r["rps"])]
     if engine_all_at_once and args.n_shared:  # the shared-prefix workload's yardstick
         forward_s = stock_forward_seconds(model, max(prompts, key=len))
         every_first = max(r["ttft_p99_s"] for r in engine_all_at_once)

@@ -3,6 +3,7 @@
     python scripts/bench_kernel.py --batch 32 --n-prompt 2048 --n-shared 2048 --device cuda
     python scripts/bench_kernel.py --grid paper --device cuda --out docs/bench  (+ plots, BENCHMARKS.md table)
     CHUNK_LLAMA_CPU_ISA=generic python scripts/bench_kernel.py --grid paper --gqa  (docs/bench/kernel_cpu_generic.*)
+    python scripts/bench_kernel.py --grid paper --gqa --kv-dtype bfloat16  (float32 queries, bfloat16 pool)
 
 Workload: `batch` sequences of `n_prompt` context tokens, the first `n_shared` of
 them common to all, one new query token each. Implementations:
@@ -119,12 +120,14 @@ def run_one(args, device, dtype, batch, n_prompt, n_shared, limits, variant=None
     heads, kv_heads, d, c = args.heads, args.kv_heads, args.head_dim, args.chunk_size
     group = heads // kv_heads
     scale = d**-0.5
-    pool, tree = build_tree(batch, n_prompt, n_shared, kv_heads, d, c, dtype, device)
+    kv_dtype = getattr(torch, args.kv_dtype) if args.kv_dtype else dtype
+    pool, tree = build_tree(batch, n_prompt, n_shared, kv_heads, d, c, kv_dtype, device)
     plan = build_decode_plan(tree, tree.seq_ids, device=device, group=group)
     q = torch.randn(batch, heads, d, device=device, dtype=dtype)
-    # dense K/V per sequence in plan order: [batch, kv_heads, n_prompt, d]
+    # dense K/V per sequence in plan order, in q's dtype (stock's cache): [batch, kv_heads, n_prompt, d]
     k_dense = torch.stack([reference.gather_dense(pool.k[0], tree.segments(s), n_prompt) for s in plan.seq_ids])
     v_dense = torch.stack([reference.gather_dense(pool.v[0], tree.segments(s), n_prompt) for s in plan.seq_ids])
+    k_dense, v_dense = k_dense.to(dtype), v_dense.to(dtype)
 
     window = args.window or None
     keys = min(window or n_prompt, n_prompt)  # keys each query sees
@@ -156,11 +159,11 @@ def run_one(args, device, dtype, batch, n_prompt, n_shared, limits, variant=None
         return torch.stack(out)
 
     # Nothing shared: every sequence holds its own copy of the same K/V values.
-    pool_ns, tree_ns = build_tree(batch, n_prompt, n_shared, kv_heads, d, c, dtype, device, share=False)
+    pool_ns, tree_ns = build_tree(batch, n_prompt, n_shared, kv_heads, d, c, kv_dtype, device, share=False)
     for s in range(batch):
         chunks, slots = tree_ns.slots(s, 0, n_prompt)
-        pool_ns.k[0][chunks, :, slots] = k_dense[plan.row_of[s]].transpose(0, 1)
-        pool_ns.v[0][chunks, :, slots] = v_dense[plan.row_of[s]].transpose(0, 1)
+        pool_ns.k[0][chunks, :, slots] = k_dense[plan.row_of[s]].transpose(0, 1).to(kv_dtype)
+        pool_ns.v[0][chunks, :, slots] = v_dense[plan.row_of[s]].transpose(0, 1).to(kv_dtype)
     plan_ns = build_decode_plan(tree_ns, tree_ns.seq_ids, device=device, group=group)
     row = {s: r for r, s in enumerate(plan.seq_ids)}
     to_ns = torch.tensor([row[s] for s in plan_ns.seq_ids], device=device)
@@ -194,13 +197,12 @@ def run_one(args, device, dtype, batch, n_prompt, n_shared, limits, variant=None
     if args.impls:
         impls = {k: v for k, v in impls.items() if k in args.impls or k == "sdpa_dense"}
 
-    element = torch.empty((), dtype=dtype).element_size()
-    per_token = 2 * kv_heads * d * element
+    per_token = {t: 2 * kv_heads * d * torch.empty((), dtype=t).element_size() for t in (dtype, kv_dtype)}
     # K/V in the window: the shared part once, each sequence's own part once per sequence
     own = min(keys, n_prompt - n_shared)
     unique_tokens = (keys - own) + batch * own if batch > 1 else keys
-    bytes_all = batch * keys * per_token
-    bytes_unique = unique_tokens * per_token
+    bytes_all = batch * keys * per_token[dtype]
+    bytes_unique = unique_tokens * per_token[kv_dtype]
     flops = 4 * batch * heads * keys * d
     bandwidth, matmul = limits
     expected = sdpa_dense().float()
@@ -208,10 +210,12 @@ def run_one(args, device, dtype, batch, n_prompt, n_shared, limits, variant=None
     for name, fn in impls.items():
         ms = timed(fn, device, args.repeat)
         result = fn()[from_ns] if name == "paged_no_share" else fn()
-        moved = bytes_unique if name.startswith("tpp_") else bytes_all
+        moved = bytes_unique if name.startswith("tpp_") else \
+            batch * keys * per_token[kv_dtype] if name == "paged_no_share" else bytes_all
         rows.append(dict(
             impl=name, batch=batch, n_prompt=n_prompt, n_shared=n_shared, heads=heads, kv_heads=kv_heads,
             head_dim=d, chunk_size=c, window=window, dtype=str(dtype).replace("torch.", ""), device=device.type,
+            kv_dtype=str(kv_dtype).replace("torch.", ""),
             isa=variant if name in ("tpp_cpu", "paged_no_share") and backend == "cpu" else None,
             ms=ms, gbps=moved / ms / 1e6, max_abs_err=(result.float() - expected).abs().max().item(),
             floor_bandwidth_ms=bytes_unique / bandwidth / 1e6, floor_flops_ms=flops / matmul / 1e6,
@@ -245,6 +249,8 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--chunk-size", type=int, default=64)
     parser.add_argument("--dtype", default=None, help="default: float16 on CUDA, float32 on the CPU")
+    parser.add_argument("--kv-dtype", default=None, help="the tree's pool (default: --dtype; bfloat16 under float32 "
+                                                         "queries: the engine's kv_dtype; SDPA gets it widened)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--impls", nargs="*", help="only these implementations (sdpa_dense always runs)")
@@ -263,7 +269,8 @@ def main() -> None:
 
         variant = isa.selected_variant()
         # build (first use) before any timing; says why if the kernel cannot run here
-        info = prepare_backend(device, dtype, args.head_dim, args.chunk_size)
+        info = prepare_backend(device, dtype, args.head_dim, args.chunk_size,
+                               getattr(torch, args.kv_dtype) if args.kv_dtype else None)
         if info["backend"] != "cpu":
             print(f"the CPU kernel does not run here: {info['reason']}", flush=True)
     limits = machine_limits(device, dtype)
@@ -297,7 +304,8 @@ def main() -> None:
     if args.grid:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        stem = f"kernel_{device.type}" + (f"_{variant}" if variant else "")
+        stem = f"kernel_{device.type}" + (f"_{variant}" if variant else "") + \
+            (f"_kv_{args.kv_dtype}" if args.kv_dtype else "")
         with open(out / f"{stem}.csv", "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()

@@ -61,9 +61,9 @@ def _wait_until(t: float) -> None:
         time.sleep(delay)
 
 
-def run_engine(model, prompts, arrivals, config, max_batch_size=32, chunk_size=64):
+def run_engine(model, prompts, arrivals, config, max_batch_size=32, chunk_size=64, kv_dtype="auto"):
     """This engine through its online API: requests join at their arrival time."""
-    engine = ChunkLlamaEngine(model, max_batch_size=max_batch_size, chunk_size=chunk_size)
+    engine = ChunkLlamaEngine(model, max_batch_size=max_batch_size, chunk_size=chunk_size, kv_dtype=kv_dtype)
     start = time.perf_counter()
     records = [dict(arrival=start + a) for a in arrivals]
     request_of = {}

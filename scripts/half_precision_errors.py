@@ -8,7 +8,9 @@ batch) or the default model, converted to bf16 and fp16; three rows of which two
 a prefix; teacher-forced logits of stock transformers (SDPA) and of the patched model on
 a ChunkCache, each compared with the same (rounded) weights in float32. Prints the worst and mean
 absolute errors and ours / stock, the ratios the tests' STOCK_FACTOR bounds
-(tests/tolerances.py). Run it on each CPU the suite must pass on.
+(tests/tolerances.py). The row "fp32, bf16 K/V" is ours in float32 on those weights with a
+bfloat16 KV cache (`kv_dtype`), beside stock's bfloat16. Run it on each CPU the suite must
+pass on.
 """
 
 from __future__ import annotations
@@ -39,12 +41,15 @@ def cast(model, dtype):
 
 
 @torch.no_grad()
-def errors(model, ids, dtype):
+def errors(model, ids, dtype, kv_dtype=None):
+    """Worst and mean errors of ours and stock's, in `dtype`; with `kv_dtype`, ours runs in
+    float32 on the same rounded weights with its K/V in `kv_dtype`."""
     stock = cast(model, dtype)
     truth = cast(stock, torch.float32)(input_ids=ids).logits.double()  # the half weights, in float32
-    ours = patch_model(copy.deepcopy(stock))
+    ours = patch_model(copy.deepcopy(stock) if kv_dtype is None else cast(stock, torch.float32))
     stock_out = stock(input_ids=ids).logits.double()
-    ours_out = ours(input_ids=ids, past_key_values=ChunkCache(ours, chunk_size=16, kv_cache_bytes=1 << 26)).logits
+    cache = ChunkCache(ours, chunk_size=16, kv_cache_bytes=1 << 26, kv_dtype=kv_dtype)
+    ours_out = ours(input_ids=ids, past_key_values=cache).logits
     err_stock, err_ours = (stock_out - truth).abs(), (ours_out.double() - truth).abs()
     return err_ours.max().item(), err_stock.max().item(), err_ours.mean().item(), err_stock.mean().item()
 
@@ -65,10 +70,11 @@ def main() -> None:
         ids = torch.randint(6, min(vocab, 96) if default is None else vocab, (1, 45 if default is None else 300))
         ids = ids.repeat(3, 1)
         ids[1, ids.shape[1] // 2:] = torch.randint(6, 96, (ids.shape[1] - ids.shape[1] // 2,))
-        for dtype in (torch.bfloat16, torch.float16):
-            w_ours, w_stock, m_ours, m_stock = errors(model, ids, dtype)
+        for label, dtype, kv_dtype in (("bfloat16", torch.bfloat16, None), ("float16", torch.float16, None),
+                                       ("fp32, bf16 K/V", torch.bfloat16, torch.bfloat16)):
+            w_ours, w_stock, m_ours, m_stock = errors(model, ids, dtype, kv_dtype)
             name = "default" if default is not None else "tiny 6/2x64"
-            print(f"| {name} | {str(dtype)[6:]} | {seed} | {w_ours:.4f} | {w_stock:.4f} | {w_ours / w_stock:.2f} | "
+            print(f"| {name} | {label} | {seed} | {w_ours:.4f} | {w_stock:.4f} | {w_ours / w_stock:.2f} | "
                   f"{m_ours:.5f} | {m_stock:.5f} | {m_ours / m_stock:.2f} |", flush=True)
 
 

@@ -103,6 +103,42 @@ def test_variants_agree_on_one_plan():
         assert (out - base).abs().max().item() <= 2e-6, name
 
 
+def widened_pool(pool):
+    """A float32 copy of a bfloat16 pool (guard chunk included: the kernel's extent check)."""
+    from chunk_llama.kv import ChunkPool
+
+    copy = ChunkPool(num_layers=1, num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,
+                     chunk_size=pool.chunk_size, capacity=pool.capacity, dtype=torch.float32)
+    copy.k.copy_(pool.k.float())
+    copy.v.copy_(pool.v.float())
+    return copy
+
+
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (80, 4), (128, 1), (256, 2)])
+def test_queries_in_another_dtype_than_the_pool(variant, head_dim, group):
+    """Float32 queries over a bfloat16 pool (a float32 model's `kv_dtype=bfloat16`) give bit for
+    bit the kernel's output over the same pool widened to float32 beforehand: K/V are widened
+    in registers and the arithmetic is the same. Bfloat16 queries over a float32 pool give that
+    output rounded to bfloat16."""
+    from chunk_llama.ops.cpu import tpp_decode_attention_cpu
+
+    pool, tree = make_tree(branching_tokens(21), chunk_size=16, num_kv_heads=2, head_dim=head_dim,
+                           dtype=torch.bfloat16)
+    wide = widened_pool(pool)
+    plan = build_decode_plan(tree, tree.seq_ids, group=group)
+    q = torch.randn(plan.num_seqs, 2 * group, head_dim, generator=torch.Generator().manual_seed(3))
+    out = tpp_decode_attention_cpu(q, pool.k[0], pool.v[0], plan, head_dim**-0.5, variant=variant)
+    assert out.dtype == torch.float32 and not out.isnan().any()
+    expected = tpp_decode_attention_cpu(q, wide.k[0], wide.v[0], plan, head_dim**-0.5, variant=variant)
+    assert torch.equal(out, expected), (out - expected).abs().max()
+    assert_decode_matches(out, q, wide, tree, plan, head_dim**-0.5)
+    q16 = q.bfloat16()
+    out16 = tpp_decode_attention_cpu(q16, wide.k[0], wide.v[0], plan, head_dim**-0.5, variant=variant)
+    assert out16.dtype == torch.bfloat16
+    assert torch.equal(out16, tpp_decode_attention_cpu(q16.float(), wide.k[0], wide.v[0], plan, head_dim**-0.5,
+                                                       variant=variant).bfloat16())
+
+
 def test_glue_rejects_bad_tensors():
     from chunk_llama.ops.cpu import build
     from chunk_llama.step.decode_plan import DECODE_ARRAYS
@@ -117,8 +153,8 @@ def test_glue_rejects_bad_tensors():
         return module.tpp_decode(q, k, pool.v[0], index, layout, scratch, 0.125, window, chunks, isa)
 
     run(torch.randn(2, 1, 64))
-    with pytest.raises(TypeError, match="share a dtype"):
-        run(torch.randn(2, 1, 64, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="q must be float32 or bfloat16"):
+        run(torch.randn(2, 1, 64, dtype=torch.float16))
     with pytest.raises(ValueError, match="head_dim"):
         run(torch.randn(2, 1, 32))
     with pytest.raises(ValueError, match="max_blocks_per_item"):

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from tolerances import assert_kernel_close
 from helpers import make_tree, random_token_lists
-from test_cpu_kernel import _variant_params
+from test_cpu_kernel import _variant_params, widened_pool
 
 from chunk_llama import ops
 from chunk_llama.ops import reference
@@ -183,6 +183,26 @@ def test_variants_agree(variant):
     out = prefill_attention_cpu(q, pool.k[0], pool.v[0], plan, 0.125, variant=variant)
     rows = torch.cat([torch.arange(s, s + n) for s, _, n in plan.segments])
     assert (out[rows] - base[rows]).abs().max().item() <= 2e-6
+
+
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (96, 2), (256, 1)])
+def test_float32_queries_over_a_bfloat16_pool(variant, head_dim, group):
+    """As decode (test_cpu_kernel.py): float32 queries over a bfloat16 pool give bit for bit the
+    output over the pool widened to float32 beforehand, in float32."""
+    from chunk_llama.ops.cpu import prefill_attention_cpu
+
+    tokens = [[1] * 99, [1] * 64 + [2] * 40, [3] * 37]
+    pool, _, plan, q, _ = packed_step(tokens, [0, 70, 17], chunk_size=32, num_kv_heads=2, group=group,
+                                      head_dim=head_dim, dtype=torch.bfloat16, packed=True)
+    q = torch.randn(q.shape, generator=torch.Generator().manual_seed(4))
+    wide = widened_pool(pool)
+    out = prefill_attention_cpu(q, pool.k[0], pool.v[0], plan, head_dim**-0.5, variant=variant)
+    expected = prefill_attention_cpu(q, wide.k[0], wide.v[0], plan, head_dim**-0.5, variant=variant)
+    rows = torch.cat([torch.arange(s, s + n) for s, _, n in plan.segments])
+    assert out.dtype == torch.float32 and not out[rows].isnan().any()
+    assert torch.equal(out[rows], expected[rows]), (out[rows] - expected[rows]).abs().max()
+    ref = reference.packed_prefill_attention(q, wide.k[0], wide.v[0], plan, head_dim**-0.5)
+    assert_kernel_close(out[rows], ref[rows], "against the reference")
 
 
 def test_dispatch_runs_the_kernel_and_logs_fallbacks_once(monkeypatch, caplog):

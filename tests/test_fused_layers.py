@@ -107,19 +107,19 @@ def truth_logits(model: torch.nn.Module, prompt: list[int], new_tokens: list[int
     return logits[len(prompt) - 1:]
 
 
-def engine_outputs(model, batch, monkeypatch, fused: bool):
+def engine_outputs(model, batch, monkeypatch, fused: bool, kv_dtype: str = "auto"):
     monkeypatch.setenv(fused_layers.ENV, "1" if fused else "0")
-    engine = ChunkLlamaEngine(model, max_batch_size=3, chunk_size=16, kv_cache_bytes=1 << 23)
+    engine = ChunkLlamaEngine(model, max_batch_size=3, chunk_size=16, kv_cache_bytes=1 << 23, kv_dtype=kv_dtype)
     try:
         return engine.generate(batch, GREEDY)
     finally:
         engine.close()
 
 
-def check_fused_against_op_by_op(stock, truth_model, batch, monkeypatch, fused_calls, what):
-    op_by_op = engine_outputs(copy.deepcopy(stock), batch, monkeypatch, fused=False)
+def check_fused_against_op_by_op(stock, truth_model, batch, monkeypatch, fused_calls, what, kv_dtype="auto"):
+    op_by_op = engine_outputs(copy.deepcopy(stock), batch, monkeypatch, fused=False, kv_dtype=kv_dtype)
     assert not fused_calls
-    fused = engine_outputs(copy.deepcopy(stock), batch, monkeypatch, fused=True)
+    fused = engine_outputs(copy.deepcopy(stock), batch, monkeypatch, fused=True, kv_dtype=kv_dtype)
     num_layers = stock.config.num_hidden_layers
     # every decode step of every layer fused: 7 requests x 7 decode steps, 3 at a time
     assert len(fused_calls) >= num_layers * (GREEDY.max_new_tokens - 1) * len(batch) / 3, fused_calls
@@ -144,6 +144,19 @@ def test_fused_layers_compute_what_the_op_by_op_path_does(family, monkeypatch, f
             want = stock.generate(torch.tensor([prompt]), generation_config=GREEDY, return_dict_in_generate=True,
                                   attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
         assert out.token_ids == want.sequences[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "phi3"])
+def test_fused_layers_write_a_bfloat16_pool_as_the_op_by_op_path(family, monkeypatch, fused_calls):
+    """kv_dtype=bfloat16 under float32 layers: the fused layer rounds the new K/V to the pool as
+    torch's copy does on the op-by-op path (to nearest even), and both read them widened: the
+    same tokens, logits as close to the truth; the rounding shows against a float32 pool."""
+    stock = tiny(family)
+    batch = prompts(seed=len(family) + 1)
+    fused = check_fused_against_op_by_op(stock, copy.deepcopy(stock).double(), batch, monkeypatch, fused_calls,
+                                         family, kv_dtype="bfloat16")
+    wide = engine_outputs(copy.deepcopy(stock), batch, monkeypatch, fused=True)
+    assert any(not torch.equal(a.logits, b.logits) for a, b in zip(fused, wide)), "bfloat16 K/V changed nothing"
 
 
 GGUF_FORMATS = {  # family -> (the projections' GGML formats, sizes in whole K-quant super-blocks of 256)

@@ -39,3 +39,38 @@ def test_engine_is_no_further_from_the_truth_than_stock(dtype):
         band = STOCK_FACTOR * (stock_logits - truth).abs().max() + STOCK_ULPS * ulp(dtype, truth.abs().max())
         chosen = truth.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
         assert (chosen >= truth.max(dim=1).values - 2 * band).all(), f"request {i}: a token the truth ranks lower"
+
+
+def test_a_bfloat16_kv_cache_under_float32_weights_is_nearer_the_truth_than_stock_bfloat16():
+    """`kv_dtype="bfloat16"` under a float32 model: K/V rounded to bfloat16 in half the bytes,
+    everything else in float32 (the fused layers included). Judged like the half-precision
+    engine, by the float32 truth beside stock's bfloat16 on the same weights; a float32 pool
+    gives other logits (the rounding took effect)."""
+    stock = tiny_llama(num_heads=6, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, init=0.1, eos=None)
+    truth_model = copy.deepcopy(stock).float()  # the weights bfloat16 holds, in float32
+    rng = random.Random(1)
+    system = [rng.randrange(6, 96) for _ in range(40)]
+    prompts = [system + [rng.randrange(6, 96) for _ in range(n)] for n in (3, 11, 20, 1, 17, 6)]
+    config = GenerationConfig(max_new_tokens=12, do_sample=False, output_logits=True)
+    runs = {}
+    for kv_dtype in ("bfloat16", "auto"):
+        engine = ChunkLlamaEngine(copy.deepcopy(truth_model), max_batch_size=8, chunk_size=16,
+                                  kv_cache_bytes=1 << 24, kv_dtype=kv_dtype)
+        runs[kv_dtype] = (engine.generate(prompts, config), engine.stats, engine.cache.pool.dtype)
+        engine.close()
+    outputs, stats, pool_dtype = runs["bfloat16"]
+    assert pool_dtype == torch.bfloat16 and stats["attention_backend"].startswith("cpu:"), stats
+    assert stats["bytes_per_chunk"] * 2 == runs["auto"][1]["bytes_per_chunk"]
+    assert stats["kv_capacity_chunks"] >= 2 * runs["auto"][1]["kv_capacity_chunks"] - 1  # the same budget
+    assert stats["prefill_tokens_reused"] > 0
+    differ = 0
+    for i, (prompt, out, wide) in enumerate(zip(prompts, outputs, runs["auto"][0])):
+        sequence = torch.tensor([prompt + out.token_ids])
+        steps = slice(len(prompt) - 1, sequence.shape[1] - 1)
+        with torch.no_grad():
+            stock_logits = stock(input_ids=sequence).logits[0, steps].double()
+            truth = truth_model(input_ids=sequence).logits[0, steps].double()
+        assert_no_worse_than_stock(out.logits.double(), stock_logits, truth, torch.bfloat16,
+                                   what=f"request {i}'s logits")
+        differ += not torch.equal(out.logits, wide.logits) if out.token_ids == wide.token_ids else 1
+    assert differ, "a bfloat16 pool gave the float32 pool's logits exactly"

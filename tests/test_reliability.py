@@ -103,12 +103,18 @@ def test_bad_engine_and_cache_configuration():
         (dict(max_prefill_tokens=0), ValueError, "max_prefill_tokens"),
         (dict(kv_cache_bytes=PER_CHUNK_16 - 1, chunk_size=16), ValueError, "too small"),
         (dict(kv_cache_bytes="1GB"), TypeError, "kv_cache_bytes"),
+        (dict(kv_dtype="float16"), ValueError, "kv_dtype=float16 under a float32 model on cpu"),
+        (dict(kv_dtype="fp8"), ValueError, "kv_dtype must be auto or one of"),
+        (dict(kv_dtype=torch.int8), ValueError, "kv_dtype=int8 under a float32 model"),
+        (dict(kv_dtype=16), TypeError, "kv_dtype must be a torch.dtype"),
     ]:
         with pytest.raises(error, match=match):
             ChunkLlamaEngine(model, **kwargs)
-    # a cache in another dtype than the model: a clear error, not silent casts
-    cache = ChunkCache(model, chunk_size=16, kv_cache_bytes=1 << 20, dtype=torch.float64)
-    with pytest.raises(ValueError, match="float32 on cpu but this ChunkCache holds torch.float64"):
+    # a cache in a dtype the model's cannot use, or made for another dtype: a clear error, not silent casts
+    with pytest.raises(ValueError, match="kv_dtype=float64 under a float32 model"):
+        ChunkCache(model, chunk_size=16, kv_cache_bytes=1 << 20, kv_dtype=torch.float64)
+    cache = ChunkCache(model.config, chunk_size=16, kv_cache_bytes=1 << 20, kv_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="float32 on cpu but this ChunkCache was made for torch.bfloat16"):
         model.generate(torch.tensor([[3, 4, 5]]), past_key_values=cache, max_new_tokens=2, do_sample=False)
     engine = ChunkLlamaEngine(model, chunk_size=16, kv_cache_bytes=1 << 20)
     engine.close()

@@ -8,7 +8,7 @@ import torch
 
 from chunk_llama import __version__
 from chunk_llama.cli import build_parser
-from chunk_llama.models import resolve_device, resolve_dtype
+from chunk_llama.models import resolve_device, resolve_dtype, resolve_kv_dtype
 from chunk_llama.settings import EngineArgs, UsageError, from_namespace
 
 
@@ -17,12 +17,14 @@ def test_every_command_takes_the_engine_options(command):
     extra = ["--output", "out"] if command == "eval" else []
     args = build_parser().parse_args([command, "--max-batch-size", "4", "--chunk-size", "32", "--kv-cache-bytes",
                                       "1000000", "--max-prefill-tokens", "256", "--no-prefix-caching", "--dtype",
-                                      "bfloat16", "--device", "cpu", *extra])
+                                      "bfloat16", "--device", "cpu", "--kv-dtype", "bfloat16", *extra])
     engine = from_namespace(EngineArgs, args)
     assert engine == EngineArgs(device="cpu", dtype="bfloat16", max_batch_size=4, chunk_size=32,
-                                kv_cache_bytes=1000000, max_prefill_tokens=256, prefix_caching=False)
+                                kv_cache_bytes=1000000, max_prefill_tokens=256, prefix_caching=False,
+                                kv_dtype="bfloat16")
     assert engine.engine_kwargs() == dict(max_batch_size=4, chunk_size=32, kv_cache_bytes=1000000,
-                                          max_prefill_tokens=256, retain_prefixes=False, max_model_len=None)
+                                          kv_dtype="bfloat16", max_prefill_tokens=256, retain_prefixes=False,
+                                          max_model_len=None)
 
 
 def test_defaults_equal_the_dataclass_and_the_environment_overrides_them(monkeypatch):
@@ -75,6 +77,23 @@ def test_device_and_dtype_resolution():
         resolve_dtype("float64", torch.device("cpu"))
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("int8", torch.device("cpu"))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_kv_dtype("auto", torch.float32, cpu) == torch.float32
+    assert resolve_kv_dtype("bfloat16", torch.float32, cpu) == torch.bfloat16  # half the bytes, float32 attention
+    assert resolve_kv_dtype(torch.bfloat16, torch.bfloat16, cuda) == torch.bfloat16
+    for kv_dtype, dtype, device in [("bfloat16", torch.float32, cuda), ("float32", torch.bfloat16, cpu),
+                                    ("float16", torch.float32, cpu)]:
+        with pytest.raises(ValueError, match=f"kv_dtype={kv_dtype} under a"):
+            resolve_kv_dtype(kv_dtype, dtype, device)
+
+
+def test_a_kv_dtype_the_model_cannot_use_is_one_line_before_any_weights_are_read():
+    done = subprocess.run([sys.executable, "-m", "chunk_llama.cli", "generate", "--kv-dtype", "float16"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr and "loading" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "chunk-llama generate: error: kv_dtype=float16 under a float32 model on cpu: the K/V pool holds the "
+        "model's dtype, or bfloat16 under a float32 model on the CPU")
 
 
 def test_to_argv_gives_the_settings_again_and_keeps_secrets_off_command_lines():

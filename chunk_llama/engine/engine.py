@@ -54,6 +54,8 @@ class ChunkLlamaEngine:
         max_batch_size: most sequences decoded at once.
         chunk_size: tokens per KV chunk (default: the patch's, 64).
         kv_cache_bytes: K/V budget for all layers (default: from free memory).
+        kv_dtype: the K/V pool's dtype: "auto" (the model's) or bfloat16 under a float32
+            model on the CPU (half the bytes per token; attention still in float32).
         max_prefill_tokens: most uncached prompt tokens computed in one step; a
             longer prompt is prefilled in pieces over several steps, between which
             the running requests decode (chunked prefill).
@@ -70,6 +72,7 @@ class ChunkLlamaEngine:
         max_batch_size: int = 32,
         chunk_size: int | None = None,
         kv_cache_bytes: int | None = None,
+        kv_dtype: str | torch.dtype | None = "auto",
         max_prefill_tokens: int = 1024,
         retain_prefixes: bool = True,
         max_model_len: int | None = None,
@@ -94,13 +97,14 @@ class ChunkLlamaEngine:
             model,
             chunk_size=chunk_size or model.chunk_llama_chunk_size,
             kv_cache_bytes=kv_cache_bytes,
+            kv_dtype=kv_dtype,
             retain_prefixes=retain_prefixes,
         )
-        pool = self.cache.pool
+        pool, dtype = self.cache.pool, self.cache.geometry.dtype
         # The native kernel is built now (first use only, announced on stderr), not in
         # the first step a user times; a CPU variant this host cannot run fails here.
-        prepare_backend(pool.device, pool.dtype, pool.head_dim, pool.chunk_size)
-        linear.backend(pool.dtype, pool.device)  # its one-time check, and why not, logged now
+        prepare_backend(pool.device, dtype, pool.head_dim, pool.chunk_size, pool.dtype)
+        linear.backend(dtype, pool.device)  # its one-time check, and why not, logged now
         self.inputs = InputProcessor(model, tokenizer, self.cache.chunk_size, pool.capacity, max_batch_size,
                                      max_model_len)
         self.scheduler = Scheduler(self.cache, max_batch_size, max_prefill_tokens)
@@ -260,8 +264,8 @@ class ChunkLlamaEngine:
         ...) and `attention_fallback_reason` why the reference runs, if it does;
         `linear_backend` what the model's linear layers run on ("small_linear:avx512 + onednn",
         "torch", ...; with ", GGUF blocks Q4_1 x210" for layers kept in a GGUF file's blocks)."""
-        pool, tree = self.cache.pool, self.cache.tree
-        backend = backend_info(pool.device, pool.dtype, pool.head_dim, pool.chunk_size)
+        pool, tree, dtype = self.cache.pool, self.cache.tree, self.cache.geometry.dtype
+        backend = backend_info(pool.device, dtype, pool.head_dim, pool.chunk_size, pool.dtype)
         return dict(
             self.runner.counters,
             peak_kv_bytes=tree.peak_live_chunks * pool.bytes_per_chunk,
@@ -281,7 +285,7 @@ class ChunkLlamaEngine:
             chunk_size=pool.chunk_size,
             attention_backend=":".join(filter(None, (backend["backend"], backend["isa"]))),
             attention_fallback_reason=backend["reason"],
-            linear_backend=linear.backend(pool.dtype, pool.device) + (
+            linear_backend=linear.backend(dtype, pool.device) + (
                 ", GGUF blocks " + ", ".join(f"{t} x{n}" for t, n in sorted(self._gguf_blocks.items()))
                 if self._gguf_blocks else ""),
         )
@@ -294,9 +298,10 @@ class ChunkLlamaEngine:
         attention = stats["attention_backend"]
         if stats["attention_fallback_reason"]:
             attention += f" ({stats['attention_fallback_reason']})"
-        return (f"chunk-llama: {device} ({where}), {str(pool.dtype).removeprefix('torch.')}; attention: {attention}; "
+        name = lambda t: str(t).removeprefix("torch.")  # noqa: E731
+        return (f"chunk-llama: {device} ({where}), {name(self.cache.geometry.dtype)}; attention: {attention}; "
                 f"linear layers: {stats['linear_backend']}; KV pool {pool.capacity * pool.bytes_per_chunk / 2**30:.2f} "
-                f"GiB ({pool.capacity} chunks of {pool.chunk_size} tokens)")
+                f"GiB, {name(pool.dtype)} ({pool.capacity} chunks of {pool.chunk_size} tokens)")
 
     def reset_peaks(self) -> None:
         """Start the peak figures of `stats` over from the current state."""

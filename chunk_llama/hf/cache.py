@@ -28,7 +28,8 @@ from transformers.cache_utils import Cache
 from chunk_llama.hf.adapters import WeightsKey
 from chunk_llama.hf.rows import GenerateRows
 from chunk_llama.kv import ChunkPool, PrefixTree
-from chunk_llama.models import check_supported, default_kv_cache_bytes, kv_geometry, layer_devices
+from chunk_llama.models import (check_supported, default_kv_cache_bytes, kv_geometry, layer_devices,
+                                resolve_kv_dtype)
 from chunk_llama.ops import linear
 from chunk_llama.ops.dispatch import Geometry, decode_attention, prefill_attention
 from chunk_llama.step import StaticBuffers, StepBuilder, StepContext, current_step
@@ -43,7 +44,9 @@ class ChunkCache(GenerateRows, Cache):
         model: the (patched or not) model, or its config.
         chunk_size: tokens per chunk (positive).
         kv_cache_bytes: memory budget for K and V of all layers; default from free memory.
-        dtype, device: of the pool; default the model's.
+        kv_dtype: the pool's dtype: the model's (default), or bfloat16 under a float32 model
+            on the CPU (`models.resolve_kv_dtype`).
+        device: of the pool; default the model's.
         retain_prefixes: keep finished sequences' chunks as an LRU prefix cache.
         token_granular: share a common prefix to the token, also where it ends inside a
             chunk (default: yes, but on CUDA, whose kernels take whole chunks only).
@@ -55,7 +58,7 @@ class ChunkCache(GenerateRows, Cache):
         *,
         chunk_size: int = 64,
         kv_cache_bytes: int | None = None,
-        dtype: torch.dtype | None = None,
+        kv_dtype: torch.dtype | str | None = None,
         device: torch.device | str | None = None,
         retain_prefixes: bool = False,
         token_granular: bool | None = None,
@@ -64,12 +67,14 @@ class ChunkCache(GenerateRows, Cache):
         check_supported(config)
         if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
             raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
-        dtype = dtype or getattr(model, "dtype", None) or torch.float32
         num_layers, num_kv_heads, head_dim = kv_geometry(config)
         placed = None  # each layer's K/V where that layer runs (a model split by device_map)
         if device is None and isinstance(model, torch.nn.Module):
             placed = layer_devices(model, num_layers)
         device = torch.device(device or (placed[0] if placed else getattr(model, "device", "cpu")))
+        model_dtype = model.dtype if isinstance(model, torch.nn.Module) else None
+        dtype = resolve_kv_dtype(kv_dtype, model_dtype, device)
+        model_dtype = model_dtype or dtype  # a config alone: the model computes in the pool's dtype
         per_chunk = ChunkPool.bytes_per_chunk_for(num_layers, num_kv_heads, head_dim, chunk_size, dtype)
         if kv_cache_bytes is None:
             kv_cache_bytes = default_kv_cache_bytes(config, device, per_chunk // chunk_size)
@@ -100,8 +105,8 @@ class ChunkCache(GenerateRows, Cache):
                             device)
         self.tree = PrefixTree(self.pool, retain_prefixes=retain_prefixes, token_granular=token_granular)
         self._builder = StepBuilder(self.tree, config.num_attention_heads // num_kv_heads)
-        self.geometry = Geometry(self.pool.device, dtype, config.num_attention_heads, num_kv_heads, head_dim,
-                                 chunk_size)
+        self.geometry = Geometry(self.pool.device, model_dtype, config.num_attention_heads, num_kv_heads,
+                                 head_dim, chunk_size, dtype)
         self._attention: dict = {}  # the backends' objects, made once each and planned per step
         self._device_buffers: dict[torch.device, StaticBuffers] = {}  # layers on other devices
         self._device_attention: dict[torch.device, dict] = {}
@@ -131,7 +136,8 @@ class ChunkCache(GenerateRows, Cache):
         """Choose the step's attention backend and linear path (the kernel settings are read
         here, once per forward) and plan it; the step becomes the prepared one."""
         self._plan_attention(step, self.geometry, self._builder.buffers, self._attention)
-        step.linear = linear.resolve(self.pool.dtype, self.pool.device)
+        step.linear = linear.resolve(self.geometry.dtype, self.pool.device)
+        step.q_dtype = self.geometry.dtype
         if len(set(self.pool.layer_devices)) > 1:
             step.for_device = self._step_on
         self._step = step
@@ -280,10 +286,10 @@ class ChunkCache(GenerateRows, Cache):
                 "chunk_llama.patch_model(model) before using ChunkCache with the model"
             )
         k_layer = self.pool.k[layer_idx]
-        if key_states.device != k_layer.device or key_states.dtype != k_layer.dtype:
+        if key_states.device != k_layer.device or key_states.dtype != self.geometry.dtype:
             raise ValueError(
-                f"the model computes {key_states.dtype} on {key_states.device} but this ChunkCache holds "
-                f"{k_layer.dtype} on {k_layer.device}; create the cache (or engine) after moving the model"
+                f"the model computes {key_states.dtype} on {key_states.device} but this ChunkCache was made for "
+                f"{self.geometry.dtype} on {k_layer.device}; create the cache (or engine) after moving the model"
             )
         step.store(layer_idx, key_states, value_states)
         return key_states, value_states

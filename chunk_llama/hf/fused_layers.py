@@ -185,7 +185,7 @@ def _step_reason(step) -> str | None:
         return f"{ENV}=0"
     if not isinstance(step.attention, (CpuDecode, CpuPrefill)):
         return f"the step's attention runs on {getattr(step.attention, 'backend', type(step.attention).__name__)}"
-    if step.pool.dtype != torch.float32:
+    if step.pool.dtype not in (torch.float32, torch.bfloat16):
         return f"the KV pool is {step.pool.dtype}"
     indices = (step.write_token_index, step.write_chunk, step.write_offset,
                *(() if step.row_order is None else (step.row_order,)))

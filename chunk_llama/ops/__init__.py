@@ -16,19 +16,21 @@ from chunk_llama.step.decode_plan import DecodePlan
 from chunk_llama.step.prefill_plan import PrefillPlan
 
 
-def backend_info(device: torch.device, dtype: torch.dtype, head_dim: int, chunk_size: int) -> dict:
-    """What decode attention runs for a KV cache of this device, dtype and geometry:
-    {"backend": "cpu" | "cuda" | "reference", "isa": CPU variant or None,
-     "reason": why the reference runs, or None}. Builds nothing; a build that failed
-    earlier in this process shows as the reason.
+def backend_info(device: torch.device, dtype: torch.dtype, head_dim: int, chunk_size: int,
+                 kv_dtype: torch.dtype | None = None) -> dict:
+    """What decode attention runs for queries of `dtype` over a KV cache of this device,
+    `kv_dtype` (default: `dtype`) and geometry: {"backend": "cpu" | "cuda" | "reference",
+    "isa": CPU variant or None, "reason": why the reference runs, or None}. Builds nothing;
+    a build that failed earlier in this process shows as the reason.
     """
-    return resolve(torch.device(device), dtype, dtype, head_dim, chunk_size, build=False)
+    return resolve(torch.device(device), dtype, kv_dtype or dtype, head_dim, chunk_size, build=False)
 
 
-def prepare_backend(device: torch.device, dtype: torch.dtype, head_dim: int, chunk_size: int) -> dict:
+def prepare_backend(device: torch.device, dtype: torch.dtype, head_dim: int, chunk_size: int,
+                    kv_dtype: torch.dtype | None = None) -> dict:
     """`backend_info`, after building the native kernel it names (so that a timer started
     afterwards does not count the first-use build)."""
-    return resolve(torch.device(device), dtype, dtype, head_dim, chunk_size, build=True)
+    return resolve(torch.device(device), dtype, kv_dtype or dtype, head_dim, chunk_size, build=True)
 
 
 def check_window(window: int | None) -> int:
@@ -41,9 +43,7 @@ def check_window(window: int | None) -> int:
 
 
 def _geometry(q: torch.Tensor, k_cache: torch.Tensor) -> Geometry:
-    if q.dtype != k_cache.dtype:
-        raise TypeError(f"q is {q.dtype} but the KV cache is {k_cache.dtype}")
-    return Geometry(q.device, q.dtype, q.shape[1], k_cache.shape[1], q.shape[-1], k_cache.shape[2])
+    return Geometry(q.device, q.dtype, q.shape[1], k_cache.shape[1], q.shape[-1], k_cache.shape[2], k_cache.dtype)
 
 
 def decode_backend(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan | None = None) -> str:

@@ -40,10 +40,9 @@ def build_failed() -> str | None:
 
 def unsupported_reason(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, chunk_size: int) -> str | None:
     """Why the C++ kernels cannot take these tensors (the reference runs), or None."""
-    if dtype not in SUPPORTED_DTYPES:
-        return f"the CPU kernel supports float32 and bfloat16, not {str(dtype).replace('torch.', '')}"
-    if cache_dtype != dtype:
-        return f"q is {dtype} but the KV cache is {cache_dtype}"
+    for what, t in (("q", dtype), ("the KV cache", cache_dtype)):  # in any pair (float32 q over bfloat16 K/V)
+        if t not in SUPPORTED_DTYPES:
+            return f"the CPU kernel supports float32 and bfloat16, not {str(t).replace('torch.', '')} {what}"
     if head_dim not in SUPPORTED_HEAD_DIMS:
         return f"the CPU kernel supports head dims {', '.join(map(str, SUPPORTED_HEAD_DIMS))}, not {head_dim}"
     if chunk_size % 16:

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 P, I64, I32, F64, STR = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_char_p
-ABI_VERSION = 5  # CHUNK_LLAMA_CPU_ABI_VERSION in c_api.h
-_ATTENTION = [P, I64, I64, I64, P, P, I64, I64, I64, I64, I64, I64, I32, P, P, I64, P, I64, P, I64, F64, I64]
+ABI_VERSION = 6  # CHUNK_LLAMA_CPU_ABI_VERSION in c_api.h
+_ATTENTION = [P, I64, I64, I64, I32, P, P, I64, I64, I64, I64, I64, I64, I32, P, P, I64, P, I64, P, I64, F64, I64]
 _SIGNATURES = {  # name: (argument types, result type), as c_api.h declares them
     "abi_version": ([], I32),
     "last_error": ([], STR),
@@ -150,17 +150,18 @@ class AttentionCall:
         if entry is None or entry[0] is not k_cache or entry[1] is not v_cache:
             _check_pool(k_cache, v_cache)
             entry = self._pools[id(k_cache)] = (
-                k_cache, v_cache, k_cache.dtype, (k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.shape,
-                                                  _extent(k_cache), _extent(v_cache), _DTYPE_CODES[k_cache.dtype]))
-        return entry
+                k_cache, v_cache, (k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.shape, _extent(k_cache),
+                                   _extent(v_cache), _DTYPE_CODES[k_cache.dtype]))
+        return entry[2]
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """q: [num rows, num_heads, head_dim] (contiguous, the pool's dtype) -> the same shape"""
-        _, _, dtype, pool = self._pool_args(k_cache, v_cache)
-        if not (q.is_cpu and q.dim() == 3 and q.dtype == dtype and q.is_contiguous()):
-            self._reject(q, dtype)
+        """q: [num rows, num_heads, head_dim] (contiguous; float32 or bfloat16, the pool's dtype
+        or float32 over a bfloat16 pool) -> the same shape and dtype"""
+        pool = self._pool_args(k_cache, v_cache)
+        if not (q.is_cpu and q.dim() == 3 and q.dtype in _DTYPE_CODES and q.is_contiguous()):
+            self._reject(q)
         out = torch.empty_like(q)
-        code = self._function(q.data_ptr(), *q.shape, *pool, out.data_ptr(), *self._after_out)
+        code = self._function(q.data_ptr(), *q.shape, _DTYPE_CODES[q.dtype], *pool, out.data_ptr(), *self._after_out)
         return out if code == 0 else self._library.raise_error(code)
 
     def decoder_layer(self, layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -171,7 +172,7 @@ class AttentionCall:
         [rows, hidden_size], cos and sin [rows, head_dim], float32; writes: (token, chunk,
         offset) int64 tensors of the step's K/V slots; row_order [rows] int64 (decode: the
         plan's row i is batch row row_order[i]) or None -> [rows, hidden_size]"""
-        _, _, _, pool = self._pool_args(k_cache, v_cache)
+        pool = self._pool_args(k_cache, v_cache)
         out = torch.empty_like(hidden)
         token, chunk, offset = writes
         head = (ctypes.byref(layer), hidden.data_ptr(), out.data_ptr(), hidden.shape[0], cos.data_ptr(),
@@ -198,13 +199,13 @@ class AttentionCall:
             *self._after_out)
         return out if code == 0 else self._library.raise_error(code)
 
-    def _reject(self, q: torch.Tensor, dtype: torch.dtype):
+    def _reject(self, q: torch.Tensor):
         if not q.is_cpu:
             raise TypeError(f"the CPU kernel takes CPU tensors, got q on {q.device}")
         if q.dim() != 3:
             raise ValueError(f"{self._q_shape}, got {list(q.shape)}")
-        if q.dtype != dtype:
-            raise TypeError(f"q, k_cache and v_cache must share a dtype, got {q.dtype} and the pool's {dtype}")
+        if q.dtype not in _DTYPE_CODES:
+            raise TypeError(f"q must be float32 or bfloat16 for the CPU kernel, got {q.dtype}")
         raise ValueError("q must be contiguous")
 
 

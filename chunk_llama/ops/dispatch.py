@@ -29,7 +29,9 @@ _logged: set[str] = set()
 
 @dataclass(frozen=True)
 class Geometry:
-    """What a backend is made for: the cache's device and dtype and the model's heads."""
+    """What a backend is made for: the cache's device, the model's dtype (q's and the
+    output's) and heads, and the K/V pool's dtype (bfloat16 under a float32 model on the
+    CPU, else the model's)."""
 
     device: torch.device
     dtype: torch.dtype
@@ -37,6 +39,7 @@ class Geometry:
     num_kv_heads: int
     head_dim: int
     chunk_size: int
+    kv_dtype: torch.dtype
 
     @property
     def heads(self) -> tuple[int, int, int, int]:
@@ -109,7 +112,7 @@ def decode_attention(geometry: Geometry, workspace: StaticBuffers, aligned: bool
     """The decode backend for this geometry (a plan-once, run-per-layer object); `aligned`:
     whether the step's plan is whole chunks (the CUDA kernels take nothing else); `made`:
     where the objects of earlier steps are kept, to reuse."""
-    info = resolve(geometry.device, geometry.dtype, geometry.dtype, geometry.head_dim, geometry.chunk_size, True)
+    info = resolve(geometry.device, geometry.dtype, geometry.kv_dtype, geometry.head_dim, geometry.chunk_size, True)
     if info["backend"] == "cuda" and not aligned:
         info = _info("reference", reason="the CUDA decode kernel takes whole-chunk segments only, and this plan has "
                                          "a segment that ends inside a chunk (token-granular sharing)")
@@ -133,11 +136,11 @@ def prefill_attention(geometry: Geometry, workspace: StaticBuffers, made: dict |
     if device.type == "cuda" and not force_reference():
         from chunk_llama.ops import cuda_prefill
 
-        reason = cuda_prefill.unsupported_reason(device.index, geometry.dtype, geometry.dtype, geometry.head_dim)
+        reason = cuda_prefill.unsupported_reason(device.index, geometry.dtype, geometry.kv_dtype, geometry.head_dim)
         if reason is None:
             return _made(made, ("prefill", "cuda"), cuda_prefill.CudaPrefill)
     else:
-        info = resolve(device, geometry.dtype, geometry.dtype, geometry.head_dim, geometry.chunk_size, True)
+        info = resolve(device, geometry.dtype, geometry.kv_dtype, geometry.head_dim, geometry.chunk_size, True)
         if info["backend"] == "cpu":
             from chunk_llama.ops.cpu import CpuPrefill
 

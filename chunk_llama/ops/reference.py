@@ -221,8 +221,8 @@ def packed_prefill_attention(
     for seq, (token_start, q_start, num_tokens) in enumerate(plan.segments):
         rows = slice(token_start, token_start + num_tokens)
         chunk, slot = kv_slots(tables.seg_chunk[seq], tables.seg_start[seq], tables.seg_pos[seq], q_start + num_tokens)
-        k = k_cache[chunk, :, slot].transpose(0, 1)
-        v = v_cache[chunk, :, slot].transpose(0, 1)
+        k = k_cache[chunk, :, slot].transpose(0, 1).to(q.dtype)  # a bfloat16 pool under float32 queries: widened
+        v = v_cache[chunk, :, slot].transpose(0, 1).to(q.dtype)
         out[rows] = prefill_attention(q[rows], k, v, q_start, scale, window)
     return out
 

@@ -37,6 +37,7 @@ class StepContext:
     linear: what the model's linear layers run in this forward (`ops/linear.py`), or None
         for F.linear
     past_len: tokens cached before this step (what `get_seq_length` reports meanwhile)
+    q_dtype: what the attention takes queries in (the model's dtype; None: the pool's)
     """
 
     pool: ChunkPool
@@ -52,6 +53,7 @@ class StepContext:
     attention: object = None
     linear: Callable | None = None
     past_len: int = 0
+    q_dtype: torch.dtype | None = None
     columns: int | None = None  # stock generate's rows: the batch's columns after this step
     # layers whose K/V sit on another device (a model split by device_map): this step there
     for_device: Callable[["StepContext", torch.device], "StepContext"] | None = None
@@ -88,7 +90,8 @@ class StepContext:
         for cache, states in ((self.pool.k[layer], key_states), (self.pool.v[layer], value_states)):
             # [batch * q_len, num_kv_heads, head_dim] -> the written tokens' rows, [num_writes * num_kv_heads, head_dim]
             flat = states.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)[self.write_token_index]
-            cache.view(-1, head_dim).index_copy_(0, rows, flat.reshape(-1, head_dim))
+            # (a bfloat16 pool under a float32 model: rounded to nearest even, as the fused layer does)
+            cache.view(-1, head_dim).index_copy_(0, rows, flat.reshape(-1, head_dim).to(cache.dtype))
 
     def _write_rows(self) -> torch.Tensor | None:
         """[num_writes * num_kv_heads] the written slots as rows of a layer's pool viewed as
@@ -119,13 +122,13 @@ class StepContext:
             q = query[:, :, 0, :]  # [num_seqs, num_heads, head_dim]
             if self.row_order is not None:
                 q = q[self.row_order]
-            out = self.attention.run(q.to(k_layer.dtype), k_layer, v_layer, scale, window)
+            out = self.attention.run(q.to(self.q_dtype or k_layer.dtype), k_layer, v_layer, scale, window)
             if self.inverse_row_order is not None:
                 out = out[self.inverse_row_order]
             return out.to(query.dtype).unsqueeze(1)
         # [batch * q_len, num_heads, head_dim] and [batch * q_len, num_kv_heads, head_dim]
         flat = lambda x: x.transpose(1, 2).reshape(batch * q_len, x.shape[1], head_dim)  # noqa: E731
-        out = self.attention.run(flat(query).to(k_layer.dtype), k_layer, v_layer, scale, window,
+        out = self.attention.run(flat(query).to(self.q_dtype or k_layer.dtype), k_layer, v_layer, scale, window,
                                  (flat(key), flat(value)))
         return out.view(batch, q_len, num_heads, head_dim).to(query.dtype)
 

@@ -180,7 +180,7 @@ double run_case(const Variant& variant, const Case& cs) {
   p.seq_lens = plan.seq_lens.data(), p.seq_pair_ptr = plan.seq_pair_ptr.data();
   p.num_seqs = n, p.num_heads = H, p.num_kv_heads = KV, p.head_dim = D, p.chunk_size = C;
   p.num_shared = static_cast<int>(plan.shared_ids.size()), p.max_private = plan.max_private;
-  p.dtype = sizeof(T) == 2 ? DType::kBFloat16 : DType::kFloat32;
+  p.dtype = p.q_dtype = sizeof(T) == 2 ? DType::kBFloat16 : DType::kFloat32;  // q and out in the pool's dtype
   p.scale = 1.f / std::sqrt(static_cast<float>(D));
   p.window = cs.window;
   p.num_threads = 2;

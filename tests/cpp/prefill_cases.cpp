@@ -344,6 +344,7 @@ double run(const Variant& variant, const Case& cs, PrefillSummary& summary) {
   p.num_threads = 1;
   p.num_seqs = num_seqs, p.max_segments = max_segments, p.num_heads = H, p.num_kv_heads = KV, p.head_dim = D;
   p.chunk_size = C, p.dtype = cs.bf16 ? DType::kBFloat16 : DType::kFloat32, p.scale = 1.f / std::sqrt(float(D));
+  p.q_dtype = p.dtype;  // q and out in the pool's dtype here
   p.window = cs.window;
   p.workspace_stride = prefill_workspace_floats(D);
   std::vector<float> workspace(p.workspace_stride, std::nanf(""));

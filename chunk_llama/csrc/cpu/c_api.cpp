@@ -94,6 +94,12 @@ void check_window(int64_t window) {
   CHECK_VALUE(window >= 0 && window <= INT32_MAX, "window must be 0 (none) or a positive int32, got ", window);
 }
 
+void check_dtype(int dtype, const char* what) {
+  if (dtype != CHUNK_LLAMA_FLOAT32 && dtype != CHUNK_LLAMA_BFLOAT16)
+    fail(chunk_llama_api::kTypeError, "the CPU kernel supports float32 and bfloat16, got ", what, "'s dtype code ",
+         dtype);
+}
+
 Geometry check_geometry(int64_t q_rows, int64_t num_heads, int64_t head_dim, int64_t capacity, int64_t num_kv_heads,
                         int64_t chunk_size, int64_t kv_head_dim, int64_t k_extent, int64_t v_extent, int dtype) {
   CHECK_VALUE(kv_head_dim == head_dim, "head_dim of q (", head_dim, ") and cache (", kv_head_dim, ") differ");
@@ -104,8 +110,7 @@ Geometry check_geometry(int64_t q_rows, int64_t num_heads, int64_t head_dim, int
   CHECK_VALUE(chunk_attn_cpu::supports(static_cast<int>(chunk_size), static_cast<int>(head_dim)),
               "the CPU kernel supports chunk sizes that are multiples of 16 and head dims 32/64/80/96/128/256, "
               "got chunk_size ", chunk_size, ", head_dim ", head_dim);
-  if (dtype != CHUNK_LLAMA_FLOAT32 && dtype != CHUNK_LLAMA_BFLOAT16)
-    fail(chunk_llama_api::kTypeError, "the CPU kernel supports float32 and bfloat16, got dtype code ", dtype);
+  check_dtype(dtype, "the pool");
   // Score tiles read up to kGuardRows K/V rows past a segment that ends inside a chunk.
   const int64_t needed = capacity * num_kv_heads * chunk_size * head_dim + chunk_attn_cpu::kGuardRows * head_dim;
   CHECK_VALUE(k_extent >= needed && v_extent >= needed, "k_cache and v_cache need ", chunk_attn_cpu::kGuardRows,
@@ -192,10 +197,10 @@ chunk_attn_cpu::Params decode_geometry(const Geometry& g, int num_threads, doubl
   return p;
 }
 
-void tpp_decode(const void* q, const void* k_cache, const void* v_cache, const Geometry& g, int dtype, void* out,
-                const int64_t* plan, int64_t plan_numel, const int64_t* layout, int64_t layout_size, float* scratch,
-                int64_t scratch_numel, double scale, int64_t window, int64_t max_blocks_per_item, const char* isa,
-                int num_threads) {
+void tpp_decode(const void* q, int q_dtype, const void* k_cache, const void* v_cache, const Geometry& g, int dtype,
+                void* out, const int64_t* plan, int64_t plan_numel, const int64_t* layout, int64_t layout_size,
+                float* scratch, int64_t scratch_numel, double scale, int64_t window, int64_t max_blocks_per_item,
+                const char* isa, int num_threads) {
   using namespace chunk_attn_cpu;
   const Variant& variant = variant_for(isa);
   Params p = decode_geometry(g, num_threads, scale, window);
@@ -209,6 +214,7 @@ void tpp_decode(const void* q, const void* k_cache, const void* v_cache, const G
   p.v_cache = v_cache;
   p.out = out;
   p.dtype = kernel_dtype(dtype);
+  p.q_dtype = kernel_dtype(q_dtype);
   schedule.carve(p, scratch);
   variant.run(p);
 }
@@ -225,9 +231,10 @@ int64_t decode_scratch_floats(const Geometry& g, const int64_t* plan, int64_t pl
 // chunk_llama/step/prefill_schedule.py, built once per forward; it is checked here before any
 // pointer into the pool or the scratch is made from it, since a wrong chunk id, slot,
 // row or partial offset would reach out of bounds.
-void tpp_prefill(const void* q, const void* k_cache, const void* v_cache, const Geometry& g, int dtype, void* out,
-                 const int64_t* plan, int64_t plan_numel, const int64_t* layout, int64_t layout_size, float* scratch,
-                 int64_t scratch_numel, double scale, int64_t window, const char* isa, int num_threads) {
+void tpp_prefill(const void* q, int q_dtype, const void* k_cache, const void* v_cache, const Geometry& g, int dtype,
+                 void* out, const int64_t* plan, int64_t plan_numel, const int64_t* layout, int64_t layout_size,
+                 float* scratch, int64_t scratch_numel, double scale, int64_t window, const char* isa,
+                 int num_threads) {
   using namespace chunk_attn_cpu;
   const Variant& variant = variant_for(isa);
   check_window(window);
@@ -327,6 +334,7 @@ void tpp_prefill(const void* q, const void* k_cache, const void* v_cache, const 
   p.head_dim = head_dim;
   p.chunk_size = chunk_size;
   p.dtype = kernel_dtype(dtype);
+  p.q_dtype = kernel_dtype(q_dtype);
   p.scale = static_cast<float>(scale);
   p.window = static_cast<int>(window);
   variant.prefill(p);
@@ -391,7 +399,7 @@ int64_t chunk_llama_cpu_prefill_scratch_floats(int64_t num_partial_rows, int64_t
          chunk_attn_cpu::prefill_workspace_floats(static_cast<int>(head_dim)) * num_threads;
 }
 
-int chunk_llama_cpu_tpp_decode(const void* q, int64_t q_rows, int64_t num_heads, int64_t head_dim,
+int chunk_llama_cpu_tpp_decode(const void* q, int64_t q_rows, int64_t num_heads, int64_t head_dim, int q_dtype,
                                const void* k_cache, const void* v_cache, int64_t capacity, int64_t num_kv_heads,
                                int64_t chunk_size, int64_t kv_head_dim, int64_t k_extent, int64_t v_extent, int dtype,
                                void* out, const int64_t* plan, int64_t plan_numel, const int64_t* layout,
@@ -400,12 +408,13 @@ int chunk_llama_cpu_tpp_decode(const void* q, int64_t q_rows, int64_t num_heads,
   return guarded([&] {
     const Geometry g = check_geometry(q_rows, num_heads, head_dim, capacity, num_kv_heads, chunk_size, kv_head_dim,
                                       k_extent, v_extent, dtype);
-    tpp_decode(q, k_cache, v_cache, g, dtype, out, plan, plan_numel, layout, layout_size, scratch, scratch_numel,
+    check_dtype(q_dtype, "q");
+    tpp_decode(q, q_dtype, k_cache, v_cache, g, dtype, out, plan, plan_numel, layout, layout_size, scratch, scratch_numel,
                scale, window, max_blocks_per_item, isa, num_threads);
   });
 }
 
-int chunk_llama_cpu_tpp_prefill(const void* q, int64_t q_rows, int64_t num_heads, int64_t head_dim,
+int chunk_llama_cpu_tpp_prefill(const void* q, int64_t q_rows, int64_t num_heads, int64_t head_dim, int q_dtype,
                                 const void* k_cache, const void* v_cache, int64_t capacity, int64_t num_kv_heads,
                                 int64_t chunk_size, int64_t kv_head_dim, int64_t k_extent, int64_t v_extent,
                                 int dtype, void* out, const int64_t* plan, int64_t plan_numel, const int64_t* layout,
@@ -414,7 +423,8 @@ int chunk_llama_cpu_tpp_prefill(const void* q, int64_t q_rows, int64_t num_heads
   return guarded([&] {
     const Geometry g = check_geometry(q_rows, num_heads, head_dim, capacity, num_kv_heads, chunk_size, kv_head_dim,
                                       k_extent, v_extent, dtype);
-    tpp_prefill(q, k_cache, v_cache, g, dtype, out, plan, plan_numel, layout, layout_size, scratch, scratch_numel,
+    check_dtype(q_dtype, "q");
+    tpp_prefill(q, q_dtype, k_cache, v_cache, g, dtype, out, plan, plan_numel, layout, layout_size, scratch, scratch_numel,
                 scale, window, isa, num_threads);
   });
 }

@@ -24,7 +24,7 @@ extern "C" {
 
 /* Bumped whenever an entry point's arguments change: a loader refuses a library whose
  * version differs from the one its binding was written for. */
-#define CHUNK_LLAMA_CPU_ABI_VERSION 5
+#define CHUNK_LLAMA_CPU_ABI_VERSION 6
 
 enum { CHUNK_LLAMA_OK = 0, CHUNK_LLAMA_VALUE_ERROR = 1, CHUNK_LLAMA_TYPE_ERROR = 2 };
 /* Element types of q and the pool (params.h DType). */
@@ -54,24 +54,25 @@ CHUNK_LLAMA_API int64_t chunk_llama_cpu_prefill_scratch_floats(int64_t num_parti
 /* Both attention ops take: q [q_rows, num_heads, head_dim]; the layer's K and V pools
  * [capacity, num_kv_heads, chunk_size, kv_head_dim] with, for each, the elements its
  * memory holds from its first element on (the guard chunk behind the last must be there);
- * out, shaped like q; the step's plan (plan_numel int64s) and its layout (layout_size
+ * out, shaped like q and in q's dtype (q_dtype, which need not be the pool's dtype: float32
+ * activations over a bfloat16 pool); the step's plan (plan_numel int64s) and its layout (layout_size
  * host integers, plan_layout.h); the caller's float32 scratch; then the scalars
  * (max_blocks_per_item: the most shared blocks of keys one work item of decode's first
  * phase takes, 0: chosen for the threads). Both compute each query's attention in the same
  * blocks of keys and order (blocks.h): a query's output does not depend on the batch. */
 CHUNK_LLAMA_API int chunk_llama_cpu_tpp_decode(
-    const void* q, int64_t q_rows, int64_t num_heads, int64_t head_dim, const void* k_cache, const void* v_cache,
-    int64_t capacity, int64_t num_kv_heads, int64_t chunk_size, int64_t kv_head_dim, int64_t k_extent,
-    int64_t v_extent, int dtype, void* out, const int64_t* plan, int64_t plan_numel, const int64_t* layout,
-    int64_t layout_size, float* scratch, int64_t scratch_numel, double scale, int64_t window,
+    const void* q, int64_t q_rows, int64_t num_heads, int64_t head_dim, int q_dtype, const void* k_cache,
+    const void* v_cache, int64_t capacity, int64_t num_kv_heads, int64_t chunk_size, int64_t kv_head_dim,
+    int64_t k_extent, int64_t v_extent, int dtype, void* out, const int64_t* plan, int64_t plan_numel,
+    const int64_t* layout, int64_t layout_size, float* scratch, int64_t scratch_numel, double scale, int64_t window,
     int64_t max_blocks_per_item, const char* isa, int num_threads);
 
 CHUNK_LLAMA_API int chunk_llama_cpu_tpp_prefill(
-    const void* q, int64_t q_rows, int64_t num_heads, int64_t head_dim, const void* k_cache, const void* v_cache,
-    int64_t capacity, int64_t num_kv_heads, int64_t chunk_size, int64_t kv_head_dim, int64_t k_extent,
-    int64_t v_extent, int dtype, void* out, const int64_t* plan, int64_t plan_numel, const int64_t* layout,
-    int64_t layout_size, float* scratch, int64_t scratch_numel, double scale, int64_t window, const char* isa,
-    int num_threads);
+    const void* q, int64_t q_rows, int64_t num_heads, int64_t head_dim, int q_dtype, const void* k_cache,
+    const void* v_cache, int64_t capacity, int64_t num_kv_heads, int64_t chunk_size, int64_t kv_head_dim,
+    int64_t k_extent, int64_t v_extent, int dtype, void* out, const int64_t* plan, int64_t plan_numel,
+    const int64_t* layout, int64_t layout_size, float* scratch, int64_t scratch_numel, double scale, int64_t window,
+    const char* isa, int num_threads);
 
 /* y [rows, out_features] = x [rows, in_features] W^T (+ bias), float32, W an nn.Linear's
  * weight [out_features, in_features] in place; bias may be NULL. */

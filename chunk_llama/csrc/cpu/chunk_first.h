@@ -12,16 +12,16 @@ namespace CHUNK_ATTN_ISA {
 
 // q_rows of one KV head: row r = seq * group + g, its query pre-scaled by scale * log2(e)
 // (each value multiplied once, as prefill scales its rows); the padding rows zero.
-template <typename T, int D>
+template <int D>
 void scale_q(const Params& p, int kv_head) {
   const int group = p.num_heads / p.num_kv_heads, rows = p.num_seqs * group;
   const int64_t per_head = q_rows_per_head(p.num_seqs, group);
   const float qs = p.scale * kLog2e;
-  const T* q = static_cast<const T*>(p.q);
+  const bool q_bf16 = p.q_dtype == DType::kBFloat16;
   float* dst = p.q_rows + kv_head * per_head * D;
   for (int r = 0; r < rows; ++r) {
     const int64_t src = (static_cast<int64_t>(r / group) * p.num_heads + kv_head * group + r % group) * D;
-    for (int d = 0; d < D; ++d) dst[static_cast<int64_t>(r) * D + d] = load_scalar(q, src + d) * qs;
+    for (int d = 0; d < D; ++d) dst[static_cast<int64_t>(r) * D + d] = load_scalar(p.q, q_bf16, src + d) * qs;
   }
   for (int64_t i = static_cast<int64_t>(rows) * D; i < per_head * D; ++i) dst[i] = 0.f;
 }

@@ -57,7 +57,7 @@ void decode(const Params& p) {
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-    for (int h = 0; h < p.num_kv_heads; ++h) scale_q<T, D>(p, h);
+    for (int h = 0; h < p.num_kv_heads; ++h) scale_q<D>(p, h);
     // (implicit barrier) Phase 1's shared blocks first (the larger items), then phase 2's
     // parts: every block's partial, in any order (no number depends on it).
 #ifdef _OPENMP
@@ -76,7 +76,7 @@ void decode(const Params& p) {
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
-    for (int i = 0; i < p.num_folds; ++i) fold_item<T, D>(p, p.folds[i], ws);
+    for (int i = 0; i < p.num_folds; ++i) fold_item<D>(p, p.folds[i], ws);
   }
 }
 

@@ -16,6 +16,7 @@
 #include "api_internal.h"
 #include "c_api.h"
 #include "chunk_llama/api_errors.h"
+#include "scalar.h"
 
 namespace chunk_llama_cpu_internal {
 namespace {
@@ -79,7 +80,6 @@ void run_layer(const chunk_llama_cpu_decoder_layer& L, const Variant& variant, c
                const int64_t* write_chunk, const int64_t* write_offset, int64_t num_writes, void* k_cache,
                void* v_cache, int64_t capacity, int64_t num_kv_heads, int64_t chunk_size, int dtype, int num_threads,
                Attend&& attend) {
-  CHECK_VALUE(dtype == CHUNK_LLAMA_FLOAT32, "decoder layer: the pool must be float32 (dtype code ", dtype, ")");
   CHECK_VALUE(num_kv_heads == L.num_kv_heads, "decoder layer: the pool has ", num_kv_heads,
               " KV heads, the layer ", L.num_kv_heads);
   const int64_t hidden = L.hidden_size, d = L.head_dim, inter = L.intermediate_size;
@@ -132,12 +132,16 @@ void run_layer(const chunk_llama_cpu_decoder_layer& L, const Variant& variant, c
     rotate(q + r * q_width, L.num_heads, d, cos + r * d, sin + r * d);
     rotate(k + r * kv_width, num_kv_heads, d, cos + r * d, sin + r * d);
   }
-  float *k_pool = static_cast<float*>(k_cache), *v_pool = static_cast<float*>(v_cache);
+  // a bfloat16 pool (check_geometry took no other dtype) holds them rounded to nearest even, as torch's copy does
+  const bool bf16_pool = dtype == CHUNK_LLAMA_BFLOAT16;
   for (int64_t i = 0; i < num_writes; ++i)
     for (int64_t head = 0; head < num_kv_heads; ++head) {
       const int64_t slot = ((write_chunk[i] * num_kv_heads + head) * chunk_size + write_offset[i]) * d;
       const int64_t from = write_token[i] * kv_width + head * d;
-      for (int64_t j = 0; j < d; ++j) k_pool[slot + j] = k[from + j], v_pool[slot + j] = v[from + j];
+      for (int64_t j = 0; j < d; ++j) {
+        chunk_attn_cpu::store_scalar(k_cache, bf16_pool, slot + j, k[from + j]);
+        chunk_attn_cpu::store_scalar(v_cache, bf16_pool, slot + j, v[from + j]);
+      }
     }
   attend(q, attn, scratch_q);
   linear(variant, L.o, attn, h, rows, quant_scratch, num_threads);
@@ -187,7 +191,7 @@ int chunk_llama_cpu_decoder_layer_decode(
                   q_in = spare;
                 }
                 float* out = row_order != nullptr ? q : attn;  // q is not read again once spare holds it
-                tpp_decode(q_in, k_cache, v_cache, g, dtype, out, plan, plan_numel, layout, layout_size, scratch,
+                tpp_decode(q_in, CHUNK_LLAMA_FLOAT32, k_cache, v_cache, g, dtype, out, plan, plan_numel, layout, layout_size, scratch,
                            scratch_numel, scale, window, max_blocks_per_item, isa, num_threads);
                 if (row_order != nullptr)
                   for (int64_t r = 0; r < rows; ++r)
@@ -210,7 +214,7 @@ int chunk_llama_cpu_decoder_layer_prefill(
     run_layer(L, variant_for(isa), hidden_in, hidden_out, rows, cos, sin, write_token, write_chunk, write_offset,
               num_writes, k_cache, v_cache, capacity, num_kv_heads, chunk_size, dtype, num_threads,
               [&](float* q, float* attn, float*) {
-                tpp_prefill(q, k_cache, v_cache, g, dtype, attn, plan, plan_numel, layout, layout_size, scratch,
+                tpp_prefill(q, CHUNK_LLAMA_FLOAT32, k_cache, v_cache, g, dtype, attn, plan, plan_numel, layout, layout_size, scratch,
                             scratch_numel, scale, window, isa, num_threads);
               });
   });

@@ -93,7 +93,8 @@ struct Params {
   int num_items, num_folds, num_shared_blocks, num_threads;
   int num_seqs, num_heads, num_kv_heads, head_dim, chunk_size, num_shared, max_private;
   int window;  // sliding window: a query sees the `window` latest positions, itself included; 0: all
-  DType dtype;
+  DType dtype;    // the pool's K/V
+  DType q_dtype;  // q and out: the activations' (float32 over a bf16 pool, or the pool's)
   float scale;
 };
 

@@ -21,9 +21,6 @@
 namespace chunk_attn_cpu {
 namespace CHUNK_ATTN_ISA {
 
-inline void store_scalar(float* p, int64_t i, float x) { p[i] = x; }
-inline void store_scalar(uint16_t* p, int64_t i, float x) { p[i] = float_to_bf16(x); }
-
 // Causal mask of one block: key j (position key0 + j) is hidden from row r when it lies
 // after the row's position pos[r]. st: [num_keys][L].
 template <int L>
@@ -49,7 +46,7 @@ struct ItemRows {
   int64_t pos[kRowsPerItem], lo[kRowsPerItem];
 };
 
-template <typename T, int D>
+template <int D>
 void load_rows(const PrefillParams& p, int kv_head, ItemRows& it, float* ws) {
   constexpr int R = kRowsPerItem, S = ItemRows::kStride;
   const int H = p.num_heads, group = H / p.num_kv_heads;
@@ -61,13 +58,13 @@ void load_rows(const PrefillParams& p, int kv_head, ItemRows& it, float* ws) {
   it.st = it.n + R;                            // [kBlockKeys][kMaxBlockRows]
   it.k_buf = it.st + kBlockKeys * kMaxBlockRows;  // [kBlockKeys][D]
   it.v_buf = it.k_buf + kBlockKeys * D;           // [kBlockKeys][kVStride<D>]
-  const T* q = static_cast<const T*>(p.q);
+  const bool q_bf16 = p.q_dtype == DType::kBFloat16;
   const float qs = p.scale * kLog2e;
   for (int r = 0; r < it.num_rows; ++r) {
     const int64_t row = it.row0 + r, token = row / group;
     it.pos[r] = p.token_pos[token];
     const int64_t src = (token * H + kv_head * group + row % group) * D;
-    for (int d = 0; d < D; ++d) it.q[r * D + d] = load_scalar(q, src + d) * qs;
+    for (int d = 0; d < D; ++d) it.q[r * D + d] = load_scalar(p.q, q_bf16, src + d) * qs;
   }
   // padding rows see every key: their zero queries give finite scores never written out
   for (int r = it.num_rows; r < it.padded; ++r) {
@@ -177,7 +174,7 @@ void context_item(const PrefillParams& p, int index, int kv_head, float* ws) {
   ItemRows it;
   it.row0 = item[3];
   it.num_rows = static_cast<int>(item[4] - item[3]);
-  load_rows<T, D>(p, kv_head, it, ws);
+  load_rows<D>(p, kv_head, it, ws);
   if (item[6] != kNoState) copy_states<D>(p, kv_head, it, item[6], false);
   attend_blocks<T, D>(p, kv_head, it, prefill_path(p, item[0], item[2] * kBlockKeys), item[1], item[2] - 1);
   copy_states<D>(p, kv_head, it, item[5], true);
@@ -193,17 +190,17 @@ void prefill_item(const PrefillParams& p, int tile, int kv_head, float* ws) {
   ItemRows it;
   it.row0 = p.token_start[seq] * group + p.tiles[3 * tile + 1];
   it.num_rows = static_cast<int>(p.tiles[3 * tile + 2] - p.tiles[3 * tile + 1]);
-  load_rows<T, D>(p, kv_head, it, ws);
+  load_rows<D>(p, kv_head, it, ws);
   if (p.seq_ctx_ptr[seq] < p.seq_ctx_ptr[seq + 1]) copy_states<D>(p, kv_head, it, p.seq_ctx_offset[p.seq_ctx_ptr[seq]], false);
   const int64_t last_pos = *std::max_element(it.pos, it.pos + it.num_rows);
   attend_blocks<T, D>(p, kv_head, it, prefill_path(p, seq, last_pos + 1), p.ctx_end[seq] / kBlockKeys,
                       last_pos / kBlockKeys);
-  T* out = static_cast<T*>(p.out);
+  const bool out_bf16 = p.q_dtype == DType::kBFloat16;
   for (int r = 0; r < it.num_rows; ++r) {
     const int64_t row = it.row0 + r;
     const int64_t dst = ((row / group) * H + kv_head * group + row % group) * D;
     const float inv = 1.f / it.n[r];
-    for (int d = 0; d < D; ++d) store_scalar(out, dst + d, it.ot[d * S + r] * inv);
+    for (int d = 0; d < D; ++d) store_scalar(p.out, out_bf16, dst + d, it.ot[d * S + r] * inv);
   }
 }
 

@@ -61,7 +61,7 @@ struct PrefillParams {
   int num_tiles, num_ctx_items, num_ctx_levels, num_threads;
   int num_seqs, max_segments, num_heads, num_kv_heads, head_dim, chunk_size;
   int window;  // sliding window, as in Params; 0: none
-  DType dtype;
+  DType dtype, q_dtype;  // the pool's, and q's and out's (as in Params)
   float scale;
 };
 

@@ -33,6 +33,19 @@ static inline uint16_t float_to_bf16(float f) {
 
 static inline float load_scalar(const float* p, int64_t i) { return p[i]; }
 static inline float load_scalar(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
+static inline void store_scalar(float* p, int64_t i, float x) { p[i] = x; }
+static inline void store_scalar(uint16_t* p, int64_t i, float x) { p[i] = float_to_bf16(x); }
+// The attention ops' q and out, whose dtype (bf16: raw uint16) is the activations', not
+// always the pool's: a branch per element, on the few q and out values of a call.
+static inline float load_scalar(const void* p, bool bf16, int64_t i) {
+  return bf16 ? load_scalar(static_cast<const uint16_t*>(p), i) : load_scalar(static_cast<const float*>(p), i);
+}
+static inline void store_scalar(void* p, bool bf16, int64_t i, float x) {
+  if (bf16)
+    store_scalar(static_cast<uint16_t*>(p), i, x);
+  else
+    store_scalar(static_cast<float*>(p), i, x);
+}
 
 // 2^x for x <= 0 (softmax weights in the log2 domain), the same method in every
 // variant: x = n + f with n = round(x), |f| <= 1/2, 2^f by a degree-6 Taylor

@@ -159,7 +159,7 @@ void private_item(const Params& p, int seq, int kv_head, int part, int64_t part_
 
 // Final work item: the rows' shared blocks folded (rows in lanes), then each row's private
 // blocks, normalised into out.
-template <typename T, int D>
+template <int D>
 void fold_item(const Params& p, const FoldItem& f, float* ws) {
   constexpr int R = kRowsPerItem;
   const int H = p.num_heads, group = H / p.num_kv_heads;
@@ -188,7 +188,6 @@ void fold_item(const Params& p, const FoldItem& f, float* ws) {
       vstore(m + r, w.m);
     }
   }
-  T* out = static_cast<T*>(p.out);
   for (int r = 0; r < num_rows; ++r) {
     const int row = f.row_begin + r, seq = row / group, head = f.kv_head * group + row % group;
     float mr = m[r], nr = n[r];
@@ -199,8 +198,11 @@ void fold_item(const Params& p, const FoldItem& f, float* ws) {
       fold_one<D>(mr, nr, o, src[D], src[D + 1], src);
     }
     const Vec inv = vset1(1.f / nr);
-    T* dst = out + (static_cast<int64_t>(seq) * H + head) * D;
-    for (int d = 0; d < D; d += kLanes) vstore(dst + d, vmul(vload(o + d), inv));
+    const int64_t dst = (static_cast<int64_t>(seq) * H + head) * D;
+    if (p.q_dtype == DType::kBFloat16)
+      for (int d = 0; d < D; d += kLanes) vstore(static_cast<uint16_t*>(p.out) + dst + d, vmul(vload(o + d), inv));
+    else
+      for (int d = 0; d < D; d += kLanes) vstore(static_cast<float*>(p.out) + dst + d, vmul(vload(o + d), inv));
   }
 }
 
