@@ -2,12 +2,14 @@
 
     python scripts/bench_decode_step.py --batch 32 --n-shared 2000 --repeat 5
     python scripts/bench_decode_step.py --device cuda --dtype bfloat16 --geometry llama-3.2-1b --repeat 20
+    python scripts/bench_decode_step.py --n-shared 0 --n-private 2000 --kv-dtype bfloat16   # + a bf16 pool
 
 Times a whole model forward of one token per sequence (all layers, attention
 included) for: stock transformers with a DynamicCache holding every sequence's
 copy of the context; chunk-llama through the PyTorch reference; chunk-llama
-through the native kernel; and chunk-llama with an (almost) empty context, the
-floor that attention cannot go below. All in one process, medians of --repeat.
+through the native kernel (and with `--kv-dtype bfloat16`, the same with a bfloat16
+pool); and chunk-llama with an (almost) empty context, the floor that attention cannot
+go below. All in one process, medians of --repeat.
 `--geometry` runs random weights of a real model's shapes (scripts/e2e_systems.py).
 """
 
@@ -42,8 +44,8 @@ def median_ms(fn, repeat):
 
 
 @torch.no_grad()
-def chunk_step_ms(model, prompts, repeat, force_reference):
-    cache = ChunkCache(model, kv_cache_bytes=4 << 30)
+def chunk_step_ms(model, prompts, repeat, force_reference, kv_dtype=None):
+    cache = ChunkCache(model, kv_cache_bytes=4 << 30, kv_dtype=kv_dtype)
     starts = [cache.add_sequence(i, p) for i, p in enumerate(prompts)]
     input_ids, position_ids, last = cache.begin_prefill(list(range(len(prompts))), starts)
     model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, logits_to_keep=last)
@@ -93,6 +95,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--geometry", choices=sorted(GEOMETRIES), help="random weights of this model's shapes")
+    parser.add_argument("--kv-dtype", help="also the native kernel with the pool in this dtype (bfloat16)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     if args.geometry:
@@ -113,6 +116,9 @@ def main() -> None:
         f"chunk-llama {backend}, shared context": chunk_step_ms(model, prompts, args.repeat, False),
         f"chunk-llama {backend}, empty context": chunk_step_ms(model, empty, args.repeat, False),
     }
+    if args.kv_dtype:
+        rows[f"chunk-llama {backend}, {args.kv_dtype} K/V, shared context"] = chunk_step_ms(
+            model, prompts, args.repeat, False, args.kv_dtype)
     floor = rows[f"chunk-llama {backend}, empty context"]
     machine = torch.cuda.get_device_name() if model.device.type == "cuda" else f"{torch.get_num_threads()} threads"
     # every system runs the same weights: the default model's GGUF blocks where they run (not stock's float32)
