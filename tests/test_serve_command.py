@@ -91,8 +91,9 @@ def test_a_port_in_use_is_an_error(model_folder):
 
 
 def test_server_options_from_flags_and_environment(model_folder, tmp_path):
-    """--served-model-name, --max-model-len, --chat-template, --allowed-origins, --stats-interval from
-    the command line and the log level from CHUNK_LLAMA_LOG_LEVEL; one log format for everything."""
+    """--served-model-name, --max-model-len, --chat-template, --allowed-origins, --stats-interval,
+    --kv-dtype from the command line and the log level from CHUNK_LLAMA_LOG_LEVEL; one log format
+    for everything."""
     import os
 
     template = tmp_path / "template.jinja"
@@ -102,7 +103,8 @@ def test_server_options_from_flags_and_environment(model_folder, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "chunk_llama.cli", "serve", "--model", str(model_folder), "--port", str(port),
          "--kv-cache-bytes", str(8 << 20), "--served-model-name", "alpha", "beta", "--max-model-len", "64",
-         "--chat-template", str(template), "--allowed-origins", "*", "--stats-interval", "0.01"],
+         "--chat-template", str(template), "--allowed-origins", "*", "--stats-interval", "0.01",
+         "--kv-dtype", "bfloat16"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "CHUNK_LLAMA_LOG_LEVEL": "info"})
     try:
@@ -124,7 +126,8 @@ def test_server_options_from_flags_and_environment(model_folder, tmp_path):
     import re
 
     stamp = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} "
-    assert re.search(stamp + r"INFO chunk_llama\.server: chunk-llama: cpu", output, re.M), output[-3000:]
+    assert re.search(stamp + r"INFO chunk_llama\.server: chunk-llama: cpu .*, float32; .*KV pool [\d.]+ GiB, "
+                     r"bfloat16 \(", output, re.M), output[-3000:]
     assert re.search(stamp + r"INFO chunk_llama\.server: engine: [\d.]+ tokens/s generated, \d+ running, \d+ "
                      r"waiting, KV [\d.]+% used", output, re.M), output[-3000:]
     assert re.search(stamp + r"INFO uvicorn", output, re.M), output[-3000:]
