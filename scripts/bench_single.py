@@ -44,7 +44,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import chunk_llama
 from chunk_llama.cli import DEFAULT_PROMPTS, DEFAULT_SYSTEM, read_prompts
-from chunk_llama.models import default_model_path, load_model
+from chunk_llama.models import GEMMA3_270M, default_model_path, gemma3_270m_path, load_model
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama_cpp_peer as peer  # noqa: E402
@@ -236,7 +236,7 @@ def main() -> None:
                              "bfloat16: with float32 a 300-token prefill took 25 s)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="threads for torch and llama.cpp (default: torch's)")
-    parser.add_argument("--model", default=None, help="a .gguf file (default: the default model's)")
+    parser.add_argument("--model", default=None, help="a .gguf file or gemma3-270m (default: the default model's)")
     parser.add_argument("--build-llama-cpp", action="store_true", help="build llama.cpp first if not cached")
     parser.add_argument("--llama-bench", action="store_true", help="also llama-bench -p/-n figures")
     parser.add_argument("--interleave", action="store_true",
@@ -245,7 +245,8 @@ def main() -> None:
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    gguf = args.model or default_model_path()
+    # the file itself, which llama.cpp needs (load_model also takes the gemma3-270m alias)
+    gguf = gemma3_270m_path() if args.model == GEMMA3_270M else args.model or default_model_path()
     runs = args.repeat + 1
 
     rows, reference, tokenizer, model = [], None, None, None

@@ -70,6 +70,20 @@ def test_every_format_decodes_as_gguf_py(variant, ggml_type):
 
 
 @pytest.mark.parametrize("variant", _variant_params())
+def test_every_half_decodes_as_numpy(variant):
+    """All 65,536 halves as F16 weights (the generic lanes convert them with the scalar
+    fp16_to_float that K-quant scales use there): exactly numpy's floats, subnormals and
+    infinities included; NaNs stay NaNs (the hardware's conversion quiets a signalling one)."""
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    blocks = torch.from_numpy(halves.view(np.uint8).reshape(2048, 64).copy())
+    decoded = build().dequantize(blocks, ops.GGML_TYPES["F16"], 32, variant).reshape(-1)
+    truth = torch.from_numpy(halves.view(np.float16).astype(np.float32))
+    nan = truth.isnan()
+    wrong = ((decoded.view(torch.int32) != truth.view(torch.int32)) & ~nan | (nan & ~decoded.isnan())).nonzero()[:, 0]
+    assert wrong.numel() == 0, f"{wrong.numel()} halves differ, the first {hex(int(halves[wrong[0]]))}"
+
+
+@pytest.mark.parametrize("variant", _variant_params())
 @pytest.mark.parametrize("ggml_type", FORMATS)
 @pytest.mark.parametrize("rows", [1, 5, 17, 133])
 @pytest.mark.parametrize("out_features", [1, 7, 37])

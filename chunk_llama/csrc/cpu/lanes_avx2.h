@@ -47,6 +47,11 @@ inline Vec vhalf(const uint8_t* p) {  // every lane: the fp16 at p (F16C)
   std::memcpy(&h, p, sizeof h);
   return {_mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(h)))};
 }
+inline float half_to_float(const uint8_t* p) {  // the fp16 at p (F16C: a subnormal half costs no assist)
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h)));
+}
 inline Vec vhalves(const uint8_t* p) {  // lane i: the fp16 at p + 2i (F16C)
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
 }

@@ -44,6 +44,9 @@ inline Vec vhalf(const uint8_t* p) {  // every lane: the fp16 at p (vcvtph2ps is
   std::memcpy(&h, p, sizeof h);
   return {_mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(h)))};
 }
+inline float half_to_float(const uint8_t* p) {  // the fp16 at p (a subnormal half costs no assist)
+  return _mm_cvtss_f32(_mm512_castps512_ps128(vhalf(p).v));
+}
 inline Vec vhalves(const uint8_t* p) {  // lane i: the fp16 at p + 2i
   return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
 }

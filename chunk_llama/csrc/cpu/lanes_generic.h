@@ -13,6 +13,7 @@
 //                            (stores round to nearest even)
 //   vbyte_field(p, shift, mask)  lane i = (p[i] >> shift) & mask, p: kLanes bytes (quant.h's
 //   vhalf(p)                     every lane: the fp16 at p (a block's scale)
+//   half_to_float(p)             the fp16 at p as a float (a K-quant's scale; hardware where it can)
 //   vhalves(p)                   lane i = the fp16 at p + 2i (F16 weights)
 //   vnibbles(p, &low, &high)     low: p[i] & 15, high: p[i] >> 4 (one load)      quantized
 //   vint8(p)                     lane i = p[i], p: kLanes int8

@@ -8,6 +8,7 @@ inline Vec vbyte_field(const uint8_t* p, int shift, int mask) {
   for (int i = 0; i < kLanes; ++i) lanes[i] = static_cast<float>((p[i] >> shift) & mask);
   return vload(lanes);
 }
+inline float half_to_float(const uint8_t* p) { return fp16_to_float(p); }
 inline Vec vhalf(const uint8_t* p) { return vset1(fp16_to_float(p)); }
 inline Vec vhalves(const uint8_t* p) {
   alignas(64) float lanes[kLanes];

@@ -59,7 +59,7 @@ __attribute__((nothrow)) inline void decode_group(const uint8_t* row, int64_t gr
     constexpr bool kMin = Type == kQ4_1 || Type == kQ5_1, kFifth = Type == kQ5_0 || Type == kQ5_1;
     const uint8_t* b = row + group * quant_format(Type).block_bytes;
     const Vec d = vhalf(b), m = kMin ? vhalf(b + 2) : vzero();
-    if (kMin && offset != nullptr) *offset = fp16_to_float(b + 2);
+    if (kMin && offset != nullptr) *offset = half_to_float(b + 2);
     const uint32_t qh = kFifth ? load_u32(b + (kMin ? 4 : 2)) : 0;
     const uint8_t* qs = b + (kMin ? 4 : 2) + (kFifth ? 4 : 0);
     Vec nibbles[kGroupVecs];  // weights v * kLanes + lane: the low nibbles of 16 bytes, then the high
@@ -88,7 +88,7 @@ __attribute__((nothrow)) inline void decode_group(const uint8_t* row, int64_t gr
     const int j = static_cast<int>(group % 8);
     float scale, min;
     k_scale_min(b + 4, j, &scale, &min);
-    const float dj = fp16_to_float(b) * scale, mj = fp16_to_float(b + 2) * min;
+    const float dj = half_to_float(b) * scale, mj = half_to_float(b + 2) * min;
     if (offset != nullptr) *offset = -mj;
     const uint8_t* qs = b + (kFifth ? 48 : 16) + 32 * (j / 2);
 #pragma GCC unroll 8
@@ -106,7 +106,7 @@ __attribute__((nothrow)) inline void decode_group(const uint8_t* row, int64_t gr
     const uint8_t* low = b + 64 * h + 32 * (t % 2);
     const uint8_t* high = b + 128 + 32 * h;
     const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
-    const float d = fp16_to_float(b + 208);
+    const float d = half_to_float(b + 208);
 #pragma GCC unroll 8
     for (int v = 0; v < kGroupVecs; ++v) {
       const int i = v * kLanes;
