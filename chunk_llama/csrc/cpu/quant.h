@@ -47,12 +47,77 @@ inline void k_scale_min(const uint8_t* s, int j, float* scale, float* min) {
 // Whether a format's weights are a scaled integer plus a group's offset (a minimum).
 template <int Type>
 constexpr bool kHasOffset = Type == kQ4_1 || Type == kQ5_1 || Type == kQ4_K || Type == kQ5_K;
+template <int Type>
+constexpr bool kIsKQuant = Type == kQ4_K || Type == kQ5_K || Type == kQ6_K;
+
+// A K-quant super-block's scales, the floats its 8 groups multiply by, computed once for
+// them (per group, the unpacking and the fp16 conversions were a third of a Q4_K weight's
+// work): Q4_K, Q5_K: group j's d * scale in d[j] and dmin * min in m[j]; Q6_K: d times each
+// of its 16 int8 scales (one per 16 weights) in d[0..15].
+struct KScales {
+  float d[16], m[8];
+};
+
+template <int Type>
+__attribute__((nothrow)) inline void k_scales(const uint8_t* block, KScales* s) {
+  if constexpr (Type == kQ4_K || Type == kQ5_K) {
+    const float d = half_to_float(block), dmin = half_to_float(block + 2);
+    for (int j = 0; j < 8; ++j) {
+      float scale, min;
+      k_scale_min(block + 4, j, &scale, &min);
+      s->d[j] = d * scale;
+      s->m[j] = dmin * min;
+    }
+  } else if constexpr (Type == kQ6_K) {
+    const float d = half_to_float(block + 208);
+    const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192);
+    for (int i = 0; i < 16; ++i) s->d[i] = d * static_cast<float>(scales[i]);
+  }
+}
+
+// Group j (0..7) of a K-quant super-block (`block`) into g, as decode_group (ks: its
+// k_scales); `factored`: without the offset (-ks.m[j], the caller's to store). Loops that
+// unroll j (quant_tile) make every choice below a constant.
+template <int Type>
+__attribute__((nothrow)) inline void decode_k_group(const uint8_t* block, int j, const KScales& ks, Vec* g,
+                                                    bool factored) {
+  const uint8_t* b = block;
+  if constexpr (Type == kQ4_K || Type == kQ5_K) {
+    // 8 sub-blocks of 32; sub-blocks 2k and 2k+1 share 32 bytes of nibbles (low, high);
+    // Q5_K's fifth bits: bit j of byte l is sub-block j's weight l.
+    constexpr bool kFifth = Type == kQ5_K;
+    const float dj = ks.d[j], mj = ks.m[j];
+    const uint8_t* qs = b + (kFifth ? 48 : 16) + 32 * (j / 2);
+#pragma GCC unroll 8
+    for (int v = 0; v < kGroupVecs; ++v) {
+      Vec q, high;  // (vnibbles: fewer operations than a field's shift, mask and conversion)
+      vnibbles(qs + v * kLanes, &q, &high);
+      if (j % 2) q = high;
+      if constexpr (kFifth) q = vadd(q, vmul(vbyte_field(b + 16 + v * kLanes, j, 1), vset1(16.f)));
+      g[v] = factored ? vmul(vset1(dj), q) : vsub(rounded(vmul(vset1(dj), q)), vset1(mj));
+    }
+  } else if constexpr (Type == kQ6_K) {
+    // Group t of half h (j = 4h + t): low 4 bits from ql[64h + 32(t%2) + l] >> 4(t/2), high
+    // 2 bits from qh[32h + l] >> 2t; weights l < 16 scale by scales[2j], the rest by the next.
+    const int h = j / 4, t = j % 4;
+    const uint8_t* low = b + 64 * h + 32 * (t % 2);
+    const uint8_t* high = b + 128 + 32 * h;
+#pragma GCC unroll 8
+    for (int v = 0; v < kGroupVecs; ++v) {
+      const int i = v * kLanes;
+      const Vec q = vadd(vbyte_field(low + i, 4 * (t / 2), 0xF), vmul(vbyte_field(high + i, 2 * t, 3), vset1(16.f)));
+      g[v] = vmul(vset1(ks.d[2 * j + i / 16]), vsub(q, vset1(32.f)));
+    }
+  }
+}
 
 // Weights [32 * group, 32 * group + 32) of one row (`row`: its first block) into g. With
 // `offset` (formats with kHasOffset), g gets the scaled integers before the group's offset
 // is added, rounded as gguf-py rounds them, and *offset the offset: weight = g + *offset.
+// The K-quants take their super-block's scales (k_scales) in `ks`.
 template <int Type>
-__attribute__((nothrow)) inline void decode_group(const uint8_t* row, int64_t group, Vec* g, float* offset = nullptr) {
+__attribute__((nothrow)) inline void decode_group(const uint8_t* row, int64_t group, Vec* g, float* offset = nullptr,
+                                                  const KScales* ks = nullptr) {
   if constexpr (Type == kQ4_0 || Type == kQ4_1 || Type == kQ5_0 || Type == kQ5_1) {
     // 16 bytes of nibbles: weight i < 16 is byte i's low nibble, weight i + 16 its high one;
     // Q5's fifth bits: bit i of 32.
@@ -80,39 +145,10 @@ __attribute__((nothrow)) inline void decode_group(const uint8_t* row, int64_t gr
     const Vec d = vhalf(b);
 #pragma GCC unroll 8
     for (int v = 0; v < kGroupVecs; ++v) g[v] = vmul(vint8(reinterpret_cast<const int8_t*>(b + 2) + v * kLanes), d);
-  } else if constexpr (Type == kQ4_K || Type == kQ5_K) {
-    // 8 sub-blocks of 32; sub-blocks 2k and 2k+1 share 32 bytes of nibbles (low, high);
-    // Q5_K's fifth bits: bit j of byte l is sub-block j's weight l.
-    constexpr bool kFifth = Type == kQ5_K;
-    const uint8_t* b = row + (group / 8) * quant_format(Type).block_bytes;
+  } else if constexpr (kIsKQuant<Type>) {
     const int j = static_cast<int>(group % 8);
-    float scale, min;
-    k_scale_min(b + 4, j, &scale, &min);
-    const float dj = half_to_float(b) * scale, mj = half_to_float(b + 2) * min;
-    if (offset != nullptr) *offset = -mj;
-    const uint8_t* qs = b + (kFifth ? 48 : 16) + 32 * (j / 2);
-#pragma GCC unroll 8
-    for (int v = 0; v < kGroupVecs; ++v) {
-      Vec q = vbyte_field(qs + v * kLanes, 4 * (j % 2), 0xF);
-      if constexpr (kFifth) q = vadd(q, vmul(vbyte_field(b + 16 + v * kLanes, j, 1), vset1(16.f)));
-      g[v] = offset != nullptr ? vmul(vset1(dj), q) : vsub(rounded(vmul(vset1(dj), q)), vset1(mj));
-    }
-  } else if constexpr (Type == kQ6_K) {
-    // Group t of half h (group % 8 = 4h + t): low 4 bits from ql[64h + 32(t%2) + l] >> 4(t/2),
-    // high 2 bits from qh[32h + l] >> 2t; weights l < 16 scale by scales[2(group%8)], the
-    // rest by the next.
-    const uint8_t* b = row + (group / 8) * quant_format(Type).block_bytes;
-    const int k = static_cast<int>(group % 8), h = k / 4, t = k % 4;
-    const uint8_t* low = b + 64 * h + 32 * (t % 2);
-    const uint8_t* high = b + 128 + 32 * h;
-    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
-    const float d = half_to_float(b + 208);
-#pragma GCC unroll 8
-    for (int v = 0; v < kGroupVecs; ++v) {
-      const int i = v * kLanes;
-      const Vec q = vadd(vbyte_field(low + i, 4 * (t / 2), 0xF), vmul(vbyte_field(high + i, 2 * t, 3), vset1(16.f)));
-      g[v] = vmul(vset1(d * static_cast<float>(scales[2 * k + i / 16])), vsub(q, vset1(32.f)));
-    }
+    if (kHasOffset<Type> && offset != nullptr) *offset = -ks->m[j];
+    decode_k_group<Type>(row + (group / 8) * quant_format(Type).block_bytes, j, *ks, g, offset != nullptr);
   } else if constexpr (Type == kF16) {
     // 32 float16: exact in float32
     const uint8_t* b = row + group * quant_format(Type).block_bytes;
@@ -135,9 +171,11 @@ __attribute__((nothrow)) inline void decode_group(const uint8_t* row, int64_t gr
 template <int Type>
 __attribute__((nothrow)) inline void decode_row(const uint8_t* row, int64_t in_features, float* y,
                                                 float* offsets = nullptr) {
+  KScales ks;
   for (int64_t group = 0; group < in_features / kGroup; ++group) {
+    if (kIsKQuant<Type> && group % 8 == 0) k_scales<Type>(row + group / 8 * quant_format(Type).block_bytes, &ks);
     Vec g[kGroupVecs];
-    decode_group<Type>(row, group, g, offsets != nullptr ? offsets + group : nullptr);
+    decode_group<Type>(row, group, g, offsets != nullptr ? offsets + group : nullptr, &ks);
     for (int v = 0; v < kGroupVecs; ++v) vstore(y + group * kGroup + v * kLanes, g[v]);
   }
 }

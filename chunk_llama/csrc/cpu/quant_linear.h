@@ -76,12 +76,13 @@ __attribute__((nothrow, noinline)) void quant_tile(const float* x, const float* 
   Vec acc[kLanes];
 #pragma GCC unroll 16
   for (int i = 0; i < kLanes; ++i) acc[i] = vzero();
-  for (int64_t group = 0; group < groups; ++group) {
+  // one group's FMAs for every column, on the weights `decode(c, g)` gives
+  const auto group_fmas = [&](int64_t group, auto&& decode) __attribute__((always_inline)) {
     prefetch_share(w + kLinCols * row_bytes, group, share);
 #pragma GCC unroll 4
     for (int c = 0; c < kLinCols; ++c) {
       Vec g[kGroupVecs];
-      decode_group<Type>(w + c * row_bytes, group, g, kHasOffset<Type> ? offsets + c * stride + group : nullptr);
+      decode(c, g);
 #pragma GCC unroll 8
       for (int v = 0; v < kGroupVecs; ++v)
 #pragma GCC unroll 4
@@ -89,6 +90,29 @@ __attribute__((nothrow, noinline)) void quant_tile(const float* x, const float* 
           acc[r * kLinCols + c] = vfma(vload(x + r * in_features + group * kGroup + v * kLanes), g[v],
                                        acc[r * kLinCols + c]);
     }
+  };
+  if constexpr (kIsKQuant<Type>) {
+    // a super-block's scales once for its 8 groups, and the groups unrolled, so that each
+    // group's choices of bytes, shifts and scales are constants
+    constexpr int64_t kBlockBytes = quant_format(Type).block_bytes;
+    for (int64_t block = 0; block < groups / 8; ++block) {
+      KScales ks[kLinCols];
+      for (int c = 0; c < kLinCols; ++c) {
+        k_scales<Type>(w + c * row_bytes + block * kBlockBytes, &ks[c]);
+        if constexpr (kHasOffset<Type>)  // (stored here: a store inside the FMAs' loop may alias the blocks)
+          for (int j = 0; j < 8; ++j) offsets[c * stride + block * 8 + j] = -ks[c].m[j];
+      }
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j)
+        group_fmas(block * 8 + j, [&](int c, Vec* g) {
+          decode_k_group<Type>(w + c * row_bytes + block * kBlockBytes, j, ks[c], g, kHasOffset<Type>);
+        });
+    }
+  } else {
+    for (int64_t group = 0; group < groups; ++group)
+      group_fmas(group, [&](int c, Vec* g) {
+        decode_group<Type>(w + c * row_bytes, group, g, kHasOffset<Type> ? offsets + c * stride + group : nullptr);
+      });
   }
   alignas(64) float sums[kLanes];
   vstore(sums, vsum_lanes(acc));  // the unused accumulators of a shorter tile add up to 0

@@ -24,7 +24,7 @@ struct QuantFormat {
 };
 
 // The format of a type id; {0, 0} for one the kernels do not decode.
-inline QuantFormat quant_format(int type) {
+constexpr QuantFormat quant_format(int type) {
   switch (type) {
     case kQ4_0: return {32, 18};   // fp16 d, 16 bytes of nibbles
     case kQ4_1: return {32, 20};   // fp16 d, fp16 m, 16 bytes of nibbles
