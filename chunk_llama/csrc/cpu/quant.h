@@ -171,7 +171,7 @@ __attribute__((nothrow)) inline void decode_group(const uint8_t* row, int64_t gr
 template <int Type>
 __attribute__((nothrow)) inline void decode_row(const uint8_t* row, int64_t in_features, float* y,
                                                 float* offsets = nullptr) {
-  KScales ks;
+  KScales ks{};  // (K-quants only)
   for (int64_t group = 0; group < in_features / kGroup; ++group) {
     if (kIsKQuant<Type> && group % 8 == 0) k_scales<Type>(row + group / 8 * quant_format(Type).block_bytes, &ks);
     Vec g[kGroupVecs];
