@@ -409,8 +409,8 @@ int chunk_llama_cpu_tpp_decode(const void* q, int64_t q_rows, int64_t num_heads,
     const Geometry g = check_geometry(q_rows, num_heads, head_dim, capacity, num_kv_heads, chunk_size, kv_head_dim,
                                       k_extent, v_extent, dtype);
     check_dtype(q_dtype, "q");
-    tpp_decode(q, q_dtype, k_cache, v_cache, g, dtype, out, plan, plan_numel, layout, layout_size, scratch, scratch_numel,
-               scale, window, max_blocks_per_item, isa, num_threads);
+    tpp_decode(q, q_dtype, k_cache, v_cache, g, dtype, out, plan, plan_numel, layout, layout_size, scratch,
+               scratch_numel, scale, window, max_blocks_per_item, isa, num_threads);
   });
 }
 
@@ -424,8 +424,8 @@ int chunk_llama_cpu_tpp_prefill(const void* q, int64_t q_rows, int64_t num_heads
     const Geometry g = check_geometry(q_rows, num_heads, head_dim, capacity, num_kv_heads, chunk_size, kv_head_dim,
                                       k_extent, v_extent, dtype);
     check_dtype(q_dtype, "q");
-    tpp_prefill(q, q_dtype, k_cache, v_cache, g, dtype, out, plan, plan_numel, layout, layout_size, scratch, scratch_numel,
-                scale, window, isa, num_threads);
+    tpp_prefill(q, q_dtype, k_cache, v_cache, g, dtype, out, plan, plan_numel, layout, layout_size, scratch,
+                scratch_numel, scale, window, isa, num_threads);
   });
 }
 

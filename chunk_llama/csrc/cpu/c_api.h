@@ -55,8 +55,8 @@ CHUNK_LLAMA_API int64_t chunk_llama_cpu_prefill_scratch_floats(int64_t num_parti
  * [capacity, num_kv_heads, chunk_size, kv_head_dim] with, for each, the elements its
  * memory holds from its first element on (the guard chunk behind the last must be there);
  * out, shaped like q and in q's dtype (q_dtype, which need not be the pool's dtype: float32
- * activations over a bfloat16 pool); the step's plan (plan_numel int64s) and its layout (layout_size
- * host integers, plan_layout.h); the caller's float32 scratch; then the scalars
+ * activations over a bfloat16 pool); the step's plan (plan_numel int64s) and its layout
+ * (layout_size host integers, plan_layout.h); the caller's float32 scratch; then the scalars
  * (max_blocks_per_item: the most shared blocks of keys one work item of decode's first
  * phase takes, 0: chosen for the threads). Both compute each query's attention in the same
  * blocks of keys and order (blocks.h): a query's output does not depend on the batch. */

@@ -191,8 +191,8 @@ int chunk_llama_cpu_decoder_layer_decode(
                   q_in = spare;
                 }
                 float* out = row_order != nullptr ? q : attn;  // q is not read again once spare holds it
-                tpp_decode(q_in, CHUNK_LLAMA_FLOAT32, k_cache, v_cache, g, dtype, out, plan, plan_numel, layout, layout_size, scratch,
-                           scratch_numel, scale, window, max_blocks_per_item, isa, num_threads);
+                tpp_decode(q_in, CHUNK_LLAMA_FLOAT32, k_cache, v_cache, g, dtype, out, plan, plan_numel, layout,
+                           layout_size, scratch, scratch_numel, scale, window, max_blocks_per_item, isa, num_threads);
                 if (row_order != nullptr)
                   for (int64_t r = 0; r < rows; ++r)
                     std::copy(out + r * q_width, out + (r + 1) * q_width, attn + row_order[r] * q_width);
@@ -214,8 +214,8 @@ int chunk_llama_cpu_decoder_layer_prefill(
     run_layer(L, variant_for(isa), hidden_in, hidden_out, rows, cos, sin, write_token, write_chunk, write_offset,
               num_writes, k_cache, v_cache, capacity, num_kv_heads, chunk_size, dtype, num_threads,
               [&](float* q, float* attn, float*) {
-                tpp_prefill(q, CHUNK_LLAMA_FLOAT32, k_cache, v_cache, g, dtype, attn, plan, plan_numel, layout, layout_size, scratch,
-                            scratch_numel, scale, window, isa, num_threads);
+                tpp_prefill(q, CHUNK_LLAMA_FLOAT32, k_cache, v_cache, g, dtype, attn, plan, plan_numel, layout,
+                            layout_size, scratch, scratch_numel, scale, window, isa, num_threads);
               });
   });
 }

@@ -50,9 +50,9 @@ constexpr bool kHasOffset = Type == kQ4_1 || Type == kQ5_1 || Type == kQ4_K || T
 template <int Type>
 constexpr bool kIsKQuant = Type == kQ4_K || Type == kQ5_K || Type == kQ6_K;
 
-// A K-quant super-block's scales, the floats its 8 groups multiply by, computed once for
-// them (per group, the unpacking and the fp16 conversions were a third of a Q4_K weight's
-// work): Q4_K, Q5_K: group j's d * scale in d[j] and dmin * min in m[j]; Q6_K: d times each
+// A K-quant super-block's scales, the floats its 8 groups multiply by, unpacked and
+// converted once for them (not again for each group): Q4_K, Q5_K: group j's d * scale in
+// d[j] and dmin * min in m[j]; Q6_K: d times each
 // of its 16 int8 scales (one per 16 weights) in d[0..15].
 struct KScales {
   float d[16], m[8];
@@ -75,13 +75,12 @@ __attribute__((nothrow)) inline void k_scales(const uint8_t* block, KScales* s) 
   }
 }
 
-// Group j (0..7) of a K-quant super-block (`block`) into g, as decode_group (ks: its
+// Group j (0..7) of a K-quant super-block (`b`) into g, as decode_group (ks: its
 // k_scales); `factored`: without the offset (-ks.m[j], the caller's to store). Loops that
 // unroll j (quant_tile) make every choice below a constant.
 template <int Type>
-__attribute__((nothrow)) inline void decode_k_group(const uint8_t* block, int j, const KScales& ks, Vec* g,
+__attribute__((nothrow)) inline void decode_k_group(const uint8_t* b, int j, const KScales& ks, Vec* g,
                                                     bool factored) {
-  const uint8_t* b = block;
   if constexpr (Type == kQ4_K || Type == kQ5_K) {
     // 8 sub-blocks of 32; sub-blocks 2k and 2k+1 share 32 bytes of nibbles (low, high);
     // Q5_K's fifth bits: bit j of byte l is sub-block j's weight l.

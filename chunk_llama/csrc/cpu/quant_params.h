@@ -93,10 +93,11 @@ namespace chunk_attn_cpu {
 
 // An IEEE half's bits (little-endian, any alignment) as a float, exactly, either sign,
 // infinities included (NaNs stay NaNs): the blocks' scales where the lanes have no
-// hardware conversion (half_to_float), and F16 weights on the generic lanes; branch-free. No subnormal float arises on the way: an arithmetic operation on one costs a
-// microcode assist (about a hundred cycles), and real files hold many subnormal scales
-// (Gemma 3 270M's Q6_K ffn_down ran at a third of its speed when a subnormal half was
-// scaled up from a subnormal float). The exponent is rebased by an integer add; a
+// hardware conversion (half_to_float), and F16 weights on the generic lanes; branch-free.
+// No subnormal float arises on the way: an arithmetic operation on one costs a microcode
+// assist (about a hundred cycles), and real files hold many subnormal scales (Gemma 3
+// 270M's Q6_K ffn_down ran at a third of its speed when a subnormal half was scaled up
+// from a subnormal float). The exponent is rebased by an integer add; a
 // subnormal half, m * 2^-24, is the normal float 2^-14 (1 + m / 1024) minus 2^-14, which
 // is exact (zero too: 2^-14 - 2^-14).
 inline float fp16_to_float(const uint8_t* bytes) {
