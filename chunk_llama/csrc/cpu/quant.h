@@ -52,8 +52,8 @@ constexpr bool kIsKQuant = Type == kQ4_K || Type == kQ5_K || Type == kQ6_K;
 
 // A K-quant super-block's scales, the floats its 8 groups multiply by, unpacked and
 // converted once for them (not again for each group): Q4_K, Q5_K: group j's d * scale in
-// d[j] and dmin * min in m[j]; Q6_K: d times each
-// of its 16 int8 scales (one per 16 weights) in d[0..15].
+// d[j] and dmin * min in m[j]; Q6_K: d times each of its 16 int8 scales (one per 16
+// weights) in d[0..15].
 struct KScales {
   float d[16], m[8];
 };
