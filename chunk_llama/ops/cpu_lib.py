@@ -155,8 +155,8 @@ class AttentionCall:
         return entry[2]
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """q: [num rows, num_heads, head_dim] (contiguous; float32 or bfloat16, the pool's dtype
-        or float32 over a bfloat16 pool) -> the same shape and dtype"""
+        """q: [num rows, num_heads, head_dim] (contiguous; float32 or bfloat16, whichever the
+        pool's dtype: float32 over a bfloat16 pool is kv_dtype's case) -> the same shape and dtype"""
         pool = self._pool_args(k_cache, v_cache)
         if not (q.is_cpu and q.dim() == 3 and q.dtype in _DTYPE_CODES and q.is_contiguous()):
             self._reject(q)
