@@ -60,13 +60,23 @@ inline void vnibbles(const uint8_t* p, Vec* low, Vec* high) {  // one load for b
   low->v = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0xF)));
   high->v = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
 }
+inline void vnibbles5(const uint8_t* p, uint32_t bits, int first, float bias, Vec* low, Vec* high) {
+  // each lane's fifth bit joins its nibble as integers: one conversion per vector
+  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i all = _mm256_set1_epi32(static_cast<int>(bits)), lanes = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+  const auto fifth = [&](int from) {  // lane i: bit from + i, as 16
+    return _mm256_slli_epi32(
+        _mm256_and_si256(_mm256_srlv_epi32(all, _mm256_add_epi32(lanes, _mm256_set1_epi32(from))),
+                         _mm256_set1_epi32(1)),
+        4);
+  };
+  const __m256 b = _mm256_set1_ps(bias);
+  low->v = _mm256_add_ps(
+      _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_and_si256(bytes, _mm256_set1_epi32(0xF)), fifth(first))), b);
+  high->v = _mm256_add_ps(_mm256_cvtepi32_ps(_mm256_or_si256(_mm256_srli_epi32(bytes, 4), fifth(first + 16))), b);
+}
 inline Vec vint8(const int8_t* p) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
-}
-inline Vec vbit_field(uint32_t bits, int first) {
-  const __m256i shifts = _mm256_add_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0), _mm256_set1_epi32(first));
-  return {_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(bits)), shifts),
-                                              _mm256_set1_epi32(1)))};
 }
 inline Vec vsub(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
 inline Vec vmul(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }

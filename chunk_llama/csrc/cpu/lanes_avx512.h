@@ -58,14 +58,20 @@ inline void vnibbles(const uint8_t* p, Vec* low, Vec* high) {  // one load for b
   low->v = _mm512_permutexvar_ps(bytes, table);
   high->v = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
 }
+inline void vnibbles5(const uint8_t* p, uint32_t bits, int first, float bias, Vec* low, Vec* high) {
+  // the nibbles from a table as vnibbles, biased; each lane's fifth bit is a mask bit
+  // already: adding 16 under it is one operation (against a shift, mask, conversion,
+  // multiply and add per vector)
+  const __m512 table = _mm512_add_ps(_mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                     _mm512_set1_ps(bias));
+  const __m512 sixteen = _mm512_set1_ps(16.f);
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512 l = _mm512_permutexvar_ps(bytes, table), h = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+  low->v = _mm512_mask_add_ps(l, static_cast<uint16_t>(bits >> first), l, sixteen);
+  high->v = _mm512_mask_add_ps(h, static_cast<uint16_t>(bits >> (first + 16)), h, sixteen);
+}
 inline Vec vint8(const int8_t* p) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
-}
-inline Vec vbit_field(uint32_t bits, int first) {
-  const __m512i shifts = _mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32(first));
-  return {_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(bits)), shifts),
-                                              _mm512_set1_epi32(1)))};
 }
 inline Vec vsub(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline Vec vmul(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }

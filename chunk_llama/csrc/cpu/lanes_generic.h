@@ -16,8 +16,9 @@
 //   half_to_float(p)             the fp16 at p as a float (a K-quant's scale; hardware where it can)
 //   vhalves(p)                   lane i = the fp16 at p + 2i (F16 weights)
 //   vnibbles(p, &low, &high)     low: p[i] & 15, high: p[i] >> 4 (one load)      quantized
+//   vnibbles5(p, bits, first, bias, &low, &high)  Q5's: low: (p[i] & 15) + 16 bit first + i of
+//                                bits + bias, high: (p[i] >> 4) + 16 bit first + 16 + i + bias
 //   vint8(p)                     lane i = p[i], p: kLanes int8
-//   vbit_field(bits, first)      lane i = (bits >> (first + i)) & 1              weights)
 //   vadd, vsub, vmul, vdiv, vmax  lane-wise (correctly rounded); vfma(a, b, c) = a * b + c
 //   vreduce_add, vreduce_max one float from all lanes
 //   vsum_lanes(x)            x[kLanes] -> lane j = sum of x[j]'s lanes (x may be overwritten)

@@ -19,13 +19,17 @@ inline void vnibbles(const uint8_t* p, Vec* low, Vec* high) {
   *low = vbyte_field(p, 0, 0xF);
   *high = vbyte_field(p, 4, 0xF);
 }
+inline void vnibbles5(const uint8_t* p, uint32_t bits, int first, float bias, Vec* low, Vec* high) {
+  alignas(64) float lows[kLanes], highs[kLanes];
+  for (int i = 0; i < kLanes; ++i) {
+    lows[i] = static_cast<float>((p[i] & 15) | ((bits >> (first + i)) & 1u) << 4) + bias;
+    highs[i] = static_cast<float>((p[i] >> 4) | ((bits >> (first + 16 + i)) & 1u) << 4) + bias;
+  }
+  *low = vload(lows);
+  *high = vload(highs);
+}
 inline Vec vint8(const int8_t* p) {
   alignas(64) float lanes[kLanes];
   for (int i = 0; i < kLanes; ++i) lanes[i] = static_cast<float>(p[i]);
-  return vload(lanes);
-}
-inline Vec vbit_field(uint32_t bits, int first) {
-  alignas(64) float lanes[kLanes];
-  for (int i = 0; i < kLanes; ++i) lanes[i] = static_cast<float>((bits >> (first + i)) & 1u);
   return vload(lanes);
 }

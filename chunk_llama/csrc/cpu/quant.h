@@ -33,17 +33,6 @@ inline Vec rounded(Vec a) {
 
 inline uint32_t load_u32(const uint8_t* p) { return p[0] | (p[1] << 8) | (p[2] << 16) | (uint32_t(p[3]) << 24); }
 
-// The K-quants' 6-bit scale and min of sub-block j (0..7) from their 12 packed bytes.
-inline void k_scale_min(const uint8_t* s, int j, float* scale, float* min) {
-  if (j < 4) {
-    *scale = static_cast<float>(s[j] & 63);
-    *min = static_cast<float>(s[j + 4] & 63);
-  } else {
-    *scale = static_cast<float>((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4));
-    *min = static_cast<float>((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
-  }
-}
-
 // Whether a format's weights are a scaled integer plus a group's offset (a minimum).
 template <int Type>
 constexpr bool kHasOffset = Type == kQ4_1 || Type == kQ5_1 || Type == kQ4_K || Type == kQ5_K;
@@ -55,23 +44,43 @@ constexpr bool kIsKQuant = Type == kQ4_K || Type == kQ5_K || Type == kQ6_K;
 // d[j] and dmin * min in m[j]; Q6_K: d times each of its 16 int8 scales (one per 16
 // weights) in d[0..15].
 struct KScales {
-  float d[16], m[8];
+  alignas(64) float d[16];
+  float m[8];
 };
 
+inline void store_u32(uint32_t word, uint8_t* p) {
+  for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(word >> (8 * i));
+}
+
+// The integers converted kLanes at a time (vbyte_field, vint8), not one by one: unpacked
+// and converted a value at a time, a Q4_K super-block's 16 scales took more instructions
+// than its 256 weights' decode and FMAs (quant_tile is compute-bound at one row).
 template <int Type>
 __attribute__((nothrow)) inline void k_scales(const uint8_t* block, KScales* s) {
   if constexpr (Type == kQ4_K || Type == kQ5_K) {
+    // 12 bytes at block + 4 hold 8 scales and 8 mins of 6 bits: bytes 0-3 scales 0-3 and
+    // bytes 4-7 mins 0-3 in their low 6 bits, whose top 2 bits are the high bits of scales
+    // 4-7 and mins 4-7; bytes 8-11 the low 4 bits of scales 4-7 (low nibbles) and of mins
+    // 4-7 (high nibbles). As 32-bit words, the 16 values' bytes are:
+    const uint8_t* p = block + 4;
+    const uint32_t w0 = load_u32(p), w1 = load_u32(p + 4), w2 = load_u32(p + 8);
+    constexpr uint32_t kLow6 = 0x3F3F3F3F, kLow4 = 0x0F0F0F0F, kLow2 = 0x03030303;
+    alignas(16) uint8_t bytes[16];  // scales 0-7, mins 0-7
+    store_u32(w0 & kLow6, bytes);
+    store_u32((w2 & kLow4) | (((w0 >> 6) & kLow2) << 4), bytes + 4);
+    store_u32(w1 & kLow6, bytes + 8);
+    store_u32(((w2 >> 4) & kLow4) | (((w1 >> 6) & kLow2) << 4), bytes + 12);
+    alignas(64) float values[16];
+    for (int i = 0; i < 16; i += kLanes) vstore(values + i, vbyte_field(bytes + i, 0, 0xFF));
     const float d = half_to_float(block), dmin = half_to_float(block + 2);
     for (int j = 0; j < 8; ++j) {
-      float scale, min;
-      k_scale_min(block + 4, j, &scale, &min);
-      s->d[j] = d * scale;
-      s->m[j] = dmin * min;
+      s->d[j] = d * values[j];
+      s->m[j] = dmin * values[8 + j];
     }
   } else if constexpr (Type == kQ6_K) {
-    const float d = half_to_float(block + 208);
     const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192);
-    for (int i = 0; i < 16; ++i) s->d[i] = d * static_cast<float>(scales[i]);
+    const Vec d = vhalf(block + 208);
+    for (int i = 0; i < 16; i += kLanes) vstore(s->d + i, vmul(d, vint8(scales + i)));
   }
 }
 
@@ -126,18 +135,25 @@ __attribute__((nothrow)) inline void decode_group(const uint8_t* row, int64_t gr
     if (kMin && offset != nullptr) *offset = half_to_float(b + 2);
     const uint32_t qh = kFifth ? load_u32(b + (kMin ? 4 : 2)) : 0;
     const uint8_t* qs = b + (kMin ? 4 : 2) + (kFifth ? 4 : 0);
-    Vec nibbles[kGroupVecs];  // weights v * kLanes + lane: the low nibbles of 16 bytes, then the high
+    // weights v * kLanes + lane: the low nibbles of 16 bytes, then the high; the formats
+    // without a minimum subtract their bias from the integers (exact)
+    constexpr float kBias = kMin ? 0.f : kFifth ? -16.f : -8.f;
+    Vec q[kGroupVecs];
 #pragma GCC unroll 4
-    for (int v = 0; v < kGroupVecs / 2; ++v) vnibbles(qs + v * kLanes, &nibbles[v], &nibbles[v + kGroupVecs / 2]);
+    for (int v = 0; v < kGroupVecs / 2; ++v) {
+      if constexpr (kFifth)
+        vnibbles5(qs + v * kLanes, qh, v * kLanes, kBias, &q[v], &q[v + kGroupVecs / 2]);
+      else
+        vnibbles(qs + v * kLanes, &q[v], &q[v + kGroupVecs / 2]);
+    }
 #pragma GCC unroll 8
     for (int v = 0; v < kGroupVecs; ++v) {
-      const int i = v * kLanes;
-      Vec q = nibbles[v];
-      if constexpr (kFifth) q = vadd(q, vmul(vbit_field(qh, i), vset1(16.f)));
       if constexpr (kMin)
-        g[v] = offset != nullptr ? vmul(d, q) : vadd(rounded(vmul(d, q)), m);
+        g[v] = offset != nullptr ? vmul(d, q[v]) : vadd(rounded(vmul(d, q[v])), m);
+      else if constexpr (kFifth)
+        g[v] = vmul(d, q[v]);
       else
-        g[v] = vmul(d, vsub(q, vset1(kFifth ? 16.f : 8.f)));
+        g[v] = vmul(d, vsub(q[v], vset1(8.f)));
     }
   } else if constexpr (Type == kQ8_0) {
     const uint8_t* b = row + group * quant_format(Type).block_bytes;
