@@ -37,12 +37,18 @@ FAMILIES = {
                                   num_key_value_heads=3)),  # head_dim 32, q/k/v biases
     "mistral-windowed": ("MistralConfig", dict(hidden_size=96, intermediate_size=123, num_attention_heads=4,
                                                num_key_value_heads=2, head_dim=64, sliding_window=7)),
+    # a global layer, then a sliding one (window 7): the windows differ by layer
+    "qwen2-windowed": ("Qwen2Config", dict(hidden_size=96, intermediate_size=37, num_attention_heads=3,
+                                           num_key_value_heads=1, use_sliding_window=True, sliding_window=7,
+                                           max_window_layers=1)),
     "qwen3": ("Qwen3Config", dict(hidden_size=96, intermediate_size=123, num_attention_heads=3,
                                   num_key_value_heads=1, head_dim=64)),  # per-head q/k norms
     # (1 + w) norms around both blocks, GELU-tanh, a sliding layer (window 13) and a global one
+    # (each with its rotary embedding), soft-capped logits
     "gemma3_text": ("Gemma3TextConfig", dict(hidden_size=96, intermediate_size=123, num_attention_heads=2,
                                              num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=64,
-                                             sliding_window=13, layer_types=["sliding_attention", "full_attention"])),
+                                             sliding_window=13, layer_types=["sliding_attention", "full_attention"],
+                                             final_logit_softcapping=30.0)),
     # q, k, v in one qkv_proj, gate and up in one gate_up_proj (row ranges of one weight), window 7
     "phi3": ("Phi3Config", dict(hidden_size=96, intermediate_size=123, num_attention_heads=3, num_key_value_heads=1,
                                 sliding_window=7)),
@@ -372,15 +378,31 @@ def test_bad_input_to_the_c_function_is_a_value_error():
     assert "q_proj holds 100 bytes" in message
     assert "is not inside 1 rows and the pool of 4 chunks" in call(layer(), writes[1])
 
+    # the stack: a window per layer, checked (as its rotary and pools) before any layer runs
+    with pytest.raises(ValueError, match="a window per layer, got 2 layers, 2 and 2 pools, 1 windows"):
+        cpu_lib.DecoderStack([layer(), layer()], [pool, pool], [pool, pool], [0])
+    stack = cpu_lib.DecoderStack([layer(), layer()], [pool, pool], [pool, pool], [0, -3])
+    tables = (ctypes.c_void_p * 2)(cos.data_ptr(), cos.data_ptr())
+    x.fill_(1.0)
+    before = out.clone()
+    code = lib.decoder_stack_decode(
+        stack.layers, stack.k_pointers, stack.v_pointers, 2, x.data_ptr(), out.data_ptr(), 1, tables, tables,
+        writes[0].data_ptr(), torch.tensor([0]).data_ptr(), writes[2].data_ptr(), 1, None, *stack.geometry, None, 0,
+        None, 0, None, 0, 1.0, stack.windows, 1, isa.selected_variant().encode(), 1)
+    with pytest.raises(ValueError, match="decoder stack: layer 1 .* window -3"):
+        lib.raise_error(code)
+    assert torch.equal(out, before)  # (nothing written: no layer ran)
 
-STACKED = ["llama", "qwen2", "mistral-windowed", "qwen3", "phi3"]  # fused_stack.STACK_MODELS' families
+
+# fused_stack.STACK_MODELS' families (Gemma 3: a rotary embedding and a window per layer type;
+# Qwen2 windowed: a window per layer)
+STACKED = ["llama", "qwen2", "qwen2-windowed", "mistral-windowed", "qwen3", "phi3", "gemma3_text"]
 
 
-@pytest.mark.parametrize("family", [*STACKED, "gemma3_text", "llama-gguf"])
+@pytest.mark.parametrize("family", [*STACKED, "llama-gguf"])
 def test_a_stack_in_one_call_computes_what_its_layers_do(family, monkeypatch, fused_calls):
     """The plain-loop stacks run all their layers in one call per decode step, bit for bit
-    what one call per layer gives; Gemma 3 (a rotary embedding per layer type) keeps one
-    call per layer."""
+    what one call per layer gives, each layer with its own rotary embedding and window."""
     model = gguf_model("llama")[0] if family == "llama-gguf" else tiny(family)
     batch = prompts(seed=9)[:3]
     outputs = {}
@@ -388,7 +410,7 @@ def test_a_stack_in_one_call_computes_what_its_layers_do(family, monkeypatch, fu
         monkeypatch.setenv(fused_stack.ENV, stacked)
         cpu_lib.AttentionCall.stack_calls.clear()
         outputs[stacked] = engine_outputs(copy.deepcopy(model), batch, monkeypatch, fused=True)
-        expected = stacked == "1" and family != "gemma3_text"
+        expected = stacked == "1"
         calls = cpu_lib.AttentionCall.stack_calls
         assert bool(calls) is expected and all(n == model.config.num_hidden_layers for n in calls), calls
     for ours, theirs in zip(outputs["1"], outputs["0"]):

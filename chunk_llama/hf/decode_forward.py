@@ -6,10 +6,13 @@ config-default decorators, the mask, and 29 layer calls that only pass the stack
 on (about 0.5 ms a step of the default model, a twentieth of it). For the causal LMs whose
 forward is that plain loop (`CAUSAL_LMS`, each with a `STACK_MODELS` body, both as
 transformers defines them), an engine decode step runs the same modules in the same order
-itself: the embedding, the rotary embedding, the first decoder layer (whose call runs the
-stack), the others only if the stack did not apply, the final norm and the LM head on the
-last position. The mask is the one a forward on a `ChunkCache` gets anyway (None: the tree
-implies it), so the result is the forward's, bit for bit (tested against it per family).
+itself: the embedding, the rotary embedding (Gemma 3's per layer type, each computed
+where a layer first needs it: the stack computes the other types' itself), the first
+decoder layer (whose call runs the stack), the others only if the stack did not apply,
+the final norm, the LM head on the last position and Gemma's logit soft-capping where
+the config sets one. The mask is the one a forward on a `ChunkCache` gets anyway (None:
+the tree implies it), so the result is the forward's, bit for bit (tested against it per
+family).
 
 It does not apply, and transformers' forward runs, where a hook would be skipped (on the
 model or its decoder stack, or a global one), in training, under autograd, where the
@@ -29,7 +32,8 @@ from chunk_llama.ops.jit import setting
 
 ENV = "CHUNK_LLAMA_DECODE_FORWARD"
 CAUSAL_LMS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                        "Phi3ForCausalLM"})
+                        "Phi3ForCausalLM", "Gemma3ForCausalLM"})
+SOFTCAPPED_LOGITS = frozenset({"Gemma3ForCausalLM"})  # (config.final_logit_softcapping: None or a float)
 _ARGUMENTS = frozenset({"input_ids", "position_ids", "use_cache", "logits_to_keep", "cache", "past_key_values",
                         "attention_mask"})
 
@@ -65,14 +69,28 @@ def run(model: nn.Module, step, kwargs: dict) -> CausalLMOutputWithPast:
     cache_argument = compat.cache_argument(model)
     input_ids, position_ids = kwargs["input_ids"], kwargs["position_ids"]
     hidden = inner.embed_tokens(input_ids)  # [rows, 1, hidden]
-    position_embeddings = inner.rotary_emb(hidden, position_ids)  # cos, sin [rows, 1, head_dim]
-    layer_kwargs = {"attention_mask": None, "position_embeddings": position_embeddings, "position_ids": position_ids,
+    layer_types = inner.config.layer_types if type(inner).__name__ in fused_stack.ROTARY_PER_LAYER_TYPE else None
+    tables = {}  # layer type (None: the one rotary embedding) -> cos, sin [rows, 1, head_dim]
+
+    def rotary(i: int) -> tuple:
+        key = None if layer_types is None else layer_types[i]
+        if key not in tables:  # (from the embedding's output, as the forward computes them: only its dtype counts)
+            tables[key] = inner.rotary_emb(hidden, position_ids) if key is None else inner.rotary_emb(
+                hidden, position_ids, key)
+        return tables[key]
+
+    layer_kwargs = {"attention_mask": None, "position_embeddings": rotary(0), "position_ids": position_ids,
                     cache_argument: kwargs.get(cache_argument), "use_cache": True}
     layers = list(inner.layers._modules.values())[: inner.config.num_hidden_layers]  # (a ModuleList slice builds one)
     hidden = layers[0](hidden, **layer_kwargs)
     ran = step.fused_stack  # (its Stack, its output) when layer 0's call ran every layer
     if ran is None or ran[1] is not hidden:
-        for layer in layers[1:]:
+        for i, layer in enumerate(layers[1:], 1):
+            layer_kwargs["position_embeddings"] = rotary(i)
             hidden = layer(hidden, **layer_kwargs)
     hidden = inner.norm(hidden)
-    return CausalLMOutputWithPast(logits=model.lm_head(hidden[:, -1:, :]))
+    logits = model.lm_head(hidden[:, -1:, :])
+    cap = model.config.final_logit_softcapping if type(model).__name__ in SOFTCAPPED_LOGITS else None
+    if cap is not None:  # (in its forward's operations)
+        logits = torch.tanh(logits / cap) * cap
+    return CausalLMOutputWithPast(logits=logits)

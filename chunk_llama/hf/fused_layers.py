@@ -125,15 +125,18 @@ def _forward(layer: nn.Module, original, hidden_states: torch.Tensor, *args, **k
                                    f"output: the model's forward is not the loop fused_stack assumes; set "
                                    f"{fused_stack.ENV}=0")
             return hidden_states  # computed by the stack's call in layer 0
-        out = _fused(layer, step, hidden_states, kwargs.get("position_embeddings"), stack)
+        out = _fused(layer, step, hidden_states, kwargs.get("position_embeddings"), stack,
+                     kwargs.get("position_ids"))
         if out is not None:
             return out
     return original(hidden_states, *args, **kwargs)
 
 
-def _fused(layer: nn.Module, step, hidden: torch.Tensor, position_embeddings, stack=None) -> torch.Tensor | None:
+def _fused(layer: nn.Module, step, hidden: torch.Tensor, position_embeddings, stack=None,
+           position_ids=None) -> torch.Tensor | None:
     """The layer's output through one call, or None where it does not apply; the first
-    layer of a plain-loop stack (`stack`: its Stack and index 0) runs all of them."""
+    layer of a plain-loop stack (`stack`: its Stack and index 0; `position_ids`: what the
+    layer was given) runs all of them."""
     writes = step.fused_writes
     if writes is None:  # once per step
         reason = _step_reason(step)
@@ -160,7 +163,7 @@ def _fused(layer: nn.Module, step, hidden: torch.Tensor, position_embeddings, st
             and sin.shape == cos.shape and sin.is_contiguous()):
         return None
     if stack is not None and stack[1] == 0:
-        out = fused_stack.run(stack[0], layer, described, step, hidden, position_embeddings, _current)
+        out = fused_stack.run(stack[0], layer, described, step, hidden, position_embeddings, position_ids, _current)
         if out is not None:
             step.fused_stack = (stack[0], out)
             return out

@@ -5,16 +5,23 @@ a small model the Python around those calls (the module call, the checks, the ct
 arguments: about 20 us a layer, 0.6 ms a step of the default model) is still a tenth of
 the step. Where the model's forward is transformers' plain loop (`STACK_MODELS`: every
 layer of `layers[:num_hidden_layers]` in order, each given the previous one's output and
-the same rotary embedding, nothing in between), the first layer's call runs them all
-(`chunk_llama_cpu_decoder_stack_decode`: the same C function per layer, in a row) and
-the others pass its output on. Each later layer checks that what it is given is exactly
-that output (the same tensor object): anything else would mean the loop is not the one
-assumed, and the step fails loudly rather than compute from K/V written for other inputs.
+the rotary embedding of its layer type, nothing in between), the first layer's call runs
+them all (`chunk_llama_cpu_decoder_stack_decode`: the same C function per layer, in a
+row) and the others pass its output on. Each later layer checks that what it is given is
+exactly that output (the same tensor object): anything else would mean the loop is not
+the one assumed, and the step fails loudly rather than compute from K/V written for
+other inputs.
+
+The first layer is given only its own rotary embedding. Most families have one for all
+layers; Gemma 3 (`ROTARY_PER_LAYER_TYPE`) has one per layer type (`config.layer_types`:
+sliding layers turn by one base, global ones by another), and the stack computes the
+other types' from the layer's position_ids with the model's own `rotary_emb`, as its
+forward does before the loop. Each layer keeps its own attention window.
 
 It applies only where every layer would fuse on its own (the same description and checks,
-`fused_layers._fused`), with one attention scale and window, and no hook on a layer
-module (a hook on layer i would see the stack's output); otherwise each layer runs its
-own fused call, as before. `CHUNK_LLAMA_FUSED_STACK=0` turns it off.
+`fused_layers._fused`), with one attention scale, and no hook on a layer module (a hook
+on layer i would see the stack's output); otherwise each layer runs its own fused call,
+as before. `CHUNK_LLAMA_FUSED_STACK=0` turns it off.
 """
 
 from __future__ import annotations
@@ -35,7 +42,9 @@ logger = logging.getLogger(__name__)
 ENV = "CHUNK_LLAMA_FUSED_STACK"
 # decoder stacks whose forward is the plain loop described above, by class name (defined in
 # transformers itself: a subclass may loop otherwise)
-STACK_MODELS = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", "Phi3Model"})
+STACK_MODELS = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", "Phi3Model", "Gemma3TextModel"})
+# those of them whose rotary embedding is one per layer type: rotary_emb(x, position_ids, layer_type)
+ROTARY_PER_LAYER_TYPE = frozenset({"Gemma3TextModel"})
 _TRAINING = operator.attrgetter("training")
 
 
@@ -79,8 +88,27 @@ class Stack:
         pools = [p.data_ptr() for p in (*k_caches, *v_caches)]
         if self._arrays is None or self._arrays[1] != pools or len(self._arrays[0]) != len(described) or any(
                 a is not b for a, b in zip(self._arrays[0], described)):
-            self._arrays = (described, pools, cpu_lib.DecoderStack([d.struct for d in described], k_caches, v_caches))
+            self._arrays = (described, pools, cpu_lib.DecoderStack([d.struct for d in described], k_caches, v_caches,
+                                                                   [d.window for d in described]))
         return self._arrays[2]
+
+    def rotary(self, layers: list, hidden: torch.Tensor, first: tuple, position_ids) -> tuple | str:
+        """Each layer's cos and sin for this step, as the owner's forward gives them: `first`,
+        layer 0's, for all, or, where the rotary embedding is per layer type, each type's
+        (computed here from position_ids but for layer 0's); or why not."""
+        owner = self.owner()
+        if type(owner).__name__ not in ROTARY_PER_LAYER_TYPE:
+            return (first[0],) * len(layers), (first[1],) * len(layers)
+        if position_ids is None:
+            return "the first layer was given no position_ids to turn the other layer types' rotary by"
+        types = owner.config.layer_types[: len(layers)]
+        tables = {types[0]: first}
+        for layer_type in types:
+            if layer_type not in tables:
+                table = tables[layer_type] = owner.rotary_emb(hidden, position_ids, layer_type)
+                if not all(map(_fits, table, first)):
+                    return f"the {layer_type} rotary embedding is not a float32 CPU tensor of layer 0's shape"
+        return tuple(tables[t][0] for t in types), tuple(tables[t][1] for t in types)
 
 
 def find_stacks(model: nn.Module, families: dict) -> None:
@@ -97,12 +125,12 @@ def find_stacks(model: nn.Module, families: dict) -> None:
             layer._chunk_llama_stack = (stack, index)
 
 
-def run(stack: Stack, layer: nn.Module, first, step, hidden: torch.Tensor, position_embeddings, describe) -> \
-        torch.Tensor | None:
+def run(stack: Stack, layer: nn.Module, first, step, hidden: torch.Tensor, position_embeddings, position_ids,
+        describe) -> torch.Tensor | None:
     """Every layer of the stack for this decode step, called from its first layer (`layer`,
-    described as `first`, whose own checks passed: `hidden`, cos and sin fit it), or None
-    where the stack does not apply this step (each layer then runs its own call).
-    `describe(layer)` gives a layer's current description (`fused_layers`)."""
+    described as `first`, whose own checks passed: `hidden`, cos and sin fit it; given
+    position_ids), or None where the stack does not apply this step (each layer then runs
+    its own call). `describe(layer)` gives a layer's current description (`fused_layers`)."""
     if setting(ENV, "1") == "0":
         return None
     layers = stack.layers()
@@ -119,9 +147,9 @@ def run(stack: Stack, layer: nn.Module, first, step, hidden: torch.Tensor, posit
             if one.reason is not None:
                 return None  # (the layer's own call logs its reason)
             described.append(one)
-        if any(d.scale != first.scale or d.window != first.window or d.head_dim != first.head_dim
-               or d.hidden_size != first.hidden_size for d in described):
-            return _log_once("its layers differ in attention scale, window or sizes")
+        if any(d.scale != first.scale or d.head_dim != first.head_dim or d.hidden_size != first.hidden_size
+               for d in described):
+            return _log_once("its layers differ in attention scale or sizes")
         stack.remember(layers, described)
     if step.linear is None and any(d.float32_weights for d in described):
         return None  # (float32 projections run F.linear here: the layers' own calls log it)
@@ -131,9 +159,18 @@ def run(stack: Stack, layer: nn.Module, first, step, hidden: torch.Tensor, posit
         arrays = stack.arrays(described, [pool.k[i] for i in indices], [pool.v[i] for i in indices])
     except (TypeError, ValueError) as error:  # e.g. pools on several devices
         return _log_once(f"its K/V pools do not fit one call ({error})")
-    cos, sin = position_embeddings
+    rotary = stack.rotary(layers, hidden, position_embeddings, position_ids)
+    if isinstance(rotary, str):
+        return _log_once(rotary)
+    cos, sin = rotary
     call = step.attention.call(first.scale, first.window)
     return call.decoder_stack(arrays, hidden, cos, sin, step.fused_writes, step.row_order)
+
+
+def _fits(table, like: torch.Tensor) -> bool:
+    """Whether a rotary table is what the C call reads as `like` (layer 0's, which it checked)."""
+    return isinstance(table, torch.Tensor) and table.dtype is torch.float32 and table.is_cpu and \
+        table.shape == like.shape and table.is_contiguous()
 
 
 @functools.cache

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 P, I64, I32, F64, STR = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_char_p
-ABI_VERSION = 6  # CHUNK_LLAMA_CPU_ABI_VERSION in c_api.h
+ABI_VERSION = 7  # CHUNK_LLAMA_CPU_ABI_VERSION in c_api.h
 _ATTENTION = [P, I64, I64, I64, I32, P, P, I64, I64, I64, I64, I64, I64, I32, P, P, I64, P, I64, P, I64, F64, I64]
 _SIGNATURES = {  # name: (argument types, result type), as c_api.h declares them
     "abi_version": ([], I32),
@@ -42,10 +42,11 @@ _SIGNATURES = {  # name: (argument types, result type), as c_api.h declares them
     # the same without the row order, then the pool and the prefill call's tail
     "decoder_layer_prefill": ([P, P, P, I64, P, P, P, P, P, I64, P, P, I64, I64, I64, I64, I64, I64, I32,
                                P, I64, P, I64, P, I64, F64, I64, STR, I32], I32),
-    # the layers, their K and V pools (arrays of pointers), how many; hidden in/out, rows, cos, sin,
-    # the writes, row order, then the pools' geometry (their extents: arrays) and the decode call's tail
+    # the layers, their K and V pools (arrays of pointers), how many; hidden in/out, rows, each layer's
+    # cos and sin (arrays of pointers), the writes, row order, then the pools' geometry (their extents:
+    # arrays) and the decode call's tail with each layer's window (an array) for the call's one
     "decoder_stack_decode": ([P, P, P, I64, P, P, I64, P, P, P, P, P, I64, P, I64, I64, I64, I64, P, P, I32,
-                              P, I64, P, I64, P, I64, F64, I64, I64, STR, I32], I32),
+                              P, I64, P, I64, P, I64, F64, P, I64, STR, I32], I32),
 }
 
 
@@ -65,14 +66,15 @@ class DecoderLayer(ctypes.Structure):
 
 
 class DecoderStack:
-    """Layers for `AttentionCall.decoder_stack`: their structs and their K/V pools (kept
-    alive: the arrays hold their addresses), checked to share one geometry."""
+    """Layers for `AttentionCall.decoder_stack`: their structs, K/V pools (kept alive: the
+    arrays hold their addresses), checked to share one geometry, and attention windows (0:
+    none)."""
 
     def __init__(self, layers: Sequence[DecoderLayer], k_caches: Sequence[torch.Tensor],
-                 v_caches: Sequence[torch.Tensor]):
-        if not (len(layers) == len(k_caches) == len(v_caches) >= 1):
-            raise ValueError(f"a decoder stack needs one K and one V pool per layer, got {len(layers)} layers, "
-                             f"{len(k_caches)} and {len(v_caches)} pools")
+                 v_caches: Sequence[torch.Tensor], windows: Sequence[int]):
+        if not (len(layers) == len(k_caches) == len(v_caches) == len(windows) >= 1):
+            raise ValueError(f"a decoder stack needs one K and one V pool and a window per layer, got {len(layers)} "
+                             f"layers, {len(k_caches)} and {len(v_caches)} pools, {len(windows)} windows")
         for k_cache, v_cache in zip(k_caches, v_caches):
             _check_pool(k_cache, v_cache)
         geometries = {(*k.shape, k.dtype) for k in (*k_caches, *v_caches)}
@@ -86,6 +88,7 @@ class DecoderStack:
         # (the C call's pool arguments after the pointers: capacity, KV heads, chunk size, head dim,
         # the extents, the dtype code)
         self.geometry = (*k_caches[0].shape, *extents, _DTYPE_CODES[k_caches[0].dtype])
+        self.windows = int64_array(windows)
 
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # CHUNK_LLAMA_FLOAT32, CHUNK_LLAMA_BFLOAT16
@@ -186,17 +189,24 @@ class AttentionCall:
                                                       *pool, *self._after_out)
         return out if code == 0 else self._library.raise_error(code)
 
-    def decoder_stack(self, stack: "DecoderStack", hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      writes: tuple, row_order: torch.Tensor | None) -> torch.Tensor:
-        """`decoder_layer` of every layer of `stack` in a row, in one call (same arguments;
-        the pools are the stack's) -> [rows, hidden_size]"""
+    def decoder_stack(self, stack: "DecoderStack", hidden: torch.Tensor, cos: Sequence[torch.Tensor],
+                      sin: Sequence[torch.Tensor], writes: tuple, row_order: torch.Tensor | None) -> torch.Tensor:
+        """`decoder_layer` of every layer of `stack` in a row, in one call (the same arguments
+        but cos and sin, one of each per layer; the pools and windows are the stack's, the
+        call's own window unused) -> [rows, hidden_size]"""
+        if not len(cos) == len(sin) == len(stack.k_pointers):
+            raise ValueError(f"a decoder stack of {len(stack.k_pointers)} layers takes a cos and a sin per layer, got "
+                             f"{len(cos)} and {len(sin)}")
         out = torch.empty_like(hidden)
         token, chunk, offset = writes
+        pointers = ctypes.c_void_p * len(cos)
+        head, (scale, _window, *rest) = self._after_out[:-5], self._after_out[-5:]  # (the decode call's tail)
         code = self._library.decoder_stack_decode(
             stack.layers, stack.k_pointers, stack.v_pointers, len(stack.k_pointers), hidden.data_ptr(),
-            out.data_ptr(), hidden.shape[0], cos.data_ptr(), sin.data_ptr(), token.data_ptr(), chunk.data_ptr(),
-            offset.data_ptr(), token.numel(), None if row_order is None else row_order.data_ptr(), *stack.geometry,
-            *self._after_out)
+            out.data_ptr(), hidden.shape[0], pointers(*(c.data_ptr() for c in cos)),
+            pointers(*(s.data_ptr() for s in sin)), token.data_ptr(), chunk.data_ptr(), offset.data_ptr(),
+            token.numel(), None if row_order is None else row_order.data_ptr(), *stack.geometry, *head, scale,
+            stack.windows, *rest)
         return out if code == 0 else self._library.raise_error(code)
 
     def _reject(self, q: torch.Tensor):

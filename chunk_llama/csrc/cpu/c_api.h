@@ -24,7 +24,7 @@ extern "C" {
 
 /* Bumped whenever an entry point's arguments change: a loader refuses a library whose
  * version differs from the one its binding was written for. */
-#define CHUNK_LLAMA_CPU_ABI_VERSION 6
+#define CHUNK_LLAMA_CPU_ABI_VERSION 7
 
 enum { CHUNK_LLAMA_OK = 0, CHUNK_LLAMA_VALUE_ERROR = 1, CHUNK_LLAMA_TYPE_ERROR = 2 };
 /* Element types of q and the pool (params.h DType). */
@@ -151,16 +151,17 @@ CHUNK_LLAMA_API int chunk_llama_cpu_decoder_layer_prefill(
 /* num_layers decoder layers in a row, as chunk_llama_cpu_decoder_layer_decode would run
  * them one after the other, each in place on hidden_out (the input copied there first):
  * layer i writes to and attends over k_caches[i], v_caches[i] (k_extents[i], v_extents[i]
- * elements), pools of one geometry; rows, rotary, writes, row order and the decode call's
- * tail are the step's, shared. */
+ * elements), pools of one geometry, with its own rotary cos[i], sin[i] and attention
+ * window windows[i] (Gemma 3's sliding and global layers differ in both); rows, writes,
+ * row order and the rest of the decode call's tail are the step's, shared. */
 CHUNK_LLAMA_API int chunk_llama_cpu_decoder_stack_decode(
     const chunk_llama_cpu_decoder_layer* const* layers, void* const* k_caches, void* const* v_caches,
-    int64_t num_layers, const float* hidden_in, float* hidden_out, int64_t rows, const float* cos, const float* sin,
-    const int64_t* write_token, const int64_t* write_chunk, const int64_t* write_offset, int64_t num_writes,
-    const int64_t* row_order, int64_t capacity, int64_t num_kv_heads, int64_t chunk_size, int64_t kv_head_dim,
-    const int64_t* k_extents, const int64_t* v_extents, int dtype, const int64_t* plan, int64_t plan_numel,
-    const int64_t* layout, int64_t layout_size, float* scratch, int64_t scratch_numel, double scale, int64_t window,
-    int64_t max_blocks_per_item, const char* isa, int num_threads);
+    int64_t num_layers, const float* hidden_in, float* hidden_out, int64_t rows, const float* const* cos,
+    const float* const* sin, const int64_t* write_token, const int64_t* write_chunk, const int64_t* write_offset,
+    int64_t num_writes, const int64_t* row_order, int64_t capacity, int64_t num_kv_heads, int64_t chunk_size,
+    int64_t kv_head_dim, const int64_t* k_extents, const int64_t* v_extents, int dtype, const int64_t* plan,
+    int64_t plan_numel, const int64_t* layout, int64_t layout_size, float* scratch, int64_t scratch_numel,
+    double scale, const int64_t* windows, int64_t max_blocks_per_item, const char* isa, int num_threads);
 
 #ifdef __cplusplus
 }

@@ -222,26 +222,27 @@ int chunk_llama_cpu_decoder_layer_prefill(
 
 int chunk_llama_cpu_decoder_stack_decode(
     const chunk_llama_cpu_decoder_layer* const* layers, void* const* k_caches, void* const* v_caches,
-    int64_t num_layers, const float* hidden_in, float* hidden_out, int64_t rows, const float* cos, const float* sin,
-    const int64_t* write_token, const int64_t* write_chunk, const int64_t* write_offset, int64_t num_writes,
-    const int64_t* row_order, int64_t capacity, int64_t num_kv_heads, int64_t chunk_size, int64_t kv_head_dim,
-    const int64_t* k_extents, const int64_t* v_extents, int dtype, const int64_t* plan, int64_t plan_numel,
-    const int64_t* layout, int64_t layout_size, float* scratch, int64_t scratch_numel, double scale, int64_t window,
-    int64_t max_blocks_per_item, const char* isa, int num_threads) {
+    int64_t num_layers, const float* hidden_in, float* hidden_out, int64_t rows, const float* const* cos,
+    const float* const* sin, const int64_t* write_token, const int64_t* write_chunk, const int64_t* write_offset,
+    int64_t num_writes, const int64_t* row_order, int64_t capacity, int64_t num_kv_heads, int64_t chunk_size,
+    int64_t kv_head_dim, const int64_t* k_extents, const int64_t* v_extents, int dtype, const int64_t* plan,
+    int64_t plan_numel, const int64_t* layout, int64_t layout_size, float* scratch, int64_t scratch_numel,
+    double scale, const int64_t* windows, int64_t max_blocks_per_item, const char* isa, int num_threads) {
   const int checked = guarded([&] {
     CHECK_VALUE(num_layers >= 1 && rows >= 0, "decoder stack: ", num_layers, " layers of ", rows, " rows");
     const int64_t hidden = layers[0]->hidden_size;
     for (int64_t i = 0; i < num_layers; ++i)
-      CHECK_VALUE(layers[i]->hidden_size == hidden && k_caches[i] != nullptr && v_caches[i] != nullptr,
+      CHECK_VALUE(layers[i]->hidden_size == hidden && k_caches[i] != nullptr && v_caches[i] != nullptr &&
+                      cos[i] != nullptr && sin[i] != nullptr && windows[i] >= 0 && windows[i] <= INT32_MAX,
                   "decoder stack: layer ", i, " has hidden size ", layers[i]->hidden_size, " (layer 0: ", hidden,
-                  ") or no K/V pool");
+                  "), window ", windows[i], ", or no K/V pool or rotary");
     std::copy(hidden_in, hidden_in + rows * hidden, hidden_out);
   });
   for (int64_t i = 0; checked == CHUNK_LLAMA_OK && i < num_layers; ++i) {  // each layer in place on hidden_out
     const int code = chunk_llama_cpu_decoder_layer_decode(
-        layers[i], hidden_out, hidden_out, rows, cos, sin, write_token, write_chunk, write_offset, num_writes,
+        layers[i], hidden_out, hidden_out, rows, cos[i], sin[i], write_token, write_chunk, write_offset, num_writes,
         row_order, k_caches[i], v_caches[i], capacity, num_kv_heads, chunk_size, kv_head_dim, k_extents[i],
-        v_extents[i], dtype, plan, plan_numel, layout, layout_size, scratch, scratch_numel, scale, window,
+        v_extents[i], dtype, plan, plan_numel, layout, layout_size, scratch, scratch_numel, scale, windows[i],
         max_blocks_per_item, isa, num_threads);
     if (code != CHUNK_LLAMA_OK) return code;
   }
