@@ -22,7 +22,7 @@ from chunk_llama.ops.build import compiled_variants, host_arch
 ENV = "CHUNK_LLAMA_CPU_ISA"
 VARIANTS = ("avx512", "avx2", "neon", "generic")
 # The instruction-set flags (as /proc/cpuinfo names them) each x86 variant is compiled for.
-X86_NEEDS = {"avx512": ("avx512f", "avx2", "fma"), "avx2": ("avx2", "fma", "f16c")}
+X86_NEEDS = {"avx512": ("avx512f", "avx2", "fma", "f16c"), "avx2": ("avx2", "fma", "f16c")}
 
 
 @functools.cache

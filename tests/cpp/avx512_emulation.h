@@ -13,6 +13,7 @@
 
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
+#include <simde/x86/f16c.h>  // (_mm_cvtph_ps: the variant's target includes F16C)
 
 #ifndef _MM_FROUND_NO_EXC
 #define _MM_FROUND_NO_EXC 0x08

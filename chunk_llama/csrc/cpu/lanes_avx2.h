@@ -60,6 +60,15 @@ inline void vnibbles(const uint8_t* p, Vec* low, Vec* high) {  // one load for b
   low->v = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0xF)));
   high->v = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
 }
+inline void vscaled_nibbles(const uint8_t* p, float bias, Vec scale, Vec* low, Vec* high) {
+  vnibbles(p, low, high);
+  if (bias != 0.f) {
+    low->v = _mm256_add_ps(low->v, _mm256_set1_ps(bias));
+    high->v = _mm256_add_ps(high->v, _mm256_set1_ps(bias));
+  }
+  low->v = _mm256_mul_ps(low->v, scale.v);
+  high->v = _mm256_mul_ps(high->v, scale.v);
+}
 inline void vnibbles5(const uint8_t* p, uint32_t bits, int first, float bias, Vec* low, Vec* high) {
   // each lane's fifth bit joins its nibble as integers: one conversion per vector
   const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));

@@ -39,13 +39,13 @@ inline Vec vbyte_field(const uint8_t* p, int shift, int mask) {
   return {_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(bytes, _mm_cvtsi32_si128(shift)),
                                               _mm512_set1_epi32(mask)))};
 }
-inline Vec vhalf(const uint8_t* p) {  // every lane: the fp16 at p (vcvtph2ps is AVX-512F's)
+inline float half_to_float(const uint8_t* p) {  // the fp16 at p (F16C: a subnormal half costs no assist)
   uint16_t h;
   std::memcpy(&h, p, sizeof h);
-  return {_mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(h)))};
+  return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h)));
 }
-inline float half_to_float(const uint8_t* p) {  // the fp16 at p (a subnormal half costs no assist)
-  return _mm_cvtss_f32(_mm512_castps512_ps128(vhalf(p).v));
+inline Vec vhalf(const uint8_t* p) {  // every lane: the fp16 at p (converted once, then broadcast)
+  return {_mm512_set1_ps(half_to_float(p))};
 }
 inline Vec vhalves(const uint8_t* p) {  // lane i: the fp16 at p + 2i
   return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
@@ -54,6 +54,15 @@ inline void vnibbles(const uint8_t* p, Vec* low, Vec* high) {  // one load for b
   // a nibble's float from a 16-entry table: vpermps reads each index's low 4 bits, so
   // the low nibble needs no mask and neither half a conversion
   const __m512 table = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  low->v = _mm512_permutexvar_ps(bytes, table);
+  high->v = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+}
+inline void vscaled_nibbles(const uint8_t* p, float bias, Vec scale, Vec* low, Vec* high) {
+  // the table scaled once (16 products, each the one a lane would compute), not each vector
+  const __m512 table = _mm512_mul_ps(
+      _mm512_add_ps(_mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_ps(bias)),
+      scale.v);
   const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   low->v = _mm512_permutexvar_ps(bytes, table);
   high->v = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);

@@ -1,6 +1,6 @@
 // The quantized-weight lane functions (see lanes_generic.h), one lane at a time, for
 // the lanes without integer-to-float vector code here (generic, neon): included by their
-// lanes_<isa>.h, in its namespace, after its vload and vset1.
+// lanes_<isa>.h, in its namespace, after its vload, vstore and vset1.
 #pragma once
 
 inline Vec vbyte_field(const uint8_t* p, int shift, int mask) {
@@ -18,6 +18,16 @@ inline Vec vhalves(const uint8_t* p) {
 inline void vnibbles(const uint8_t* p, Vec* low, Vec* high) {
   *low = vbyte_field(p, 0, 0xF);
   *high = vbyte_field(p, 4, 0xF);
+}
+inline void vscaled_nibbles(const uint8_t* p, float bias, Vec scale, Vec* low, Vec* high) {
+  alignas(64) float scales[kLanes], lows[kLanes], highs[kLanes];
+  vstore(scales, scale);
+  for (int i = 0; i < kLanes; ++i) {
+    lows[i] = (static_cast<float>(p[i] & 15) + bias) * scales[i];
+    highs[i] = (static_cast<float>(p[i] >> 4) + bias) * scales[i];
+  }
+  *low = vload(lows);
+  *high = vload(highs);
 }
 inline void vnibbles5(const uint8_t* p, uint32_t bits, int first, float bias, Vec* low, Vec* high) {
   alignas(64) float lows[kLanes], highs[kLanes];

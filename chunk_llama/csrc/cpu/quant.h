@@ -98,11 +98,16 @@ __attribute__((nothrow)) inline void decode_k_group(const uint8_t* b, int j, con
     const uint8_t* qs = b + (kFifth ? 48 : 16) + 32 * (j / 2);
 #pragma GCC unroll 8
     for (int v = 0; v < kGroupVecs; ++v) {
-      Vec q, high;  // (vnibbles: fewer operations than a field's shift, mask and conversion)
-      vnibbles(qs + v * kLanes, &q, &high);
-      if (j % 2) q = high;
-      if constexpr (kFifth) q = vadd(q, vmul(vbyte_field(b + 16 + v * kLanes, j, 1), vset1(16.f)));
-      g[v] = factored ? vmul(vset1(dj), q) : vsub(rounded(vmul(vset1(dj), q)), vset1(mj));
+      Vec q, high;  // dj times the integers (vnibbles: fewer operations than a field's shift, mask and conversion)
+      if constexpr (kFifth) {
+        vnibbles(qs + v * kLanes, &q, &high);
+        if (j % 2) q = high;
+        q = vmul(vset1(dj), vadd(q, vmul(vbyte_field(b + 16 + v * kLanes, j, 1), vset1(16.f))));
+      } else {
+        vscaled_nibbles(qs + v * kLanes, 0.f, vset1(dj), &q, &high);
+        if (j % 2) q = high;
+      }
+      g[v] = factored ? q : vsub(rounded(q), vset1(mj));
     }
   } else if constexpr (Type == kQ6_K) {
     // Group t of half h (j = 4h + t): low 4 bits from ql[64h + 32(t%2) + l] >> 4(t/2), high
@@ -136,24 +141,21 @@ __attribute__((nothrow)) inline void decode_group(const uint8_t* row, int64_t gr
     const uint32_t qh = kFifth ? load_u32(b + (kMin ? 4 : 2)) : 0;
     const uint8_t* qs = b + (kMin ? 4 : 2) + (kFifth ? 4 : 0);
     // weights v * kLanes + lane: the low nibbles of 16 bytes, then the high; the formats
-    // without a minimum subtract their bias from the integers (exact)
+    // without a minimum subtract their bias from the integers (exact); Q4's products with
+    // d come scaled from the lanes (one product per value, as a multiply per lane gives)
     constexpr float kBias = kMin ? 0.f : kFifth ? -16.f : -8.f;
-    Vec q[kGroupVecs];
+    Vec q[kGroupVecs];  // the integers (Q5), or d times them (Q4)
 #pragma GCC unroll 4
     for (int v = 0; v < kGroupVecs / 2; ++v) {
       if constexpr (kFifth)
         vnibbles5(qs + v * kLanes, qh, v * kLanes, kBias, &q[v], &q[v + kGroupVecs / 2]);
       else
-        vnibbles(qs + v * kLanes, &q[v], &q[v + kGroupVecs / 2]);
+        vscaled_nibbles(qs + v * kLanes, kBias, d, &q[v], &q[v + kGroupVecs / 2]);
     }
 #pragma GCC unroll 8
     for (int v = 0; v < kGroupVecs; ++v) {
-      if constexpr (kMin)
-        g[v] = offset != nullptr ? vmul(d, q[v]) : vadd(rounded(vmul(d, q[v])), m);
-      else if constexpr (kFifth)
-        g[v] = vmul(d, q[v]);
-      else
-        g[v] = vmul(d, vsub(q[v], vset1(8.f)));
+      const Vec dq = kFifth ? vmul(d, q[v]) : q[v];
+      g[v] = kMin && offset == nullptr ? vadd(rounded(dq), m) : dq;
     }
   } else if constexpr (Type == kQ8_0) {
     const uint8_t* b = row + group * quant_format(Type).block_bytes;
