@@ -60,6 +60,10 @@ inline void vnibbles(const uint8_t* p, Vec* low, Vec* high) {  // one load for b
   low->v = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0xF)));
   high->v = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
 }
+inline void vbytes16(uint64_t low, uint64_t high, float* out) {  // (in registers: no store to reload)
+  _mm256_storeu_ps(out, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(low)))));
+  _mm256_storeu_ps(out + 8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(high)))));
+}
 inline void vscaled_nibbles(const uint8_t* p, float bias, Vec scale, Vec* low, Vec* high) {
   vnibbles(p, low, high);
   if (bias != 0.f) {

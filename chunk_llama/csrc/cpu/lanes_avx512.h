@@ -58,6 +58,10 @@ inline void vnibbles(const uint8_t* p, Vec* low, Vec* high) {  // one load for b
   low->v = _mm512_permutexvar_ps(bytes, table);
   high->v = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
 }
+inline void vbytes16(uint64_t low, uint64_t high, float* out) {  // (in registers: no store to reload)
+  _mm512_storeu_ps(out, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                            _mm_set_epi64x(static_cast<long long>(high), static_cast<long long>(low)))));
+}
 inline void vscaled_nibbles(const uint8_t* p, float bias, Vec scale, Vec* low, Vec* high) {
   // the table scaled once (16 products, each the one a lane would compute), not each vector
   const __m512 table = _mm512_mul_ps(

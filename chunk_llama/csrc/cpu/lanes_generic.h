@@ -16,6 +16,7 @@
 //   half_to_float(p)             the fp16 at p as a float (a K-quant's scale; hardware where it can)
 //   vhalves(p)                   lane i = the fp16 at p + 2i (F16 weights)
 //   vnibbles(p, &low, &high)     low: p[i] & 15, high: p[i] >> 4 (one load)      quantized
+//   vbytes16(low, high, out)     out[i] = byte i of low, out[8 + i] = byte i of high (16 floats)
 //   vscaled_nibbles(p, bias, scale, &low, &high)  vnibbles' lanes n as (n + bias) * scale
 //   vnibbles5(p, bits, first, bias, &low, &high)  Q5's: low: (p[i] & 15) + 16 bit first + i of
 //                                bits + bias, high: (p[i] >> 4) + 16 bit first + 16 + i + bias

@@ -19,6 +19,12 @@ inline void vnibbles(const uint8_t* p, Vec* low, Vec* high) {
   *low = vbyte_field(p, 0, 0xF);
   *high = vbyte_field(p, 4, 0xF);
 }
+inline void vbytes16(uint64_t low, uint64_t high, float* out) {
+  for (int i = 0; i < 8; ++i) {
+    out[i] = static_cast<float>((low >> (8 * i)) & 0xFF);
+    out[8 + i] = static_cast<float>((high >> (8 * i)) & 0xFF);
+  }
+}
 inline void vscaled_nibbles(const uint8_t* p, float bias, Vec scale, Vec* low, Vec* high) {
   alignas(64) float scales[kLanes], lows[kLanes], highs[kLanes];
   vstore(scales, scale);

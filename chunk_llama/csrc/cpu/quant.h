@@ -48,30 +48,24 @@ struct KScales {
   float m[8];
 };
 
-inline void store_u32(uint32_t word, uint8_t* p) {
-  for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(word >> (8 * i));
-}
-
-// The integers converted kLanes at a time (vbyte_field, vint8), not one by one: unpacked
-// and converted a value at a time, a Q4_K super-block's 16 scales took more instructions
-// than its 256 weights' decode and FMAs (quant_tile is compute-bound at one row).
+// The integers converted a vector at a time (vbytes16, vint8), not one by one: unpacked and
+// converted a value at a time, a Q4_K super-block's 16 scales took more instructions than
+// its 256 weights' decode and FMAs (quant_tile is compute-bound at one row); assembled
+// byte by byte in memory for a vector load, still half as many.
 template <int Type>
 __attribute__((nothrow)) inline void k_scales(const uint8_t* block, KScales* s) {
   if constexpr (Type == kQ4_K || Type == kQ5_K) {
     // 12 bytes at block + 4 hold 8 scales and 8 mins of 6 bits: bytes 0-3 scales 0-3 and
     // bytes 4-7 mins 0-3 in their low 6 bits, whose top 2 bits are the high bits of scales
     // 4-7 and mins 4-7; bytes 8-11 the low 4 bits of scales 4-7 (low nibbles) and of mins
-    // 4-7 (high nibbles). As 32-bit words, the 16 values' bytes are:
+    // 4-7 (high nibbles). As 32-bit words, the values' bytes are:
     const uint8_t* p = block + 4;
     const uint32_t w0 = load_u32(p), w1 = load_u32(p + 4), w2 = load_u32(p + 8);
     constexpr uint32_t kLow6 = 0x3F3F3F3F, kLow4 = 0x0F0F0F0F, kLow2 = 0x03030303;
-    alignas(16) uint8_t bytes[16];  // scales 0-7, mins 0-7
-    store_u32(w0 & kLow6, bytes);
-    store_u32((w2 & kLow4) | (((w0 >> 6) & kLow2) << 4), bytes + 4);
-    store_u32(w1 & kLow6, bytes + 8);
-    store_u32(((w2 >> 4) & kLow4) | (((w1 >> 6) & kLow2) << 4), bytes + 12);
-    alignas(64) float values[16];
-    for (int i = 0; i < 16; i += kLanes) vstore(values + i, vbyte_field(bytes + i, 0, 0xFF));
+    const uint64_t scales = (w0 & kLow6) | uint64_t{(w2 & kLow4) | (((w0 >> 6) & kLow2) << 4)} << 32;
+    const uint64_t mins = (w1 & kLow6) | uint64_t{((w2 >> 4) & kLow4) | (((w1 >> 6) & kLow2) << 4)} << 32;
+    alignas(64) float values[16];  // scales 0-7, mins 0-7
+    vbytes16(scales, mins, values);
     const float d = half_to_float(block), dmin = half_to_float(block + 2);
     for (int j = 0; j < 8; ++j) {
       s->d[j] = d * values[j];
