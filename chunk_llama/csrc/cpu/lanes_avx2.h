@@ -73,6 +73,16 @@ inline void vscaled_nibbles(const uint8_t* p, float bias, Vec scale, Vec* low, V
   low->v = _mm256_mul_ps(low->v, scale.v);
   high->v = _mm256_mul_ps(high->v, scale.v);
 }
+inline Vec vq6k(const uint8_t* low, int low_shift, const uint8_t* high, int high_shift) {
+  // the two fields joined as integers: one conversion
+  const __m256i l = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(low)));
+  const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(high)));
+  const __m256i q = _mm256_or_si256(
+      _mm256_and_si256(_mm256_srl_epi32(l, _mm_cvtsi32_si128(low_shift)), _mm256_set1_epi32(15)),
+      _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(h, _mm_cvtsi32_si128(high_shift)), _mm256_set1_epi32(3)),
+                        4));
+  return {_mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(32)))};
+}
 inline void vnibbles5(const uint8_t* p, uint32_t bits, int first, float bias, Vec* low, Vec* high) {
   // each lane's fifth bit joins its nibble as integers: one conversion per vector
   const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));

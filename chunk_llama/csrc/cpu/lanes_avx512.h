@@ -71,6 +71,16 @@ inline void vscaled_nibbles(const uint8_t* p, float bias, Vec scale, Vec* low, V
   low->v = _mm512_permutexvar_ps(bytes, table);
   high->v = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
 }
+inline Vec vq6k(const uint8_t* low, int low_shift, const uint8_t* high, int high_shift) {
+  // both fields from tables (vpermps reads the low 4 bits of an index: no masks, no
+  // conversions), -32 folded into the first: the sum of two small integers, exact
+  const __m512 lows = _mm512_set_ps(-17, -18, -19, -20, -21, -22, -23, -24, -25, -26, -27, -28, -29, -30, -31, -32);
+  const __m512 highs = _mm512_set_ps(48, 32, 16, 0, 48, 32, 16, 0, 48, 32, 16, 0, 48, 32, 16, 0);  // 16 (k & 3)
+  const __m512i l = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low)));
+  const __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(high)));
+  return {_mm512_add_ps(_mm512_permutexvar_ps(_mm512_srl_epi32(l, _mm_cvtsi32_si128(low_shift)), lows),
+                        _mm512_permutexvar_ps(_mm512_srl_epi32(h, _mm_cvtsi32_si128(high_shift)), highs))};
+}
 inline void vnibbles5(const uint8_t* p, uint32_t bits, int first, float bias, Vec* low, Vec* high) {
   // the nibbles from a table as vnibbles, biased; each lane's fifth bit is a mask bit
   // already: adding 16 under it is one operation (against a shift, mask, conversion,

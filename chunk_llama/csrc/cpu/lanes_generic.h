@@ -18,6 +18,7 @@
 //   vnibbles(p, &low, &high)     low: p[i] & 15, high: p[i] >> 4 (one load)      quantized
 //   vbytes16(low, high, out)     out[i] = byte i of low, out[8 + i] = byte i of high (16 floats)
 //   vscaled_nibbles(p, bias, scale, &low, &high)  vnibbles' lanes n as (n + bias) * scale
+//   vq6k(low, ls, high, hs)      Q6_K's: lane i = ((low[i] >> ls) & 15) + 16 ((high[i] >> hs) & 3) - 32
 //   vnibbles5(p, bits, first, bias, &low, &high)  Q5's: low: (p[i] & 15) + 16 bit first + i of
 //                                bits + bias, high: (p[i] >> 4) + 16 bit first + 16 + i + bias
 //   vint8(p)                     lane i = p[i], p: kLanes int8

@@ -35,6 +35,12 @@ inline void vscaled_nibbles(const uint8_t* p, float bias, Vec scale, Vec* low, V
   *low = vload(lows);
   *high = vload(highs);
 }
+inline Vec vq6k(const uint8_t* low, int low_shift, const uint8_t* high, int high_shift) {
+  alignas(64) float lanes[kLanes];
+  for (int i = 0; i < kLanes; ++i)
+    lanes[i] = static_cast<float>((((low[i] >> low_shift) & 15) | ((high[i] >> high_shift) & 3) << 4) - 32);
+  return vload(lanes);
+}
 inline void vnibbles5(const uint8_t* p, uint32_t bits, int first, float bias, Vec* low, Vec* high) {
   alignas(64) float lows[kLanes], highs[kLanes];
   for (int i = 0; i < kLanes; ++i) {

@@ -112,8 +112,7 @@ __attribute__((nothrow)) inline void decode_k_group(const uint8_t* b, int j, con
 #pragma GCC unroll 8
     for (int v = 0; v < kGroupVecs; ++v) {
       const int i = v * kLanes;
-      const Vec q = vadd(vbyte_field(low + i, 4 * (t / 2), 0xF), vmul(vbyte_field(high + i, 2 * t, 3), vset1(16.f)));
-      g[v] = vmul(vset1(ks.d[2 * j + i / 16]), vsub(q, vset1(32.f)));
+      g[v] = vmul(vset1(ks.d[2 * j + i / 16]), vq6k(low + i, 4 * (t / 2), high + i, 2 * t));
     }
   }
 }
