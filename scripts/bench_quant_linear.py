@@ -3,6 +3,7 @@
     python scripts/bench_quant_linear.py                   # rows 1 4 8 16, the default model
     python scripts/bench_quant_linear.py --rows 1 --model path/to/model.gguf
     python scripts/bench_quant_linear.py --rows 1 --model gemma3-270m --by-type   # each format's share
+    python scripts/bench_quant_linear.py --rows 1 --random Q4_K Q6_K --shape 4096x4096  # one matrix per format
 
 Every Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/K-quant/F16/BF16 matrix of the file (the layers' projections
 and the LM head; an embedding tied to the head counts once), each called once per pass with
@@ -12,6 +13,11 @@ C). The weights of a pass do not fit any cache, so each pass reads them from mem
 decode step does. Reports the fastest and the median pass, and the blocks' bytes over the
 fastest pass (GB/s); `--by-type`: also each format's matrices alone. The Python call per
 matrix (a few microseconds) is included.
+
+`--random FORMAT...` times one `--shape` matrix of random blocks per format instead (every
+bit pattern of the packed weights, the fp16 scales finite, as the tests draw them; copies
+of it, 256 MB in all, taken in turn so that each call reads its blocks from memory): the
+median and fastest call, GB/s of blocks and Gweights/s, for a model size no file here has.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import argparse
 import statistics
 import time
 
+import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -37,10 +44,15 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--passes", type=int, default=20)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--random", nargs="+", metavar="FORMAT", choices=sorted(RANDOM_SCALES),
+                        help="time one matrix of random blocks per format instead of a file's")
+    parser.add_argument("--shape", default="4096x4096", help="--random's matrix: OUTxIN (out_features x in_features)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if build() is None:
         raise SystemExit("the CPU kernels did not build here")
+    if args.random:
+        return random_matrices(args)
     kept = set(GGML_TYPES.values())
     _, tensors, _ = file_tensors(gemma3_270m_path() if args.model == GEMMA3_270M else args.model or default_model_path())
     weights = []  # (ggml type, in_features, blocks [out_features, row_bytes] uint8)
@@ -74,6 +86,46 @@ def main() -> None:
             what = "all" if kind is None else f"{GGMLQuantizationType(kind).name} x{len(chosen)}"
             print(f"rows {rows:3d}, {what}: fastest {best * 1e3:.2f} ms, median {statistics.median(times) * 1e3:.2f} "
                   f"ms, {size / best / 1e9:.1f} GB/s of blocks")
+
+
+# the formats --random draws, by where their fp16 scales sit in a block
+RANDOM_SCALES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
+                 "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(name: str, out_features: int, in_features: int, rng: np.random.Generator) -> torch.Tensor:
+    """[out_features, row_bytes] uint8: random bytes, the scales uniform in +-0.05."""
+    block_elems, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+    if in_features % block_elems:
+        raise SystemExit(f"{name} rows hold whole blocks of {block_elems}: --shape's IN must be a multiple")
+    blocks = rng.integers(0, 256, (out_features, in_features // block_elems, block_bytes), dtype=np.uint8)
+    for offset in RANDOM_SCALES[name]:
+        halves = rng.uniform(-0.05, 0.05, blocks.shape[:2]).astype(np.float16)
+        blocks[..., offset:offset + 2] = halves.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return torch.from_numpy(blocks.reshape(out_features, -1))
+
+
+def random_matrices(args) -> None:
+    out_features, in_features = (int(n) for n in args.shape.lower().split("x"))
+    rng = np.random.default_rng(0)
+    print(f"{args.shape} random blocks, variant {isa.selected_variant()}, {args.threads} threads")
+    for name in args.random:
+        blocks = random_blocks(name, out_features, in_features, rng)
+        copies = [blocks.clone() for _ in range(max(2, (256 << 20) // blocks.numel()))]  # (well past any cache)
+        layer = QuantLinear(int(GGMLQuantizationType[name]), in_features)
+        for rows in args.rows:
+            x = torch.randn(rows, in_features)
+            for copy in copies[:2]:
+                layer(x, copy, None)
+            times = []
+            for i in range(max(args.passes, len(copies))):
+                start = time.perf_counter()
+                layer(x, copies[i % len(copies)], None)
+                times.append(time.perf_counter() - start)
+            median, best = statistics.median(times), min(times)
+            print(f"rows {rows:3d}, {name}: median {median * 1e6:.1f} us (fastest {best * 1e6:.1f}), "
+                  f"{blocks.numel() / median / 1e9:.1f} GB/s of blocks, "
+                  f"{out_features * in_features / median / 1e9:.1f} Gweights/s")
 
 
 if __name__ == "__main__":
