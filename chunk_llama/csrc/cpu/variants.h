@@ -26,7 +26,8 @@ struct Variant {
 #if defined(__x86_64__) || defined(_M_X64)
 // __builtin_cpu_supports also checks that the OS saves the wider registers.
 static inline bool host_runs_avx512() {
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
 }
 static inline bool host_runs_avx2() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
