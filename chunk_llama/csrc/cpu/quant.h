@@ -44,8 +44,7 @@ constexpr bool kIsKQuant = Type == kQ4_K || Type == kQ5_K || Type == kQ6_K;
 // d[j] and dmin * min in m[j]; Q6_K: d times each of its 16 int8 scales (one per 16
 // weights) in d[0..15].
 struct KScales {
-  alignas(64) float d[16];
-  float m[8];
+  float d[16], m[8];
 };
 
 // The integers converted a vector at a time (vbytes16, vint8), not one by one: unpacked and
