@@ -50,13 +50,19 @@ inline Vec vhalf(const uint8_t* p) {  // every lane: the fp16 at p (converted on
 inline Vec vhalves(const uint8_t* p) {  // lane i: the fp16 at p + 2i
   return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
 }
-inline void vnibbles(const uint8_t* p, Vec* low, Vec* high) {  // one load for both halves
-  // a nibble's float from a 16-entry table: vpermps reads each index's low 4 bits, so
-  // the low nibble needs no mask and neither half a conversion
-  const __m512 table = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+// The nibbles' entries of a 16-entry table (one load for both halves): vpermps reads each
+// index's low 4 bits, so the low nibble needs no mask and neither half a conversion.
+inline void nibble_lookup(const uint8_t* p, __m512 table, __m512* low, __m512* high) {
   const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  low->v = _mm512_permutexvar_ps(bytes, table);
-  high->v = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+  *low = _mm512_permutexvar_ps(bytes, table);
+  *high = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+}
+inline __m512 nibble_values(float bias) {  // lane n: n + bias
+  const __m512 values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  return bias == 0.f ? values : _mm512_add_ps(values, _mm512_set1_ps(bias));
+}
+inline void vnibbles(const uint8_t* p, Vec* low, Vec* high) {
+  nibble_lookup(p, nibble_values(0.f), &low->v, &high->v);
 }
 inline void vbytes16(uint64_t low, uint64_t high, float* out) {  // (in registers: no store to reload)
   _mm512_storeu_ps(out, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
@@ -64,12 +70,7 @@ inline void vbytes16(uint64_t low, uint64_t high, float* out) {  // (in register
 }
 inline void vscaled_nibbles(const uint8_t* p, float bias, Vec scale, Vec* low, Vec* high) {
   // the table scaled once (16 products, each the one a lane would compute), not each vector
-  const __m512 table = _mm512_mul_ps(
-      _mm512_add_ps(_mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_ps(bias)),
-      scale.v);
-  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  low->v = _mm512_permutexvar_ps(bytes, table);
-  high->v = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+  nibble_lookup(p, _mm512_mul_ps(nibble_values(bias), scale.v), &low->v, &high->v);
 }
 inline Vec vq6k(const uint8_t* low, int low_shift, const uint8_t* high, int high_shift) {
   // both fields from tables (vpermps reads the low 4 bits of an index: no masks, no
@@ -85,11 +86,9 @@ inline void vnibbles5(const uint8_t* p, uint32_t bits, int first, float bias, Ve
   // the nibbles from a table as vnibbles, biased; each lane's fifth bit is a mask bit
   // already: adding 16 under it is one operation (against a shift, mask, conversion,
   // multiply and add per vector)
-  const __m512 table = _mm512_add_ps(_mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                     _mm512_set1_ps(bias));
   const __m512 sixteen = _mm512_set1_ps(16.f);
-  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512 l = _mm512_permutexvar_ps(bytes, table), h = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+  __m512 l, h;
+  nibble_lookup(p, nibble_values(bias), &l, &h);
   low->v = _mm512_mask_add_ps(l, static_cast<uint16_t>(bits >> first), l, sixteen);
   high->v = _mm512_mask_add_ps(h, static_cast<uint16_t>(bits >> (first + 16)), h, sixteen);
 }
