@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--passes", type=int, default=20)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--random", nargs="+", metavar="FORMAT", choices=sorted(RANDOM_SCALES),
+    parser.add_argument("--random", nargs="+", metavar="FORMAT", choices=sorted([*RANDOM_SCALES, *HALF_DTYPES]),
                         help="time one matrix of random blocks per format instead of a file's")
     parser.add_argument("--shape", default="4096x4096", help="--random's matrix: OUTxIN (out_features x in_features)")
     args = parser.parse_args()
@@ -91,10 +91,15 @@ def main() -> None:
 # the formats --random draws, by where their fp16 scales sit in a block
 RANDOM_SCALES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
                  "Q5_K": (0, 2), "Q6_K": (208,)}
+HALF_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16}  # weights of one value each: normal ones, rounded
 
 
 def random_blocks(name: str, out_features: int, in_features: int, rng: np.random.Generator) -> torch.Tensor:
-    """[out_features, row_bytes] uint8: random bytes, the scales uniform in +-0.05."""
+    """[out_features, row_bytes] uint8: random bytes, the scales uniform in +-0.05 (16-bit
+    weights: normal ones, times 0.05, rounded)."""
+    if name in HALF_DTYPES:
+        weights = torch.from_numpy(rng.standard_normal((out_features, in_features), dtype=np.float32)) * 0.05
+        return weights.to(HALF_DTYPES[name]).view(torch.uint8)
     block_elems, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
     if in_features % block_elems:
         raise SystemExit(f"{name} rows hold whole blocks of {block_elems}: --shape's IN must be a multiple")

@@ -13,7 +13,8 @@ every system gets exactly these token ids and generates exactly `--new-tokens` t
 
 Systems (one process, one after the other, each warmed up once, then `--repeat` runs; with
 `--interleave`, stock first, then one run of every other system per round, all loaded at once):
-  stock        transformers `generate` on the GGUF dequantized to float32 by transformers (SDPA)
+  stock        transformers `generate` on the GGUF dequantized to float32 by transformers (SDPA);
+               `--stock-bfloat16` adds "stock (bfloat16)", that copy in bfloat16
   chunk-llama  `ChunkLlamaEngine` (one request, prefix retention off so each run computes the
                prompt) on the model `chunk_llama.models.load_model` gives; `--gguf-weights X`
                forwards `gguf_weights=X` to it (one system per value, named after it), and
@@ -31,6 +32,7 @@ pp/tg figures (random tokens, no server) as a cross-check.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -227,6 +229,9 @@ def main() -> None:
                              "(default: the keyword is not passed)")
     parser.add_argument("--chunk-llama-arg", type=_kwarg, action="append", default=[], metavar="KEY=VALUE",
                         help="chunk-llama: another keyword for load_model (repeatable)")
+    parser.add_argument("--stock-bfloat16", action="store_true",
+                        help="also stock on the dequantized copy in bfloat16 (compare chunk-llama's "
+                             "--chunk-llama-arg dtype=bfloat16)")
     parser.add_argument("--torchao", choices=("int4", "int8"),
                         help="also stock and chunk-llama on the dequantized copy with torchao's weight-only "
                              "quantization (int4: groups of 32, torchao's CPU layout), its activations in "
@@ -272,6 +277,8 @@ def main() -> None:
 
     if "stock" in args.systems:
         add("stock", run_stock(model, prompt, args.new_tokens, runs))
+        if args.stock_bfloat16:
+            add("stock (bfloat16)", run_stock(copy.deepcopy(model).to(torch.bfloat16), prompt, args.new_tokens, runs))
     quantized = None
     if args.torchao:  # stock and chunk-llama on one torchao-quantized copy
         if model is None:

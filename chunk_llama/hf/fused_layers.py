@@ -33,9 +33,10 @@ import torch
 from torch import nn
 
 from chunk_llama.hf import fused_stack
-from chunk_llama.hf.gguf_weights import GGUFLinear
+from chunk_llama.hf.gguf_weights import HALF_TYPES, GGUFLinear
 from chunk_llama.hf.snapshot import GLOBAL_HOOKS, Snapshot
 from chunk_llama.ops import cpu_lib
+from chunk_llama.ops import linear as linear_ops
 from chunk_llama.ops import quant_linear as quant_ops
 from chunk_llama.ops.cpu import CpuDecode, CpuPrefill
 from chunk_llama.ops.jit import setting
@@ -43,6 +44,9 @@ from chunk_llama.step import current_step
 
 logger = logging.getLogger(__name__)
 ENV = "CHUNK_LLAMA_FUSED_LAYERS"
+# the dtypes a fused layer reads (its hidden states, norms, biases and weights): a 16-bit
+# model's are widened to float32, computed in it, and its output rounded back
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -155,23 +159,31 @@ def _fused(layer: nn.Module, step, hidden: torch.Tensor, position_embeddings, st
     cos, sin = position_embeddings
     # a decode step's rows are [batch, 1], a prefill's tokens [1, tokens] (or a padded batch's
     # [batch, length], flattened as the step's plan numbers them)
-    if not (hidden.dtype is torch.float32 and hidden.is_cpu and hidden.dim() == 3
+    if not (hidden.dtype in FLOAT_DTYPES and hidden.is_cpu and hidden.dim() == 3
             and (getattr(step, "prefill", None) is not None or hidden.shape[1] == 1)
             and hidden.shape[2] == described.hidden_size and hidden.is_contiguous()
-            and cos.dtype is torch.float32 and cos.is_cpu and sin.dtype is torch.float32
+            and cos.dtype is hidden.dtype and cos.is_cpu and sin.dtype is hidden.dtype
             and cos.shape == (*hidden.shape[:2], described.head_dim) and cos.is_contiguous()
             and sin.shape == cos.shape and sin.is_contiguous()):
         return None
+    if hidden.dtype is not torch.float32 and hidden.numel() > linear_ops.SMALL_ROWS * hidden.shape[2] \
+            and linear_ops.native_half_gemm(hidden.dtype):
+        # a 16-bit prefill's linear layers go to oneDNN, as op by op (`ops/linear.py`): twice the C
+        # layer's float32 arithmetic rate
+        return _log_once(f"a {str(hidden.dtype).removeprefix('torch.')} prefill of more than "
+                         f"{linear_ops.SMALL_ROWS} tokens runs op by op: oneDNN multiplies it natively here",
+                         logging.INFO)
     if stack is not None and stack[1] == 0:
         out = fused_stack.run(stack[0], layer, described, step, hidden, position_embeddings, position_ids, _current)
         if out is not None:
+            out = out.to(hidden.dtype)  # (a 16-bit model's hidden states: computed in float32, rounded once)
             step.fused_stack = (stack[0], out)
             return out
     pool, index = step.pool, layer.self_attn.layer_idx
     call = step.attention.call(described.scale, described.window)
-    out = call.decoder_layer(described.struct, hidden.view(-1, hidden.shape[2]), cos, sin, writes, step.row_order,
-                             pool.k[index], pool.v[index])
-    return out.view(hidden.shape)
+    out = call.decoder_layer(described.struct, hidden.view(-1, hidden.shape[2]).float(), cos.float(), sin.float(),
+                             writes, step.row_order, pool.k[index], pool.v[index])
+    return out.view(hidden.shape).to(hidden.dtype)
 
 
 def _current(layer: nn.Module) -> "_Described":
@@ -204,8 +216,9 @@ class _Described:
     the description stale: the struct holds raw pointers; `snapshot.py`)."""
 
     def __init__(self, modules: tuple, reason: str | None, struct: "cpu_lib.DecoderLayer | None" = None,
-                 window: int = 0):
+                 window: int = 0, widened: "_Widened | None" = None):
         self.modules, self.reason, self.struct, self.window = modules, reason, struct, window
+        self.widened = widened  # (keeps alive the float32 copies the struct points at)
         present = [module for module in modules if module is not None]
         parts = list({id(module): module for module in modules[4:] if module is not None}.values())
         self.snapshot = Snapshot(
@@ -213,7 +226,8 @@ class _Described:
                 d for module in parts for d in (module._parameters, module._buffers)),
             tuple(module.__dict__ for module in parts),  # (a bias kept as a plain attribute)
             _tensors(modules),
-            tuple(d for module in present[1:] for d in (module._forward_hooks, module._forward_pre_hooks)))
+            tuple(d for module in present[1:] for d in (module._forward_hooks, module._forward_pre_hooks)),
+            () if widened is None else tuple(widened.copies))
         if struct is not None:
             self.scale, self.head_dim = float(modules[1].scaling), struct.head_dim
             self.hidden_size = struct.hidden_size
@@ -252,13 +266,13 @@ def _describe(layer: nn.Module) -> _Described:
     reason = _why_not(modules, family)
     if reason is not None:
         return _Described(modules, reason)
-    attn = modules[1]
-    norms = [None if norm is None else norm.weight.data_ptr() for norm in modules[4:_NUM_FIXED]]
+    attn, widened = modules[1], _Widened()
+    norms = [None if norm is None else widened(norm.weight).data_ptr() for norm in modules[4:_NUM_FIXED]]
     projections, config = modules[_NUM_FIXED:], attn.config
     rows = _row_ranges(projections, config, int(attn.head_dim))
     if isinstance(rows, str):
         return _Described(modules, rows)
-    weights = [_weight(module, *span) for module, span in zip(projections, rows)]
+    weights = [_weight(module, *span, widened) for module, span in zip(projections, rows)]
     for (_, name), weight in zip(family.projections, weights):
         if isinstance(weight, str):
             return _Described(modules, f"{name}: {weight}")
@@ -269,7 +283,7 @@ def _describe(layer: nn.Module) -> _Described:
         norm_eps=float(getattr(modules[4], family.eps)), norm_offset=family.norm_offset,
         input_norm=norms[0], attn_out_norm=norms[1], mlp_norm=norms[2], mlp_out_norm=norms[3], q_norm=norms[4],
         k_norm=norms[5], **dict(zip(_WEIGHT_FIELDS, weights)))
-    return _Described(modules, None, struct, int(family.window(attn)))
+    return _Described(modules, None, struct, int(family.window(attn)), widened)
 
 
 def _row_ranges(projections: tuple, config, head_dim: int) -> list[tuple[int, int]] | str:
@@ -315,7 +329,7 @@ def _why_not(modules: tuple, family: Family) -> str | None:
     norms = [module for module in modules[4:_NUM_FIXED] if module is not None]
     for norm in norms:
         weight = norm._parameters.get("weight")
-        if type(norm).__name__ != family.norm or not _plain_float32(weight) or weight.dim() != 1:
+        if type(norm).__name__ != family.norm or not _plain(weight) or weight.dim() != 1:
             return f"a norm is {type(norm).__name__} with a weight it does not read"
     if len({getattr(norm, family.eps, None) for norm in norms}) != 1:
         return "its norms have different epsilons"
@@ -334,18 +348,36 @@ def _activation(act: nn.Module) -> str | None:
     return None
 
 
-def _plain_float32(tensor) -> bool:
-    return (type(tensor) in (nn.Parameter, torch.Tensor) and tensor.dtype is torch.float32 and tensor.is_cpu
+def _plain(tensor) -> bool:
+    """A plain float32, bfloat16 or float16 CPU tensor (not a subclass: a quantized or
+    offloaded one computes its values)."""
+    return (type(tensor) in (nn.Parameter, torch.Tensor) and tensor.dtype in FLOAT_DTYPES and tensor.is_cpu
             and tensor.is_contiguous())
 
 
-def _weight(module: nn.Module, start: int, stop: int) -> "cpu_lib.Weight | str":
-    """Rows [start, stop) of a projection's weight (and bias) as the C function takes them,
-    or why it cannot."""
+class _Widened:
+    """Float32 copies of the 16-bit norm weights and biases a layer's struct points at (a
+    bfloat16 or float16 model's: the C function reads float32 ones), by source tensor."""
+
+    def __init__(self):
+        self.copies: dict[torch.Tensor, torch.Tensor] = {}
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` itself if float32, else its float32 copy (made once)."""
+        if tensor.dtype is torch.float32:
+            return tensor
+        if tensor not in self.copies:
+            self.copies[tensor] = tensor.detach().float()
+        return self.copies[tensor]
+
+
+def _weight(module: nn.Module, start: int, stop: int, widened: _Widened) -> "cpu_lib.Weight | str":
+    """Rows [start, stop) of a projection's weight (and bias, float32 or `widened`) as the C
+    function takes them, or why it cannot."""
     bias = module.__dict__.get("bias", module._parameters.get("bias"))
-    if bias is not None and not (_plain_float32(bias) and bias.dim() == 1):
-        return "its bias is not a float32 CPU vector"
-    bias_ptr = None if bias is None else bias.data_ptr() + 4 * start
+    if bias is not None and not (_plain(bias) and bias.dim() == 1):
+        return "its bias is not a floating-point CPU vector"
+    bias_ptr = None if bias is None else widened(bias).data_ptr() + 4 * start
     if type(module) is GGUFLinear:
         blocks = module.blocks
         if not (blocks.dtype is torch.uint8 and blocks.is_cpu and blocks.is_contiguous() and blocks.dim() == 2):
@@ -353,13 +385,17 @@ def _weight(module: nn.Module, start: int, stop: int) -> "cpu_lib.Weight | str":
         row_bytes = blocks.shape[1]
         return cpu_lib.Weight(blocks.data_ptr() + start * row_bytes, bias_ptr, quant_ops.GGML_TYPES[module.ggml_type],
                               stop - start, module.in_features, (stop - start) * row_bytes)
-    if type(module) is nn.Linear and "_hf_hook" not in module.__dict__ and _plain_float32(module.weight):
+    if type(module) is nn.Linear and "_hf_hook" not in module.__dict__ and _plain(module.weight):
         weight, width = module.weight, module.weight.shape[1]
-        return cpu_lib.Weight(weight.data_ptr() + 4 * start * width, bias_ptr, 0, stop - start, width,
-                              (stop - start) * width * 4)
+        if weight.dtype is not torch.float32 and width % 32:  # (read as BF16 / F16 blocks: groups of 32)
+            return f"its {str(weight.dtype).removeprefix('torch.')} weight is {width} wide, not whole groups of 32"
+        size = weight.element_size()  # a 16-bit weight is read as BF16 / F16 blocks: widened in registers
+        kind = 0 if size == 4 else quant_ops.GGML_TYPES[HALF_TYPES[weight.dtype]]
+        return cpu_lib.Weight(weight.data_ptr() + size * start * width, bias_ptr, kind, stop - start, width,
+                              (stop - start) * width * size)
     return f"a {type(module).__name__} (adapters, quantized or offloaded layers run their own forward)"
 
 
 @functools.cache
-def _log_once(message: str) -> None:
-    logger.warning("chunk-llama: decoder layer runs op by op: %s", message)
+def _log_once(message: str, level: int = logging.WARNING) -> None:
+    logger.log(level, "chunk-llama: decoder layer runs op by op: %s", message)

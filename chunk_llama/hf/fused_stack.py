@@ -107,7 +107,7 @@ class Stack:
             if layer_type not in tables:
                 table = tables[layer_type] = owner.rotary_emb(hidden, position_ids, layer_type)
                 if not all(map(_fits, table, first)):
-                    return f"the {layer_type} rotary embedding is not a float32 CPU tensor of layer 0's shape"
+                    return f"the {layer_type} rotary embedding is not a CPU tensor of layer 0's dtype and shape"
         return tuple(tables[t][0] for t in types), tuple(tables[t][1] for t in types)
 
 
@@ -130,7 +130,8 @@ def run(stack: Stack, layer: nn.Module, first, step, hidden: torch.Tensor, posit
     """Every layer of the stack for this decode step, called from its first layer (`layer`,
     described as `first`, whose own checks passed: `hidden`, cos and sin fit it; given
     position_ids), or None where the stack does not apply this step (each layer then runs
-    its own call). `describe(layer)` gives a layer's current description (`fused_layers`)."""
+    its own call). `describe(layer)` gives a layer's current description (`fused_layers`).
+    The output is float32 (a 16-bit model's hidden states and tables are widened first)."""
     if setting(ENV, "1") == "0":
         return None
     layers = stack.layers()
@@ -163,13 +164,17 @@ def run(stack: Stack, layer: nn.Module, first, step, hidden: torch.Tensor, posit
     if isinstance(rotary, str):
         return _log_once(rotary)
     cos, sin = rotary
+    if hidden.dtype is not torch.float32:  # a 16-bit model's: each table widened once
+        widened = {id(t): t for t in (*cos, *sin)}
+        widened = {key: t.float() for key, t in widened.items()}
+        cos, sin = ([widened[id(t)] for t in tables] for tables in rotary)
     call = step.attention.call(first.scale, first.window)
-    return call.decoder_stack(arrays, hidden, cos, sin, step.fused_writes, step.row_order)
+    return call.decoder_stack(arrays, hidden.float(), cos, sin, step.fused_writes, step.row_order)
 
 
 def _fits(table, like: torch.Tensor) -> bool:
     """Whether a rotary table is what the C call reads as `like` (layer 0's, which it checked)."""
-    return isinstance(table, torch.Tensor) and table.dtype is torch.float32 and table.is_cpu and \
+    return isinstance(table, torch.Tensor) and table.dtype is like.dtype and table.is_cpu and \
         table.shape == like.shape and table.is_contiguous()
 
 

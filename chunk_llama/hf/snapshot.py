@@ -19,26 +19,31 @@ import torch
 from torch import nn
 
 _BIAS = itertools.repeat("bias")
+_VERSION = operator.attrgetter("_version")
 # torch's hook dicts that run around every module's forward
 GLOBAL_HOOKS = (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks)
 
 
 class Snapshot:
     """The dicts modules and tensors were found in and what each held, the tensors' memory
-    (address and size), and the hook dicts that were (not) empty, as of construction.
+    (address and size), the versions of tensors whose values were copied, and the hook dicts
+    that were (not) empty, as of construction.
 
     dicts: every `_modules`, `_parameters` and `_buffers` dict read; attribute_dicts: the
     `__dict__` of modules that may keep a bias as a plain attribute; tensors: every tensor
-    read; hook_dicts: hook dicts that run around what was read (the global ones are added)."""
+    read; hook_dicts: hook dicts that run around what was read (the global ones are added);
+    copied: tensors read as a copy (a bfloat16 norm weight in float32), whose values must not
+    change in place either (torch counts in-place writes in `_version`)."""
 
-    def __init__(self, dicts: tuple, attribute_dicts: tuple, tensors: tuple, hook_dicts: tuple):
-        self._dicts, self._attribute_dicts, self._tensors = dicts, attribute_dicts, tensors
+    def __init__(self, dicts: tuple, attribute_dicts: tuple, tensors: tuple, hook_dicts: tuple, copied: tuple = ()):
+        self._dicts, self._attribute_dicts, self._tensors, self._copied = dicts, attribute_dicts, tensors, copied
         self._hooks = tuple({id(d): d for d in (*hook_dicts, *GLOBAL_HOOKS)}.values())
         self._lengths = tuple(map(len, dicts))
         self._values = tuple(itertools.chain.from_iterable(map(dict.values, dicts)))
         self._biases = tuple(map(dict.get, attribute_dicts, _BIAS))
         self._memory = _memory(tensors)
         self._hooked = any(self._hooks)
+        self._versions = tuple(map(_VERSION, copied))
 
     @classmethod
     def joined(cls, snapshots) -> Snapshot:
@@ -46,14 +51,15 @@ class Snapshot:
         checking that none of them is stale)."""
         parts = list(snapshots)
         return cls(*(tuple(itertools.chain.from_iterable(getattr(s, name) for s in parts))
-                     for name in ("_dicts", "_attribute_dicts", "_tensors", "_hooks")))
+                     for name in ("_dicts", "_attribute_dicts", "_tensors", "_hooks", "_copied")))
 
     def stale(self) -> bool:
         return (tuple(map(len, self._dicts)) != self._lengths
                 or not all(map(operator.is_, itertools.chain.from_iterable(map(dict.values, self._dicts)), self._values))
                 or not all(map(operator.is_, map(dict.get, self._attribute_dicts, _BIAS), self._biases))
                 or _memory(self._tensors) != self._memory
-                or any(self._hooks) != self._hooked)
+                or any(self._hooks) != self._hooked
+                or tuple(map(_VERSION, self._copied)) != self._versions)
 
 
 def _memory(tensors: tuple) -> tuple:

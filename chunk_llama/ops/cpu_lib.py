@@ -118,6 +118,14 @@ def _check_pool(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError("k_cache and v_cache must be contiguous")
 
 
+def _check_float32(*tensors: torch.Tensor) -> None:
+    """The fused calls read hidden states and rotary tables as float32 (a 16-bit model's are
+    widened by the caller): anything else would be read as other numbers."""
+    if any(t.dtype is not torch.float32 for t in tensors):
+        raise TypeError(f"a fused call takes float32 hidden states, cos and sin, got "
+                        f"{sorted({str(t.dtype) for t in tensors})}")
+
+
 def _check_plan(plan: torch.Tensor, what: str) -> None:
     if not (plan.is_cpu and plan.dtype == torch.int64):
         raise TypeError(f"the {what} plan must be an int64 CPU tensor, got {plan.dtype} on {plan.device}")
@@ -176,6 +184,7 @@ class AttentionCall:
         offset) int64 tensors of the step's K/V slots; row_order [rows] int64 (decode: the
         plan's row i is batch row row_order[i]) or None -> [rows, hidden_size]"""
         pool = self._pool_args(k_cache, v_cache)
+        _check_float32(hidden, cos, sin)
         out = torch.empty_like(hidden)
         token, chunk, offset = writes
         head = (ctypes.byref(layer), hidden.data_ptr(), out.data_ptr(), hidden.shape[0], cos.data_ptr(),
@@ -197,6 +206,7 @@ class AttentionCall:
         if not len(cos) == len(sin) == len(stack.k_pointers):
             raise ValueError(f"a decoder stack of {len(stack.k_pointers)} layers takes a cos and a sin per layer, got "
                              f"{len(cos)} and {len(sin)}")
+        _check_float32(hidden, *cos, *sin)
         out = torch.empty_like(hidden)
         token, chunk, offset = writes
         pointers = ctypes.c_void_p * len(cos)

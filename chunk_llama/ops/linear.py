@@ -1,4 +1,5 @@
-"""The model's linear layers during chunk-llama's forwards, on x86 CPUs in float32.
+"""The model's linear layers during chunk-llama's forwards, on x86 CPUs (float32, bfloat16
+and float16 models).
 
 torch runs a float32 `F.linear` on the CPU through MKL, whose fast paths are for Intel
 CPUs, and MKL and oneDNN both choose their kernels (and so the order in which they round)
@@ -16,11 +17,19 @@ second copy of the model). On the project's AMD EPYC (Zen 5, AVX-512) it runs at
   `torch.ops.mkldnn._linear_pointwise` on the plain layout) beyond: prefills of wide
   layers up to 1.25x faster, but a row's result then depends on the rows beside it;
 - `torch`: `F.linear` everywhere.
-Everything else keeps `F.linear`: other dtypes, devices and architectures, and any
-forward without a `ChunkCache` (a patched model then still computes exactly what stock
-does). All paths round in float32, in their own orders. The oneDNN path is checked
-against `F.linear` once per process before first use; if it is missing or disagrees,
-`F.linear` runs and the reason is logged once (as is a missing CPU kernel).
+A bfloat16 or float16 model's layers (weights whole groups of 32 wide) run the quantized
+kernel (`csrc/cpu/quant_linear.h`) on the weight as it is, read as BF16 / F16 blocks and
+widened in registers, x widened to float32, the sum rounded once to the model's dtype, as
+`F.linear` rounds it: torch's 16-bit product at a few rows ran at 0.4x the memory's speed
+(oneDNN's bfloat16 GEMV, 2.8 ms for the default model's LM head against 1.1 ms of bytes).
+Beyond SMALL_ROWS rows, where oneDNN computes that dtype natively (`native_half_gemm`:
+AVX512-BF16 or AMX, or AVX-512 emulating it, as torch reports; held to by
+`ONEDNN_MAX_CPU_ISA`), `F.linear` runs them: twice the float32 kernel's arithmetic rate.
+Everything else keeps `F.linear`: other devices and architectures, and any forward
+without a `ChunkCache` (a patched model then still computes exactly what stock does).
+All paths round in float32, in their own orders. The oneDNN path is checked against
+`F.linear` once per process before first use; if it is missing or disagrees, `F.linear`
+runs and the reason is logged once (as is a missing CPU kernel).
 """
 
 from __future__ import annotations
@@ -41,6 +50,8 @@ CHOICES = ("auto", "onednn", "torch")
 # With CHUNK_LLAMA_LINEAR=onednn: the rows up to which `small_linear` runs (it beats oneDNN
 # there: measured at 1 .. 128 rows, in 576 out 1536 and the LM head, AVX-512 and AVX2).
 SMALL_ROWS = 128
+# GGML's type ids of 16-bit weights (`ops/quant_linear.py`'s BF16, F16), by the model's dtype
+HALF_BLOCKS = {torch.bfloat16: 30, torch.float16: 1}
 
 
 def _choice() -> str | None:
@@ -105,11 +116,54 @@ def _run(small, onednn: bool, x: torch.Tensor, weight: torch.Tensor, bias: torch
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+@functools.cache
+def native_half_gemm(dtype: torch.dtype) -> bool:
+    """Whether torch's oneDNN computes `dtype` (bfloat16, float16) products at least at the
+    float32 kernel's rate here, as torch reports it (False where it cannot say)."""
+    check = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}[dtype]
+    try:
+        return bool(getattr(torch.ops.mkldnn, check)())
+    except (AttributeError, RuntimeError):  # (a private op: a torch without it keeps F.linear for many rows)
+        return False
+
+
+@functools.cache
+def _half_kernel(dtype: torch.dtype, in_features: int, variant: str):
+    return build().quant_linear_call(HALF_BLOCKS[dtype], in_features, variant)
+
+
+def _run_half(native: bool, variant: str, x: torch.Tensor, weight: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+    """A 16-bit model's layer: x [..., in_features] and weight [out_features, in_features]
+    of the model's dtype -> [..., out_features] of it."""
+    if not (x.dtype is weight.dtype and x.is_cpu and weight.is_cpu and weight.is_contiguous()
+            and weight.dim() == 2 and weight.shape[1] % 32 == 0 and (bias is None or bias.is_cpu)):
+        return F.linear(x, weight, bias)
+    flat = x.reshape(-1, x.shape[-1])  # [rows, in_features]
+    if native and flat.shape[0] > SMALL_ROWS:
+        return F.linear(x, weight, bias)
+    kernel = _half_kernel(x.dtype, weight.shape[1], variant)
+    out = kernel(flat.float(), weight.view(torch.uint8), None if bias is None else bias.float())
+    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+def _half_paths(dtype: torch.dtype, device: torch.device | str):
+    """(native_half_gemm, variant) for a 16-bit model here, or None where `F.linear` runs it."""
+    if dtype not in HALF_BLOCKS or torch.device(device).type != "cpu" or _choice() is None or force_reference() \
+            or build() is None:
+        return None
+    return native_half_gemm(dtype), isa.selected_variant()
+
+
 def resolve(dtype: torch.dtype, device: torch.device | str):
     """What a model of this dtype and device runs its linear layers with in chunk-llama's
     forwards: `fn(x, weight, bias)` (`F.linear`'s contract: x [..., in_features], weight
-    [out_features, in_features]) through `small_linear` (or oneDNN, see the module), or
-    None for `F.linear`. Chosen once per step (the settings are read here)."""
+    [out_features, in_features]) through `small_linear` (or oneDNN, see the module), the
+    quantized kernel (16-bit models), or None for `F.linear`. Chosen once per step (the
+    settings are read here)."""
+    half = _half_paths(dtype, device)
+    if half is not None:
+        return functools.partial(_run_half, *half)
     paths = _paths(dtype, device)
     return None if paths is None else functools.partial(_run, *paths)
 
@@ -130,7 +184,10 @@ def backend(dtype: torch.dtype, device: torch.device | str = "cpu") -> str:
     """What the engine's forwards run the linear layers of a model of this dtype and device
     with: "small_linear:<variant>" (every row count), "small_linear:<variant> + onednn" (few
     rows + many rows), "onednn", or "torch" (F.linear). Logs once why a path is missing where
-    it could run."""
+    it could run. A 16-bit model's: "half_blocks:<variant>" (+ " + onednn" beyond SMALL_ROWS)."""
+    half = _half_paths(dtype, device)
+    if half is not None:
+        return f"half_blocks:{half[1]}" + (" + onednn" if half[0] else "")
     choice = None if torch.device(device).type != "cpu" or dtype != torch.float32 else _choice()
     if choice is None:
         return "torch"
