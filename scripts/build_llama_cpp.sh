@@ -17,6 +17,10 @@
 #   LLAMA_CPP_PYTHON_VERSION  the sdist to build (default below; "latest" asks PyPI)
 #   LLAMA_CPP_SDIST           a local llama_cpp_python-*.tar.gz to use instead of downloading
 #   CHUNK_LLAMA_PEERS_DIR     where builds are cached
+#   LLAMA_CPP_ISA             native (default: -march=native) or avx2 (AVX2, FMA, F16C and no
+#                             AVX-512: what an AVX2-only CPU runs, to compare with chunk-llama's
+#                             AVX2 variant on an AVX-512 host); an avx2 build is cached as
+#                             llama.cpp-<version>-avx2
 #   JOBS                      parallel compile jobs (default 2)
 #   PYTHON                    the python whose pip downloads the sdist (default python3)
 set -euo pipefail
@@ -30,6 +34,16 @@ PY=${PYTHON:-python3}
 
 log() { echo "build_llama_cpp: $*" >&2; }
 die() { log "$*"; exit 2; }
+
+ISA=${LLAMA_CPP_ISA:-native}
+case "$ISA" in
+    native) isa_flags=(-DGGML_NATIVE=ON); suffix="" ;;  # -march=native: what a user of this CPU builds
+    avx2) isa_flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+                     -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF
+                     -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+          suffix="-avx2" ;;
+    *) die "LLAMA_CPP_ISA must be native or avx2, got $ISA" ;;
+esac
 
 command -v cmake >/dev/null || die "cmake not found (apt-get install cmake, or pip install cmake)"
 command -v c++ >/dev/null || command -v g++ >/dev/null || die "no C++ compiler found"
@@ -51,7 +65,7 @@ elif [ "$VERSION" = latest ]; then
     VERSION=$(basename "$sdist" | sed -E 's/^llama_cpp_python-(.*)\.tar\.gz$/\1/')
 fi
 
-dest="$PEERS_DIR/llama.cpp-$VERSION"
+dest="$PEERS_DIR/llama.cpp-$VERSION$suffix"
 bin="$dest/bin"
 if [ -x "$bin/llama-server" ] && [ -x "$bin/llama-batched-bench" ] && [ -f "$dest/build-info.txt" ]; then
     log "reusing $bin ($(grep '^llama.cpp commit' "$dest/build-info.txt" || true))"
@@ -91,7 +105,7 @@ ggml_version=$(sed -nE 's/^set\(GGML_VERSION_(MAJOR|MINOR|PATCH) ([0-9]+)\)/\2/p
 flags=(
     -DCMAKE_BUILD_TYPE=Release
     -DBUILD_SHARED_LIBS=OFF          # self-contained binaries, movable into the cache
-    -DGGML_NATIVE=ON                 # -march=native: what a user of this CPU builds
+    "${isa_flags[@]}"
     -DGGML_CUDA=OFF                  # the CPU peer, even where nvcc exists
     -DLLAMA_CURL=OFF                 # no model downloads (ignored by versions that dropped curl)
     -DLLAMA_OPENSSL=OFF              # no HTTPS needed on localhost

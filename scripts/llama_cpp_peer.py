@@ -55,8 +55,8 @@ def _has_binaries(bin_dir: str) -> bool:
 
 def find_bin(build: bool = False) -> str:
     """The folder holding llama-server and llama-batched-bench: `$LLAMA_CPP_BIN` if set, else
-    the build of the pinned sdist version in `peers_dir()`, else any other cached build (newest
-    version first). `build=True` runs scripts/build_llama_cpp.sh when none is found."""
+    the build of the pinned sdist version in `peers_dir()`, else any other cached native build
+    (newest version first; an AVX2 build, `LLAMA_CPP_ISA=avx2`, only by `$LLAMA_CPP_BIN`). `build=True` runs scripts/build_llama_cpp.sh when none is found."""
     override = os.environ.get("LLAMA_CPP_BIN")
     if override:
         if _has_binaries(override):
@@ -67,8 +67,9 @@ def find_bin(build: bool = False) -> str:
     if pinned:
         candidates.append(os.path.join(peers_dir(), f"llama.cpp-{pinned}", "bin"))
     if os.path.isdir(peers_dir()):
+        # (not a build held to an ISA, llama.cpp-<version>-avx2: LLAMA_CPP_BIN names it where wanted)
         others = [d for d in os.listdir(peers_dir()) if d.startswith("llama.cpp-") and "." in d[10:]
-                  and not d.endswith((".lock", ".tmp"))]
+                  and "-" not in d[10:] and not d.endswith((".lock", ".tmp"))]
         others.sort(key=lambda d: [int(p) if p.isdigit() else 0 for p in d[10:].split(".")], reverse=True)
         candidates += [os.path.join(peers_dir(), d, "bin") for d in others]
     for candidate in candidates:
@@ -107,13 +108,14 @@ def build_info(bin_dir: str) -> dict[str, str]:
 
 
 def describe(bin_dir: str) -> str:
-    """'llama.cpp 0c1e57098 (llama-cpp-python 0.3.36 sdist, ggml 0.25.3)' for table headers."""
+    """'llama.cpp 0c1e57098 (llama-cpp-python 0.3.36 sdist, ggml 0.25.3, GGML_NATIVE)' (or 'AVX2 only')
+    for table headers."""
     info = build_info(bin_dir)
     if not info:
         return f"llama.cpp from {bin_dir}"
     return (f"llama.cpp {info.get('llama.cpp commit', '?')} "
             f"(llama-cpp-python {info.get('llama-cpp-python sdist', '?')} sdist, "
-            f"ggml {info.get('ggml version', '?')}, GGML_NATIVE)")
+            f"ggml {info.get('ggml version', '?')}, {'AVX2 only' if '-DGGML_AVX512=OFF' in info.get('flags', '') else 'GGML_NATIVE'})")
 
 
 def greedy_body(prompt, n_predict: int, *, ignore_eos: bool = True, cache_prompt: bool = True,

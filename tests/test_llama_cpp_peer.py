@@ -2,6 +2,7 @@
 gives when there are none, and the greedy request it sends (the benchmarks' fairness rests on it)."""
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -47,6 +48,21 @@ def test_pinned_version_first_then_newest(peers):
     assert peer.find_bin() == exact
     assert "0c1e570" in peer.describe(exact) and pinned in peer.describe(exact)
     assert older != exact
+
+
+def test_a_build_held_to_avx2_is_used_only_when_named(peers, monkeypatch):
+    held = fake_build(peers, "0.3.99-avx2")
+    with pytest.raises(peer.Unavailable, match="not built"):
+        peer.find_bin()
+    monkeypatch.setenv("LLAMA_CPP_BIN", held)
+    assert peer.find_bin() == held
+
+
+def test_the_build_script_refuses_an_unknown_isa(peers):
+    script = os.path.join(os.path.dirname(peer.BUILD_SCRIPT), "build_llama_cpp.sh")
+    result = subprocess.run(["bash", script], env={**os.environ, "LLAMA_CPP_ISA": "avx9"}, capture_output=True,
+                            text=True)
+    assert result.returncode == 2 and "LLAMA_CPP_ISA must be native or avx2, got avx9" in result.stderr
 
 
 def test_bin_override(peers, monkeypatch):
