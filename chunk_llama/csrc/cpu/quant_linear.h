@@ -98,6 +98,10 @@ __attribute__((nothrow, noinline)) void quant_tile(const float* __restrict__ x, 
         if constexpr (kHasOffset<Type>)  // (stored here: a store inside the FMAs' loop may alias the blocks)
           for (int j = 0; j < 8; ++j) offsets[c * stride + block * 8 + j] = -ks[c].m[j];
       }
+      // The scales are read back from memory by each use (a load, or AVX-512's embedded
+      // broadcast), not kept in registers and broadcast to a vector by permutes: those take
+      // the port the table lookups need (Q6_K at one row 20 -> 23-24 Gweights/s, AVX-512).
+      asm volatile("" ::: "memory");
       // (a plain loop: with each group in a lambda GCC ran a Q4_K tile in L2 faster, 50
       // against 68 us, but DRAM-bound Q6_K, Q8_0 and Q4_1 at half the speed)
 #pragma GCC unroll 8
