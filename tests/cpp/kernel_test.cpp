@@ -269,7 +269,7 @@ double run_linear_cases(const Variant& variant, int& cases) {
 // pattern of the packed weights; the fp16 scales finite, about 1e-2), against the generic
 // variant's decoding (the Python tests check that one, and every variant the host runs,
 // against gguf-py) and a double-precision y = x W^T + b of it: a variant's lane functions
-// (vbyte_field, vint8, vnibbles5) checked where the host cannot run it natively.
+// (vscaled_nibbles, vnibbles5, vnibbles5k, vq6k, vint8) checked where the host cannot run it natively.
 double run_quant_cases(const Variant& variant, int& cases) {
   const Variant& generic = *find_variant("generic");
   Rng rng{777};

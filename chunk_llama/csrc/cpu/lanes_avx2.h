@@ -37,11 +37,6 @@ inline void vstore(uint16_t* p, Vec a) {  // round to nearest even, keep the hig
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
 inline Vec vadd(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
-inline Vec vbyte_field(const uint8_t* p, int shift, int mask) {
-  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  return {_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(bytes, _mm_cvtsi32_si128(shift)),
-                                              _mm256_set1_epi32(mask)))};
-}
 inline Vec vhalf(const uint8_t* p) {  // every lane: the fp16 at p (F16C)
   uint16_t h;
   std::memcpy(&h, p, sizeof h);
@@ -55,17 +50,14 @@ inline float half_to_float(const uint8_t* p) {  // the fp16 at p (F16C: a subnor
 inline Vec vhalves(const uint8_t* p) {  // lane i: the fp16 at p + 2i (F16C)
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
 }
-inline void vnibbles(const uint8_t* p, Vec* low, Vec* high) {  // one load for both halves
-  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  low->v = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0xF)));
-  high->v = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
-}
 inline void vbytes16(uint64_t low, uint64_t high, float* out) {  // (in registers: no store to reload)
   _mm256_storeu_ps(out, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(low)))));
   _mm256_storeu_ps(out + 8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(high)))));
 }
 inline void vscaled_nibbles(const uint8_t* p, float bias, Vec scale, Vec* low, Vec* high) {
-  vnibbles(p, low, high);
+  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));  // both halves
+  low->v = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0xF)));
+  high->v = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
   if (bias != 0.f) {
     low->v = _mm256_add_ps(low->v, _mm256_set1_ps(bias));
     high->v = _mm256_add_ps(high->v, _mm256_set1_ps(bias));
@@ -82,6 +74,15 @@ inline Vec vq6k(const uint8_t* low, int low_shift, const uint8_t* high, int high
       _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(h, _mm_cvtsi32_si128(high_shift)), _mm256_set1_epi32(3)),
                         4));
   return {_mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(32)))};
+}
+inline Vec vnibbles5k(const uint8_t* p, int shift, const uint8_t* bits, int bit, Vec scale) {
+  // the fifth bit joins the nibble as integers: one conversion, one product
+  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i fifth = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bits)));
+  const __m256i q = _mm256_or_si256(
+      _mm256_and_si256(_mm256_srl_epi32(bytes, _mm_cvtsi32_si128(shift)), _mm256_set1_epi32(15)),
+      _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(fifth, _mm_cvtsi32_si128(bit)), _mm256_set1_epi32(1)), 4));
+  return {_mm256_mul_ps(_mm256_cvtepi32_ps(q), scale.v)};
 }
 inline void vnibbles5(const uint8_t* p, uint32_t bits, int first, float bias, Vec* low, Vec* high) {
   // each lane's fifth bit joins its nibble as integers: one conversion per vector

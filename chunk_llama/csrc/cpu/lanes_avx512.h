@@ -34,11 +34,6 @@ inline void vstore(uint16_t* p, Vec a) {  // round to nearest even, keep the hig
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits));  // truncation is exact
 }
 inline Vec vadd(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
-inline Vec vbyte_field(const uint8_t* p, int shift, int mask) {
-  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return {_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(bytes, _mm_cvtsi32_si128(shift)),
-                                              _mm512_set1_epi32(mask)))};
-}
 inline float half_to_float(const uint8_t* p) {  // the fp16 at p (F16C: a subnormal half costs no assist)
   uint16_t h;
   std::memcpy(&h, p, sizeof h);
@@ -61,9 +56,6 @@ inline __m512 nibble_values(float bias) {  // lane n: n + bias
   const __m512 values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   return bias == 0.f ? values : _mm512_add_ps(values, _mm512_set1_ps(bias));
 }
-inline void vnibbles(const uint8_t* p, Vec* low, Vec* high) {
-  nibble_lookup(p, nibble_values(0.f), &low->v, &high->v);
-}
 inline void vbytes16(uint64_t low, uint64_t high, float* out) {  // (in registers: no store to reload)
   _mm512_storeu_ps(out, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
                             _mm_set_epi64x(static_cast<long long>(high), static_cast<long long>(low)))));
@@ -82,8 +74,24 @@ inline Vec vq6k(const uint8_t* low, int low_shift, const uint8_t* high, int high
   return {_mm512_add_ps(_mm512_permutexvar_ps(_mm512_srl_epi32(l, _mm_cvtsi32_si128(low_shift)), lows),
                         _mm512_permutexvar_ps(_mm512_srl_epi32(h, _mm_cvtsi32_si128(high_shift)), highs))};
 }
+inline Vec vnibbles5k(const uint8_t* p, int shift, const uint8_t* bits, int bit, Vec scale) {
+  // two 16-entry tables scaled once ((0..15) * scale and (16..31) * scale, each entry the
+  // product a lane would compute); the fifth bit picks the second under a mask made with a
+  // byte shift and movemask: two lookups, against a field's shift, mask and conversion, a
+  // multiply and two adds per vector (one lookup in a 32-entry table, vpermt2ps, was slower:
+  // its index needs the nibble masked and the bit or'd in)
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m128i fifth = _mm_sll_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits)),
+                                      _mm_cvtsi32_si128(7 - bit));  // bit `bit` of byte i to its bit 7
+  const uint16_t high = static_cast<uint16_t>(_mm_movemask_epi8(fifth));  // (a __mmask16)
+  const __m512i index = _mm512_srl_epi32(bytes, _mm_cvtsi32_si128(shift));  // (vpermps reads its low 4 bits)
+  const __m512 values = nibble_values(0.f);
+  const __m512 low = _mm512_permutexvar_ps(index, _mm512_mul_ps(values, scale.v));
+  return {_mm512_mask_permutexvar_ps(low, high, index, _mm512_mul_ps(_mm512_add_ps(values, _mm512_set1_ps(16.f)),
+                                                                      scale.v))};
+}
 inline void vnibbles5(const uint8_t* p, uint32_t bits, int first, float bias, Vec* low, Vec* high) {
-  // the nibbles from a table as vnibbles, biased; each lane's fifth bit is a mask bit
+  // the nibbles from a table (biased, not scaled); each lane's fifth bit is a mask bit
   // already: adding 16 under it is one operation (against a shift, mask, conversion,
   // multiply and add per vector)
   const __m512 sixteen = _mm512_set1_ps(16.f);

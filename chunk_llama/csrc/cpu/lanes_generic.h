@@ -11,14 +11,15 @@
 //   vzero, vset1(x)          all lanes 0 / x
 //   vload(p), vstore(p, a)   kLanes consecutive fp32, or bf16 (uint16_t) converted in registers
 //                            (stores round to nearest even)
-//   vbyte_field(p, shift, mask)  lane i = (p[i] >> shift) & mask, p: kLanes bytes (quant.h's
 //   vhalf(p)                     every lane: the fp16 at p (a block's scale)
 //   half_to_float(p)             the fp16 at p as a float (a K-quant's scale; hardware where it can)
 //   vhalves(p)                   lane i = the fp16 at p + 2i (F16 weights)
-//   vnibbles(p, &low, &high)     low: p[i] & 15, high: p[i] >> 4 (one load)      quantized
 //   vbytes16(low, high, out)     out[i] = byte i of low, out[8 + i] = byte i of high (16 floats)
-//   vscaled_nibbles(p, bias, scale, &low, &high)  vnibbles' lanes n as (n + bias) * scale
+//   vscaled_nibbles(p, bias, scale, &low, &high)  low: ((p[i] & 15) + bias) * scale, high:
+//                                ((p[i] >> 4) + bias) * scale (one load; quantized weights)
 //   vq6k(low, ls, high, hs)      Q6_K's: lane i = ((low[i] >> ls) & 15) + 16 ((high[i] >> hs) & 3) - 32
+//   vnibbles5k(p, shift, bits, bit, scale)  Q5_K's: lane i = (((p[i] >> shift) & 15)
+//                                + 16 ((bits[i] >> bit) & 1)) * scale, the product rounded once
 //   vnibbles5(p, bits, first, bias, &low, &high)  Q5's: low: (p[i] & 15) + 16 bit first + i of
 //                                bits + bias, high: (p[i] >> 4) + 16 bit first + 16 + i + bias
 //   vint8(p)                     lane i = p[i], p: kLanes int8

@@ -3,21 +3,12 @@
 // lanes_<isa>.h, in its namespace, after its vload, vstore and vset1.
 #pragma once
 
-inline Vec vbyte_field(const uint8_t* p, int shift, int mask) {
-  alignas(64) float lanes[kLanes];
-  for (int i = 0; i < kLanes; ++i) lanes[i] = static_cast<float>((p[i] >> shift) & mask);
-  return vload(lanes);
-}
 inline float half_to_float(const uint8_t* p) { return fp16_to_float(p); }
 inline Vec vhalf(const uint8_t* p) { return vset1(fp16_to_float(p)); }
 inline Vec vhalves(const uint8_t* p) {
   alignas(64) float lanes[kLanes];
   for (int i = 0; i < kLanes; ++i) lanes[i] = fp16_to_float(p + 2 * i);
   return vload(lanes);
-}
-inline void vnibbles(const uint8_t* p, Vec* low, Vec* high) {
-  *low = vbyte_field(p, 0, 0xF);
-  *high = vbyte_field(p, 4, 0xF);
 }
 inline void vbytes16(uint64_t low, uint64_t high, float* out) {
   for (int i = 0; i < 8; ++i) {
@@ -39,6 +30,13 @@ inline Vec vq6k(const uint8_t* low, int low_shift, const uint8_t* high, int high
   alignas(64) float lanes[kLanes];
   for (int i = 0; i < kLanes; ++i)
     lanes[i] = static_cast<float>((((low[i] >> low_shift) & 15) | ((high[i] >> high_shift) & 3) << 4) - 32);
+  return vload(lanes);
+}
+inline Vec vnibbles5k(const uint8_t* p, int shift, const uint8_t* bits, int bit, Vec scale) {
+  alignas(64) float scales[kLanes], lanes[kLanes];
+  vstore(scales, scale);
+  for (int i = 0; i < kLanes; ++i)
+    lanes[i] = static_cast<float>(((p[i] >> shift) & 15) | ((bits[i] >> bit) & 1) << 4) * scales[i];
   return vload(lanes);
 }
 inline void vnibbles5(const uint8_t* p, uint32_t bits, int first, float bias, Vec* low, Vec* high) {

@@ -4,7 +4,7 @@
 //
 // Every format decodes in groups of 32 weights (a block of the 32-weight formats, a
 // sub-block of the K-quants, 32 float16 or bfloat16), kLanes at a time in registers
-// (vbyte_field and friends). decode_group does it with the operations, in the order, of
+// (vscaled_nibbles and friends). decode_group does it with the operations, in the order, of
 // gguf-py's numpy dequantizers (what transformers loads a GGUF file with): the weights are
 // the float32-dequantized model's, bit for bit where vpin keeps the compiler from fusing a
 // multiply and an add (not the generic lanes, whose baseline x86 target has no FMA to fuse
@@ -91,11 +91,9 @@ __attribute__((nothrow)) inline void decode_k_group(const uint8_t* b, int j, con
     const uint8_t* qs = b + (kFifth ? 48 : 16) + 32 * (j / 2);
 #pragma GCC unroll 8
     for (int v = 0; v < kGroupVecs; ++v) {
-      Vec q, high;  // dj times the integers (vnibbles: fewer operations than a field's shift, mask and conversion)
+      Vec q, high;  // dj times the integers (tables: fewer operations than a field's shift, mask and conversion)
       if constexpr (kFifth) {
-        vnibbles(qs + v * kLanes, &q, &high);
-        if (j % 2) q = high;
-        q = vmul(vset1(dj), vadd(q, vmul(vbyte_field(b + 16 + v * kLanes, j, 1), vset1(16.f))));
+        q = vnibbles5k(qs + v * kLanes, 4 * (j % 2), b + 16 + v * kLanes, j, vset1(dj));
       } else {
         vscaled_nibbles(qs + v * kLanes, 0.f, vset1(dj), &q, &high);
         if (j % 2) q = high;
