@@ -56,7 +56,8 @@ def _has_binaries(bin_dir: str) -> bool:
 def find_bin(build: bool = False) -> str:
     """The folder holding llama-server and llama-batched-bench: `$LLAMA_CPP_BIN` if set, else
     the build of the pinned sdist version in `peers_dir()`, else any other cached native build
-    (newest version first; an AVX2 build, `LLAMA_CPP_ISA=avx2`, only by `$LLAMA_CPP_BIN`). `build=True` runs scripts/build_llama_cpp.sh when none is found."""
+    (newest version first; an AVX2 build, `LLAMA_CPP_ISA=avx2`, only by `$LLAMA_CPP_BIN`).
+    `build=True` runs scripts/build_llama_cpp.sh when none is found."""
     override = os.environ.get("LLAMA_CPP_BIN")
     if override:
         if _has_binaries(override):
@@ -113,9 +114,10 @@ def describe(bin_dir: str) -> str:
     info = build_info(bin_dir)
     if not info:
         return f"llama.cpp from {bin_dir}"
+    isa = "AVX2 only" if "-DGGML_AVX512=OFF" in info.get("flags", "") else "GGML_NATIVE"
     return (f"llama.cpp {info.get('llama.cpp commit', '?')} "
             f"(llama-cpp-python {info.get('llama-cpp-python sdist', '?')} sdist, "
-            f"ggml {info.get('ggml version', '?')}, {'AVX2 only' if '-DGGML_AVX512=OFF' in info.get('flags', '') else 'GGML_NATIVE'})")
+            f"ggml {info.get('ggml version', '?')}, {isa})")
 
 
 def greedy_body(prompt, n_predict: int, *, ignore_eos: bool = True, cache_prompt: bool = True,

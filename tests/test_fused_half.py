@@ -131,3 +131,5 @@ def test_the_16_bit_linear_path_rounds_the_float32_sum_once(dtype, rows, native,
     assert linear.backend(dtype) == f"half_blocks:{isa.selected_variant()}" + (" + onednn" if native else "")
     odd = torch.randn(5, 37, generator=generator).to(dtype)  # 37 wide: not whole groups, F.linear's
     assert torch.equal(step_linear(x[:, :37], odd, None), torch.nn.functional.linear(x[:, :37], odd))
+    wide = weight.float()  # a float32 layer in a 16-bit step (a cache made for another dtype): F.linear's
+    assert torch.equal(step_linear(x.float(), wide, None), torch.nn.functional.linear(x.float(), wide))

@@ -136,8 +136,9 @@ def _run_half(native: bool, variant: str, x: torch.Tensor, weight: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
     """A 16-bit model's layer: x [..., in_features] and weight [out_features, in_features]
     of the model's dtype -> [..., out_features] of it."""
-    if not (x.dtype is weight.dtype and x.is_cpu and weight.is_cpu and weight.is_contiguous()
-            and weight.dim() == 2 and weight.shape[1] % 32 == 0 and (bias is None or bias.is_cpu)):
+    if not (x.dtype is weight.dtype and weight.dtype in HALF_BLOCKS and x.is_cpu and weight.is_cpu
+            and weight.is_contiguous() and weight.dim() == 2 and weight.shape[1] % 32 == 0
+            and (bias is None or bias.is_cpu)):
         return F.linear(x, weight, bias)
     flat = x.reshape(-1, x.shape[-1])  # [rows, in_features]
     if native and flat.shape[0] > SMALL_ROWS:
