@@ -46,7 +46,8 @@ class EngineArgs:
     model: str | None = option(None, MODEL_HELP)
     device: str = option("auto", DEVICES_HELP)
     dtype: str = option("auto", "the model's and the KV cache's dtype; auto: bfloat16 on a GPU (float16 where "
-                                "bfloat16 is not supported), float32 on the CPU", choices=DTYPE_CHOICES)
+                                "bfloat16 is not supported); on the CPU a bfloat16 checkpoint's bfloat16 where the "
+                                "CPU computes it natively (AVX512-BF16, AMX), else float32", choices=DTYPE_CHOICES)
     gguf_weights: str = option("auto", "a .gguf model's quantized tensors: quantized keeps their blocks (about "
                                        "the file's size in memory, and what a decode step reads; CPU, float32; "
                                        "a bfloat16 or float16 checkpoint's weights stay so the same way), "
@@ -76,10 +77,14 @@ class EngineArgs:
         """(model, tokenizer) on the chosen device and dtype (`models.load_model`, which also takes
         `load_kwargs`: revision, trust_remote_code); `announce`: say what is loaded where on
         stderr (after the device and dtype were checked)."""
-        from chunk_llama.models import load_model, resolve_device, resolve_dtype, resolve_kv_dtype
+        from chunk_llama.models import checkpoint_dtype, load_model, resolve_device, resolve_dtype, resolve_kv_dtype
 
         device = resolve_device(self.device)
-        dtype = resolve_dtype(self.dtype, device)
+        stored = None  # (auto on the CPU follows the checkpoint's dtype: read from its config alone)
+        if self.dtype == "auto" and device.type == "cpu":
+            stored = checkpoint_dtype(self.model, **{k: v for k, v in load_kwargs.items()
+                                                     if k in ("revision", "trust_remote_code")})
+        dtype = resolve_dtype(self.dtype, device, stored)
         try:  # before any weights are read
             resolve_kv_dtype(self.kv_dtype, dtype, device)
         except ValueError as error:

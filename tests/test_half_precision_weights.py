@@ -38,7 +38,7 @@ def checkpoint(request, tmp_path_factory):
 
 def test_a_half_precision_checkpoint_keeps_its_weights_in_it(checkpoint, tmp_path):
     dtype, checkpoint = checkpoint
-    ours, tokenizer = load_model(checkpoint)
+    ours, tokenizer = load_model(checkpoint, dtype="float32")
     stock = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     kept = [m for m in ours.modules() if isinstance(m, (GGUFLinear, GGUFEmbedding))]
     assert len(kept) == 2 * 7 + 2  # 7 a layer, the embedding, the head
@@ -87,5 +87,24 @@ def test_weights_that_are_not_exactly_of_the_dtype_stay_float32(checkpoint):
         stock.model.layers[1].mlp.up_proj.weight[0, 0] = float("inf")  # exactly 16-bit, but not a weight to keep
     assert keep_half_precision(stock, dtype) == 2 * 7 + 2 - 2
     assert type(stock.model.layers[0].mlp.up_proj) is nn.Linear and type(stock.model.layers[1].mlp.up_proj) is nn.Linear
-    dequantized, _ = load_model(checkpoint, gguf_weights="dequantized")
+    dequantized, _ = load_model(checkpoint, dtype="float32", gguf_weights="dequantized")
     assert not any(isinstance(m, (GGUFLinear, GGUFEmbedding)) for m in dequantized.modules())
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_loads_a_bfloat16_checkpoint_in_bfloat16_where_the_cpu_computes_it(checkpoint, native, monkeypatch):
+    """`dtype="auto"` on the CPU: a bfloat16 checkpoint in bfloat16 (as stock's auto loads it)
+    where the CPU multiplies bfloat16 natively, else in float32 with its weights kept 16-bit;
+    a float16 checkpoint always the latter. The command line's settings say the same dtype
+    before loading."""
+    from chunk_llama.ops import isa
+    from chunk_llama.settings import EngineArgs
+
+    dtype, checkpoint = checkpoint
+    monkeypatch.setattr(isa, "native_bfloat16", lambda: native)
+    model, _ = load_model(checkpoint)
+    expected = torch.bfloat16 if native and dtype is torch.bfloat16 else torch.float32
+    assert model.dtype == expected
+    kept = {m.ggml_type for m in model.modules() if isinstance(m, (GGUFLinear, GGUFEmbedding))}
+    assert kept == (set() if expected is torch.bfloat16 else {"BF16" if dtype is torch.bfloat16 else "F16"})
+    assert EngineArgs(model=checkpoint, device="cpu").load(announce=False)[0].dtype == expected

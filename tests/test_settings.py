@@ -1,5 +1,6 @@
 """One set of engine options (`settings.EngineArgs`) for every command: flags, help, environment."""
 
+import os
 import subprocess
 import sys
 
@@ -71,6 +72,15 @@ def test_device_and_dtype_resolution():
     with pytest.raises(ValueError, match="device must be"):
         resolve_device("tpu")
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    from chunk_llama.ops import isa  # auto on the CPU: a bfloat16 checkpoint's where the CPU computes it natively
+
+    native = isa.native_bfloat16()
+    assert resolve_dtype("auto", torch.device("cpu"), torch.bfloat16) == (torch.bfloat16 if native else torch.float32)
+    assert resolve_dtype("auto", torch.device("cpu"), torch.float16) == torch.float32
+    assert resolve_dtype("float32", torch.device("cpu"), torch.bfloat16) == torch.float32
+    held = subprocess.run([sys.executable, "-c", "from chunk_llama.ops import isa; print(isa.native_bfloat16())"],
+                          env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}, capture_output=True, text=True, check=True)
+    assert held.stdout.strip() == "False", "oneDNN held to AVX2 computes bfloat16 by emulation: auto stays float32"
     assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
     assert resolve_dtype(torch.float16, torch.device("cpu")) == torch.float16
     with pytest.raises(ValueError, match="dtype"):

@@ -39,6 +39,19 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def native_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX-BF16 on x86-64,
+    BF16 on arm64, as /proc/cpuinfo lists them) and torch's oneDNN may use it (not held below
+    it by `ONEDNN_MAX_CPU_ISA`)."""
+    if not _cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"}:
+        return False
+    from chunk_llama.ops.linear import native_half_gemm  # (linear imports this module)
+
+    import torch
+
+    return native_half_gemm(torch.bfloat16)
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
