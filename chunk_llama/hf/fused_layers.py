@@ -233,6 +233,9 @@ class _Described:
             self.hidden_size = struct.hidden_size
             self.float32_weights = any(getattr(struct, field).type == 0 for field in _WEIGHT_FIELDS)
 
+    def __deepcopy__(self, memo) -> None:
+        return None  # a copy of the model describes its layers again (this points at the original's tensors)
+
 
 def _modules(layer: nn.Module, family: Family) -> tuple:
     """(layer, attention, MLP, activation, the four norm slots, q and k norms, the seven

@@ -57,6 +57,12 @@ class Stack:
         self._arrays: tuple | None = None  # (descriptions, pools, DecoderStack)
         self._described: tuple | None = None  # (layers, descriptions, Snapshot of layers 1 on)
 
+    def __deepcopy__(self, memo) -> "Stack | None":
+        """The copied owner's stack, where `copy.deepcopy` of the model copied the owner first
+        (it does, before its layers); None for a layer copied alone (it then runs its own call)."""
+        owner = memo.get(id(self.owner()))
+        return None if owner is None else Stack(owner)
+
     def layers(self) -> list | None:
         """The layers the forward will run, or None if the owner is gone or changed."""
         owner = self.owner()

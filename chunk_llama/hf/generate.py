@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import weakref
 
 from chunk_llama.hf import compat
 from chunk_llama.hf.cache import ChunkCache
@@ -28,7 +29,17 @@ def wrap_generate(model) -> None:
     """Wrap `model.generate` on the instance (signature kept)."""
     original = model.generate
     model.generate = functools.update_wrapper(functools.partial(_chunk_generate, model, original), original)
-    model._chunk_llama_generate_lock = threading.Lock()
+
+
+# one generate at a time per model (kept here, not on the model: a lock cannot be copied, and
+# `copy.deepcopy` of a patched model gives a model of its own, with a lock of its own)
+_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOCKS_LOCK = threading.Lock()
+
+
+def _lock_of(model) -> threading.Lock:
+    with _LOCKS_LOCK:
+        return _LOCKS.setdefault(model, threading.Lock())
 
 
 def model_cache(model) -> ChunkCache:
@@ -61,7 +72,7 @@ def _chunk_generate(model, original, *args, **kwargs):
         if problem:
             _log_stock_once(problem)
         return original(*args, **kwargs)
-    with model._chunk_llama_generate_lock:
+    with _lock_of(model):
         cache = model_cache(model)
         cache.start_rows()
         kwargs[compat.cache_argument(model)] = cache
