@@ -17,6 +17,7 @@ from chunk_llama import ChunkLlamaEngine
 from chunk_llama.hf import fused_layers
 from chunk_llama.ops import isa, linear
 from chunk_llama.ops.cpu import build
+from chunk_llama.ops.quant_linear import GGML_TYPES
 
 pytestmark = pytest.mark.skipif(build() is None or isa.host_arch() != "x86_64",
                                 reason="the fused layer and the 16-bit linear path run with the CPU kernels (x86-64)")
@@ -116,6 +117,7 @@ def test_a_long_bfloat16_prefill_fuses_only_where_onednn_is_not_native(native, m
 @pytest.mark.parametrize("native", [True, False])
 def test_the_16_bit_linear_path_rounds_the_float32_sum_once(dtype, rows, native, monkeypatch):
     monkeypatch.setattr(linear, "native_half_gemm", lambda dtype: native)
+    assert linear.HALF_BLOCKS[dtype] == GGML_TYPES[{torch.bfloat16: "BF16", torch.float16: "F16"}[dtype]]
     generator = torch.Generator().manual_seed(rows)
     x, weight, bias = (torch.randn(*shape, generator=generator).to(dtype) for shape in ((rows, 96), (37, 96), (37,)))
     step_linear = linear.resolve(dtype, "cpu")

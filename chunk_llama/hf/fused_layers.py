@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from chunk_llama.hf import fused_stack
-from chunk_llama.hf.gguf_weights import HALF_TYPES, GGUFLinear
+from chunk_llama.hf.gguf_weights import GGUFLinear
 from chunk_llama.hf.snapshot import GLOBAL_HOOKS, Snapshot
 from chunk_llama.ops import cpu_lib
 from chunk_llama.ops import linear as linear_ops
@@ -393,7 +393,7 @@ def _weight(module: nn.Module, start: int, stop: int, widened: _Widened) -> "cpu
         if weight.dtype is not torch.float32 and width % 32:  # (read as BF16 / F16 blocks: groups of 32)
             return f"its {str(weight.dtype).removeprefix('torch.')} weight is {width} wide, not whole groups of 32"
         size = weight.element_size()  # a 16-bit weight is read as BF16 / F16 blocks: widened in registers
-        kind = 0 if size == 4 else quant_ops.GGML_TYPES[HALF_TYPES[weight.dtype]]
+        kind = 0 if size == 4 else linear_ops.HALF_BLOCKS[weight.dtype]
         return cpu_lib.Weight(weight.data_ptr() + size * start * width, bias_ptr, kind, stop - start, width,
                               (stop - start) * width * size)
     return f"a {type(module).__name__} (adapters, quantized or offloaded layers run their own forward)"

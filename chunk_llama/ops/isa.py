@@ -47,8 +47,6 @@ def native_bfloat16() -> bool:
         return False
     from chunk_llama.ops.linear import native_half_gemm  # (linear imports this module)
 
-    import torch
-
     return native_half_gemm(torch.bfloat16)
 
 
