@@ -282,13 +282,19 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device,
     return dtype
 
 
+def model_path(name_or_path: str | None) -> str:
+    """What a model name means: the default model's file (None), Gemma 3 270M's (its alias),
+    or the path or hub id itself."""
+    return gemma3_270m_path() if name_or_path == GEMMA3_270M else name_or_path or default_model_path()
+
+
 def checkpoint_dtype(name_or_path: str | None, **config_kwargs) -> torch.dtype | None:
     """The dtype a checkpoint's config says its weights are in (`resolve_dtype`'s `stored`),
     read from its config alone; None for a GGUF file (its blocks run in float32) or a config
     that names none. `config_kwargs`: revision, trust_remote_code."""
     from transformers import AutoConfig
 
-    path = gemma3_270m_path() if name_or_path == GEMMA3_270M else name_or_path or default_model_path()
+    path = model_path(name_or_path)
     if path.endswith(".gguf"):
         return None
     return _stored_dtype(AutoConfig.from_pretrained(path, **config_kwargs))
@@ -325,7 +331,7 @@ def load_model(name_or_path: str | None = None, *, device: str | torch.device | 
     if gguf_weights not in GGUF_WEIGHTS:
         raise ValueError(f"gguf_weights must be one of {', '.join(GGUF_WEIGHTS)}, got {gguf_weights!r}")
     device = resolve_device(device)
-    path = gemma3_270m_path() if name_or_path == GEMMA3_270M else name_or_path or default_model_path()
+    path = model_path(name_or_path)
     # auto for a checkpoint is resolved from its config (its dtype counts); a GGUF file's blocks run in float32
     from_config = (dtype is None or dtype == "auto") and not path.endswith(".gguf")
     dtype = None if from_config else resolve_dtype(dtype, device)

@@ -94,13 +94,13 @@ def main() -> None:
     if args.measure:
         print(json.dumps(_measure(*args.measure)))
         return
-    from chunk_llama.models import GEMMA3_270M, default_model_path, gemma3_270m_path
+    from chunk_llama.models import model_path
 
     with tempfile.TemporaryDirectory() as folder:
         if args.synthetic:
             path = _synthetic(*args.synthetic, args.type, folder)
         else:
-            path = gemma3_270m_path() if args.model == GEMMA3_270M else args.model or default_model_path()
+            path = model_path(args.model)
         file_mb = os.path.getsize(path) / 1e6
         print(f"{os.path.basename(path)}: {file_mb:.0f} MB")
         print("| load | peak RSS above imports (MB) | x file | seconds | weights (MB) |\n|---|---|---|---|---|")

@@ -31,7 +31,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from chunk_llama.hf.gguf_file import file_tensors
-from chunk_llama.models import GEMMA3_270M, default_model_path, gemma3_270m_path
+from chunk_llama.models import model_path
 from chunk_llama.ops import isa
 from chunk_llama.ops.cpu import build
 from chunk_llama.ops.quant_linear import GGML_TYPES, QuantLinear
@@ -54,7 +54,7 @@ def main() -> None:
     if args.random:
         return random_matrices(args)
     kept = set(GGML_TYPES.values())
-    _, tensors, _ = file_tensors(gemma3_270m_path() if args.model == GEMMA3_270M else args.model or default_model_path())
+    _, tensors, _ = file_tensors(model_path(args.model))
     weights = []  # (ggml type, in_features, blocks [out_features, row_bytes] uint8)
     for tensor in tensors:
         kind = int(tensor.tensor_type)

@@ -46,7 +46,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import chunk_llama
 from chunk_llama.cli import DEFAULT_PROMPTS, DEFAULT_SYSTEM, read_prompts
-from chunk_llama.models import GEMMA3_270M, default_model_path, gemma3_270m_path, load_model
+from chunk_llama.models import load_model, model_path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama_cpp_peer as peer  # noqa: E402
@@ -251,7 +251,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     # the file itself, which llama.cpp needs (load_model also takes the gemma3-270m alias)
-    gguf = gemma3_270m_path() if args.model == GEMMA3_270M else args.model or default_model_path()
+    gguf = model_path(args.model)
     runs = args.repeat + 1
 
     rows, reference, tokenizer, model = [], None, None, None
