@@ -11,6 +11,8 @@ the prompts tokenize as in the other benchmarks. Formats as llama.cpp's Q4_K_M a
 Q6_K for attn_v, ffn_down and the (tied) token embedding, Q4_K for every other projection,
 float32 norms. The blocks are random bytes with scales drawn so that the weights have about
 the standard deviation of a trained model's (0.02): the hidden states stay finite.
+(`bench_gguf_load.py --synthetic` instead quantizes a random float32 model with gguf-py:
+the formats gguf-py quantizes, no tokenizer, and the whole model in float32 first.)
 """
 
 from __future__ import annotations
