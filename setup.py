@@ -4,8 +4,8 @@ compiler and no CUDA toolkit.
 `build_py` compiles, where the tools are present, the CPU library (every instruction-set
 variant of this architecture, chosen at run time) and the CUDA library (a cubin per
 architecture family, PTX of the newest, the CUDA runtime linked in) from the package's own
-sources (`chunk_llama/csrc/`), as `chunk_llama/ops/build.py` declares them, into
-`chunk_llama/_native/` with a manifest (`chunk_llama/ops/native.py` reads it). Both are
+sources (`chunk_llama/csrc/`), as `chunk_llama/ops/build/spec.py` declares them, into
+`chunk_llama/_native/` with a manifest (`chunk_llama/ops/build/native.py` reads it). Both are
 torch-free C libraries, so the wheel serves every torch release. `bdist_wheel` then tags the
 wheel `py3-none-<platform>` (the libraries do not depend on the Python version) and, on
 Linux, has auditwheel check it and retag it manylinux (libgomp is left out: torch's wheel
@@ -40,8 +40,8 @@ ROOT = Path(__file__).resolve().parent
 
 
 def _build_module():
-    """chunk_llama/ops/build.py, loaded by path: chunk_llama itself needs torch, a build does not."""
-    spec = importlib.util.spec_from_file_location("chunk_llama_build", ROOT / "chunk_llama" / "ops" / "build.py")
+    """chunk_llama/ops/build/spec.py, loaded by path: chunk_llama itself needs torch, a build does not."""
+    spec = importlib.util.spec_from_file_location("chunk_llama_build", ROOT / "chunk_llama" / "ops" / "build" / "spec.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)

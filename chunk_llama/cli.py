@@ -12,9 +12,8 @@ from dataclasses import dataclass
 
 from chunk_llama.eval.cli import add_eval_parser
 from chunk_llama.extras import MissingExtraError, require
-from chunk_llama.server.options import DeployArgs
-from chunk_llama.settings import (EngineArgs, HelpFormatter, add_arguments, from_namespace, option,
-                                  run_command)
+from chunk_llama.server.options import DeployArgs, ServeArgs
+from chunk_llama.settings import EngineArgs, HelpFormatter, add_arguments, from_namespace, option, run_command
 from chunk_llama.version import __version__
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "examples")
@@ -31,34 +30,6 @@ class GenerateArgs:
     max_new_tokens: int = option(64, "most new tokens per request")
     limit: int | None = option(None, "use only the first N prompts")
     output: str | None = option(None, "write one JSON object per request to this file")
-
-
-@dataclass
-class ServeArgs:
-    """Where to listen, under which names, and how to load and log."""
-
-    host: str = option("127.0.0.1", "address to bind")
-    port: int = option(8000, "port to bind")
-    served_model_name: list[str] | None = option(None, "the names requests may give as `model` (the first is "
-                                                       "the one /v1/models lists; default: from --model)")
-    chat_template: str | None = option(None, "a Jinja chat template, or a file holding one, replacing the "
-                                             "tokenizer's")
-    trust_remote_code: bool = option(False, "let transformers run the model repository's own code")
-    revision: str | None = option(None, "the hub branch, tag or commit of --model")
-    log_level: str = option("info", "logging level of the server, the engine and libraries",
-                            choices=("debug", "info", "warning", "error", "critical"))
-    allowed_origins: list[str] | None = option(None, "browser origins allowed by CORS ('*': any; default: none)")
-    stats_interval: float = option(10.0, "seconds between stats lines while busy (0: none)")
-    data_parallel: int = option(1, "engine workers on this machine, behind sglang-router's cache-aware router "
-                                   "(N > 1; each worker its own GPU, or its share of the CPU cores)")
-    worker_urls: list[str] | None = option(None, "`chunk-llama serve` workers on other machines the router also "
-                                                 "routes to (with --data-parallel: besides the local ones; 0 local)")
-    router_policy: str = option("cache_aware", "sglang-router's policy",
-                                choices=("cache_aware", "round_robin", "random", "power_of_two"))
-    router_metrics_port: int = option(0, "port of the router's own Prometheus metrics (0: a free one)")
-    worker_start_timeout: float = option(300.0, "seconds a worker may take to load and answer /health")
-    worker_id: str | None = option(None, "this server's name behind a router (the launcher sets it): in the "
-                                         "X-Chunk-Llama-Worker header and every metric's worker label")
 
 
 def read_prompts(path: str) -> list[str]:

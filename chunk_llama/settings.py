@@ -19,16 +19,13 @@ import types
 import typing
 from dataclasses import dataclass, field
 
+from chunk_llama.errors import UsageError
+
 ENV_PREFIX = "CHUNK_LLAMA_"
 DEVICES_HELP = "auto (the first CUDA GPU if there is one, else the CPU), cpu, cuda or cuda:N"
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 MODEL_HELP = ("a .gguf file, a local folder, a hub id or 'gemma3-270m' (Gemma 3 270M from PyPI); "
               "default: SmolLM2-135M-Instruct")
-
-
-class UsageError(ValueError):
-    """A setting this machine cannot honour (a GPU where torch sees none): the commands print
-    it as one line and exit with code 2."""
 
 
 def option(default, help: str, **argparse_kwargs):
@@ -74,10 +71,11 @@ class EngineArgs:
                     retain_prefixes=self.prefix_caching, max_model_len=self.max_model_len)
 
     def load(self, announce: bool = True, **load_kwargs):
-        """(model, tokenizer) on the chosen device and dtype (`models.load_model`, which also takes
+        """(model, tokenizer) on the chosen device and dtype (`loading.load_model`, which also takes
         `load_kwargs`: revision, trust_remote_code); `announce`: say what is loaded where on
         stderr (after the device and dtype were checked)."""
-        from chunk_llama.models import checkpoint_dtype, load_model, resolve_device, resolve_dtype, resolve_kv_dtype
+        from chunk_llama.hf.support import resolve_kv_dtype
+        from chunk_llama.loading import checkpoint_dtype, load_model, resolve_device, resolve_dtype
 
         device = resolve_device(self.device)
         stored = None  # (auto on the CPU follows the checkpoint's dtype: read from its config alone)

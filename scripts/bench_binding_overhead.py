@@ -1,5 +1,5 @@
 """Cost of the CPU kernels' binding: the ctypes binding over the torch-free C interface
-(`ops/cpu_lib.py`, what chunk-llama ships) against the C++ torch op it replaced (the glue
+(`ops/cpu/binding.py`, what chunk-llama ships) against the C++ torch op it replaced (the glue
 `csrc/cpu/tpp_cpu_torch.cpp` of commit 81a3301, JIT-built with torch.utils.cpp_extension),
 in one process, the two interleaved (A, B, A, B, ...), medians.
 
@@ -28,9 +28,9 @@ import torch
 
 import chunk_llama
 from chunk_llama import ChunkCache
-from chunk_llama.ops import native
-from chunk_llama.ops.build import CPU_FLAGS, compiled_variants, cpu_build
-from chunk_llama.ops.cpu_lib import CpuLibrary
+from chunk_llama.ops.build import native
+from chunk_llama.ops.build.spec import CPU_FLAGS, compiled_variants, cpu_build
+from chunk_llama.ops.cpu.binding import CpuLibrary
 
 
 def load_torch_op(csrc: Path, build_dir: Path):

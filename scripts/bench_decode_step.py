@@ -21,13 +21,12 @@ import statistics
 import time
 
 import torch
+from e2e_systems import GEOMETRIES, random_weight_model
 from transformers import DynamicCache
 
-from e2e_systems import GEOMETRIES, random_weight_model
-
 import chunk_llama
-from chunk_llama.hf.gguf_weights import gguf_blocks
 from chunk_llama import ChunkCache
+from chunk_llama.gguf.weights import gguf_blocks
 from chunk_llama.ops import prepare_backend
 
 

@@ -44,8 +44,16 @@ import statistics
 import time
 
 import torch
-from e2e_systems import (GEOMETRIES, greedy_config, per_request_reference, random_prompts, random_weight_model,
-                         run_engine, run_generate_batch, run_stock)
+from e2e_systems import (
+    GEOMETRIES,
+    greedy_config,
+    per_request_reference,
+    random_prompts,
+    random_weight_model,
+    run_engine,
+    run_generate_batch,
+    run_stock,
+)
 
 import chunk_llama
 from chunk_llama.cli import DEFAULT_PROMPTS, DEFAULT_SYSTEM, read_prompts

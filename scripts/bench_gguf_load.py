@@ -1,5 +1,5 @@
 """Loading a .gguf model: peak memory and time of chunk-llama's tensor-by-tensor load
-(`hf/gguf_load.py`), of transformers' `from_pretrained` followed by keeping the blocks (the
+(`gguf/load.py`), of transformers' `from_pretrained` followed by keeping the blocks (the
 path before it, still the fallback), and of stock `from_pretrained` (float32), each in its
 own process, on the same file.
 
@@ -34,8 +34,9 @@ def _measure(path: str, way: str) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from chunk_llama import models
-    from chunk_llama.hf import gguf_load, gguf_weights
+    from chunk_llama.gguf import load as gguf_load
+    from chunk_llama.gguf import weights as gguf_weights
+    from chunk_llama.hf.support import check_supported
 
     folder, name = os.path.split(path)
     with open("/proc/self/clear_refs", "w") as f:  # the peak (VmHWM) starts again from here (Linux >= 4.0)
@@ -43,7 +44,7 @@ def _measure(path: str, way: str) -> dict:
     base = _status_kb("VmHWM")
     start = time.perf_counter()
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    models.check_supported(config)
+    check_supported(config)
     if way == "tensor_by_tensor":
         model, why = gguf_load.load_gguf_model(path, config)
         assert model is not None, why
@@ -94,7 +95,7 @@ def main() -> None:
     if args.measure:
         print(json.dumps(_measure(*args.measure)))
         return
-    from chunk_llama.models import model_path
+    from chunk_llama.loading import model_path
 
     with tempfile.TemporaryDirectory() as folder:
         if args.synthetic:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-from bench_decode_step import median_ms
 import transformers
+from bench_decode_step import median_ms
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import chunk_llama

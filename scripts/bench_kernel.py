@@ -42,8 +42,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from chunk_llama.kv import ChunkPool, PrefixTree  # noqa: E402
-from chunk_llama.step import build_decode_plan  # noqa: E402
 from chunk_llama.ops import reference  # noqa: E402
+from chunk_llama.step import build_decode_plan  # noqa: E402
 
 
 def machine_name(device) -> str:
@@ -265,7 +265,8 @@ def main() -> None:
     args.kv_heads = args.kv_heads or args.heads
     variant = None
     if device.type == "cpu":
-        from chunk_llama.ops import isa, prepare_backend
+        from chunk_llama.ops import prepare_backend
+        from chunk_llama.ops.cpu import isa
 
         variant = isa.selected_variant()
         # build (first use) before any timing; says why if the kernel cannot run here

@@ -33,9 +33,8 @@ from bench_e2e import build_prompts
 from transformers import DynamicCache, GenerationConfig
 
 import chunk_llama
-from chunk_llama.hf.gguf_weights import gguf_blocks
 from chunk_llama import ChunkLlamaEngine
-
+from chunk_llama.gguf.weights import gguf_blocks
 
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if platform.system() == "Linux" else None
 

@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=64)
     parser.add_argument("--show-replies", action="store_true")
     args = parser.parse_args()
-    from chunk_llama.models import load_model
+    from chunk_llama.loading import load_model
 
     model, tokenizer = load_model(args.model, dtype=torch.float32)
     with open(os.path.join(EXAMPLES, "toolqa_flights_system.txt"), encoding="utf-8") as f:

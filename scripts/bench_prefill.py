@@ -39,9 +39,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from chunk_llama.ops import isa, linear, prepare_backend, reference  # noqa: E402
+from chunk_llama.ops import prepare_backend, reference
+from chunk_llama.ops.cpu import isa, linear  # noqa: E402
+from chunk_llama.ops.cpu.attention import prefill_attention_cpu  # noqa: E402
 from chunk_llama.step import build_prefill_plan  # noqa: E402
-from chunk_llama.ops.cpu import prefill_attention_cpu  # noqa: E402
 
 # query heads, KV heads, head dim
 GEOMETRIES = {"default": (9, 3, 64), "llama3-8b": (32, 8, 128), "phi3-mini": (32, 32, 96)}

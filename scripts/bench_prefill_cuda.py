@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from chunk_llama.kv import ChunkPool, PrefixTree  # noqa: E402
 from chunk_llama.ops import packed_prefill_attention, reference  # noqa: E402
+from chunk_llama.ops.cuda.prefill import flash_varlen  # noqa: E402
 from chunk_llama.step import build_prefill_plan  # noqa: E402
-from chunk_llama.ops.cuda_prefill import flash_varlen  # noqa: E402
 from chunk_llama.step.varlen import VarlenContext  # noqa: E402
 
 GEOMETRIES = {"default": (9, 3, 64, 0), "llama3-8b": (32, 8, 128, 0), "gemma3": (4, 1, 256, 512)}

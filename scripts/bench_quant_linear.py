@@ -7,7 +7,7 @@
 
 Every Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/K-quant/F16/BF16 matrix of the file (the layers' projections
 and the LM head; an embedding tied to the head counts once), each called once per pass with
-`--rows` rows of random float32 activations through `ops/quant_linear.py` (the path the
+`--rows` rows of random float32 activations through `ops/cpu/quant_linear.py` (the path the
 engine's op-by-op layers and the LM head take; the fused layers call the same kernel from
 C). The weights of a pass do not fit any cache, so each pass reads them from memory, as a
 decode step does. Reports the fastest and the median pass, and the blocks' bytes over the
@@ -30,11 +30,11 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from chunk_llama.hf.gguf_file import file_tensors
-from chunk_llama.models import model_path
-from chunk_llama.ops import isa
-from chunk_llama.ops.cpu import build
-from chunk_llama.ops.quant_linear import GGML_TYPES, QuantLinear
+from chunk_llama.gguf.file import file_tensors
+from chunk_llama.loading import model_path
+from chunk_llama.ops.cpu import isa
+from chunk_llama.ops.cpu.attention import build
+from chunk_llama.ops.cpu.quant_linear import GGML_TYPES, QuantLinear
 
 
 def main() -> None:

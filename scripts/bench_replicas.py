@@ -28,10 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from bench_serve import toolqa_chats  # noqa: E402
 from test_replicas import Replicas  # noqa: E402
 
-from bench_serve import toolqa_chats  # noqa: E402
-from chunk_llama.ops import isa  # noqa: E402
+from chunk_llama.ops.cpu import isa  # noqa: E402
 from chunk_llama.server.main import model_name_for  # noqa: E402
 
 
@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--overhead-only", action="store_true")
     parser.add_argument("--seed", type=int, default=0, help="of the arrival order")
     args = parser.parse_args()
-    from chunk_llama.models import default_model_path
+    from chunk_llama.loading import default_model_path
 
     path = default_model_path()
     print(f"# {isa.describe_host()}; 2 workers of the default model, one core each; {time.strftime('%Y-%m-%d')}")

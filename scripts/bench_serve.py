@@ -69,7 +69,7 @@ from transformers import GenerationConfig
 
 import chunk_llama
 from chunk_llama.cli import DEFAULT_PROMPTS, DEFAULT_SYSTEM, read_prompts
-from chunk_llama.models import default_model_path
+from chunk_llama.loading import default_model_path
 from chunk_llama.server.replicas import free_port
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -109,8 +109,8 @@ def shared_chats(tokenizer, n_shared: int, num_requests: int) -> list[list[dict]
 
 def toolqa_chats(limit: int | None) -> list[list[dict]]:
     """The shipped ToolQA-style set as chats (system prompt, few-shot turns if any, question)."""
-    from chunk_llama.eval import load_prompt_set
     from chunk_llama.eval import data as eval_data
+    from chunk_llama.eval import load_prompt_set
 
     parse = getattr(eval_data, "parse_few_shot", lambda value: [])
     rows = load_prompt_set("toolqa", limit=limit)

@@ -16,7 +16,7 @@ Systems (one process, one after the other, each warmed up once, then `--repeat` 
   stock        transformers `generate` on the GGUF dequantized to float32 by transformers (SDPA);
                `--stock-bfloat16` adds "stock (bfloat16)", that copy in bfloat16
   chunk-llama  `ChunkLlamaEngine` (one request, prefix retention off so each run computes the
-               prompt) on the model `chunk_llama.models.load_model` gives; `--gguf-weights X`
+               prompt) on the model `chunk_llama.loading.load_model` gives; `--gguf-weights X`
                forwards `gguf_weights=X` to it (one system per value, named after it), and
                `--chunk-llama-arg KEY=VALUE` any other keyword (VALUE read as JSON, else a string)
   llama.cpp    `llama-server -np 1` built by scripts/build_llama_cpp.sh; the figures are the ones
@@ -46,7 +46,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import chunk_llama
 from chunk_llama.cli import DEFAULT_PROMPTS, DEFAULT_SYSTEM, read_prompts
-from chunk_llama.models import load_model, model_path
+from chunk_llama.loading import load_model, model_path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama_cpp_peer as peer  # noqa: E402
@@ -334,7 +334,7 @@ def main() -> None:
         for _, runs_of in pending:
             runs_of.close()
 
-    from chunk_llama.ops.isa import selected_variant
+    from chunk_llama.ops.cpu.isa import selected_variant
 
     header = (f"one request: {len(prompt)}-token chat prompt, {args.new_tokens} new tokens, greedy, float32 "
               f"activations, {os.path.basename(gguf)}, {args.threads} threads, median of {args.repeat} runs "

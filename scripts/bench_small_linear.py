@@ -1,5 +1,5 @@
 """Per-call cost of the small-row linear on one thread: the checked `CpuLibrary.small_linear`,
-the hot-path call `ops/linear.py` uses (`small_linear_call`: only shapes checked), and the
+the hot-path call `ops/cpu/linear.py` uses (`small_linear_call`: only shapes checked), and the
 step's whole linear (`linear.resolve`: checks, reshape and view, then the hot-path call),
 interleaved in one process, medians of 9 rounds of 2,000 calls on a 1x576 -> 576 weight.
 
@@ -8,10 +8,15 @@ interleaved in one process, medians of 9 rounds of 2,000 calls on a 1x576 -> 576
         MKL_ENABLE_INSTRUCTIONS=AVX2 python scripts/bench_small_linear.py
 """
 
-import statistics, time, torch
+import statistics
+import time
+
+import torch
+
 torch.set_num_threads(1)
-from chunk_llama.ops import isa, linear
-from chunk_llama.ops.cpu import build
+from chunk_llama.ops.cpu import isa, linear
+from chunk_llama.ops.cpu.attention import build
+
 lib = build(); v = isa.selected_variant()
 fast = lib.small_linear_call(v)
 step_linear = linear.resolve(torch.float32, "cpu")

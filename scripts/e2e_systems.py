@@ -19,7 +19,6 @@ from chunk_llama import ChunkLlamaEngine
 from chunk_llama.eval.parity import stock_generate_tokens, trim_at_eos
 from chunk_llama.hf.generate import stock_generate
 
-
 # Real models' attention and MLP shapes (their published configs), for random-weight runs.
 GEOMETRIES = {
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,

@@ -27,7 +27,7 @@ from helpers import tiny_llama  # noqa: E402
 
 import chunk_llama  # noqa: E402
 from chunk_llama import ChunkCache, patch_model  # noqa: E402
-from chunk_llama.ops import isa  # noqa: E402
+from chunk_llama.ops.cpu import isa  # noqa: E402
 
 
 def cast(model, dtype):

@@ -249,7 +249,7 @@ def batched_bench(bin_dir: str, gguf: str, *, prompt_tokens: int, new_tokens: in
 
 def cpu_summary() -> str:
     """'AMD EPYC, 2 CPUs, avx2 avx512f avx512_bf16' (the ISA flags that matter here)."""
-    from chunk_llama.ops.isa import _cpu_flags, cpu_model
+    from chunk_llama.ops.cpu.isa import _cpu_flags, cpu_model
 
     wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
     flags = [f for f in wanted if f in _cpu_flags()]

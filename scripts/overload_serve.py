@@ -25,7 +25,6 @@ import tempfile
 import time
 
 import httpx
-
 from soak_serve import free_port, save_tiny_model, start_server, words
 
 

@@ -17,7 +17,6 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-
 BENCHMARKS = Path(__file__).resolve().parents[1] / "docs" / "BENCHMARKS.md"
 
 

@@ -223,10 +223,9 @@ def check(url: str, tally: dict, before: dict[str, float], api_key: str | None =
 
 def save_tiny_model(folder: str) -> None:
     """A tiny random Llama (scripts/soak.py's) with a word-level tokenizer and a chat template, saved."""
+    from soak import tiny_model
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-
-    from soak import tiny_model
 
     backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(96)}, unk_token="w0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

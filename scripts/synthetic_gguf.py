@@ -22,7 +22,7 @@ import argparse
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
 
-from chunk_llama.models import default_model_path
+from chunk_llama.loading import default_model_path
 
 # Where each format's fp16 scales sit in a block, and the scale that gives weights of std ~0.02
 # (Q4_K: d * scale (6 bits) * q (4 bits), and dmin * min; Q6_K: d * int8 scale * (q - 32))

@@ -6,10 +6,10 @@ import random
 
 import torch
 import torch.nn.functional as F
+from tolerances import assert_kernel_close
 
 from chunk_llama.hf.generate import stock_generate
 from chunk_llama.kv import ChunkPool, PrefixTree
-from tolerances import assert_kernel_close
 
 
 def random_token_lists(rng: random.Random, num_seqs: int, max_len: int, vocab: int = 50) -> list[list[int]]:

@@ -5,11 +5,11 @@ import random
 
 import pytest
 import torch
+from helpers import fail_next_forward, stock_greedy, tiny_llama
 from transformers import GenerationConfig
 
 from chunk_llama import ChunkLlamaEngine
 from chunk_llama.kv import ChunkPool, PrefixTree
-from helpers import fail_next_forward, stock_greedy, tiny_llama
 
 GREEDY = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
 

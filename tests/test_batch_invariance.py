@@ -5,7 +5,7 @@ another chunk size, with one thread instead of torch's, on every CPU kernel vari
 runs, with float32 weights and with GGUF blocks (a tiny Llama of head dim 64, so the CPU kernels run).
 
 What makes it hold (docs/ARCHITECTURE.md, "Batch invariance"): the linear layers run one
-arithmetic per output for every row count (`ops/linear.py`, `csrc/cpu/linear.h`,
+arithmetic per output for every row count (`ops/cpu/linear.py`, `csrc/cpu/linear.h`,
 `quant_linear.h`), and every attention path (decode's two phases, prefill's context items
 and tiles) computes a query's attention in the same blocks of keys at fixed positions,
 folded in order (`csrc/cpu/blocks.h`), so no number depends on how the work was cut.
@@ -22,10 +22,10 @@ from helpers import tiny_llama
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, LlamaConfig
 
 from chunk_llama import ChunkLlamaEngine
-from chunk_llama.hf.gguf_load import load_gguf_model
-from chunk_llama.hf.gguf_weights import GGUFLinear
-from chunk_llama.ops import isa
-from chunk_llama.ops.cpu import build
+from chunk_llama.gguf.load import load_gguf_model
+from chunk_llama.gguf.weights import GGUFLinear
+from chunk_llama.ops.cpu import isa
+from chunk_llama.ops.cpu.attention import build
 
 VARIANTS = [v for v in isa.host_variants() if v in isa.compiled_variants()] if isa.host_arch() == "x86_64" else []
 NEW_TOKENS = 8

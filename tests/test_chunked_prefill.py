@@ -6,10 +6,10 @@ import random
 
 import pytest
 import torch
+from helpers import assert_tree_consistent, fail_next_forward, stock_greedy, tiny_llama, tree_snapshot
 from transformers import GenerationConfig
 
 from chunk_llama import ChunkLlamaEngine
-from helpers import assert_tree_consistent, fail_next_forward, stock_greedy, tiny_llama, tree_snapshot
 
 GREEDY = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
 

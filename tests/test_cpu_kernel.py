@@ -8,9 +8,8 @@ import torch
 from helpers import assert_decode_matches, check_native_kernel, make_tree, random_token_lists
 from tolerances import assert_kernel_close
 
+from chunk_llama.ops.cpu import isa
 from chunk_llama.step import build_decode_plan
-from chunk_llama.ops import isa
-
 
 
 def _variant_params():
@@ -76,7 +75,7 @@ def test_segments_of_shared_runs(variant, dtype, head_dim, group, max_blocks_per
     """Phase 1 takes up to `max_blocks_per_item` shared blocks of a run per work item; 50
     sequences x group rows also split a run's rows across items (more than 128)."""
     from chunk_llama.ops import reference
-    from chunk_llama.ops.cpu import tpp_decode_attention_cpu
+    from chunk_llama.ops.cpu.attention import tpp_decode_attention_cpu
 
     pool, tree = make_tree(branching_tokens(50), chunk_size=16, num_kv_heads=2, head_dim=head_dim, dtype=dtype)
     plan = build_decode_plan(tree, tree.seq_ids, group=group)
@@ -91,7 +90,7 @@ def test_segments_of_shared_runs(variant, dtype, head_dim, group, max_blocks_per
 
 def test_variants_agree_on_one_plan():
     """Every variant this CPU runs gives the same output to within fp32 rounding."""
-    from chunk_llama.ops.cpu import tpp_decode_attention_cpu
+    from chunk_llama.ops.cpu.attention import tpp_decode_attention_cpu
 
     pool, tree = make_tree(branching_tokens(21), chunk_size=32, num_kv_heads=3, head_dim=64)
     plan = build_decode_plan(tree, tree.seq_ids, group=3)
@@ -120,7 +119,7 @@ def test_queries_in_another_dtype_than_the_pool(variant, head_dim, group):
     bit the kernel's output over the same pool widened to float32 beforehand: K/V are widened
     in registers and the arithmetic is the same. Bfloat16 queries over a float32 pool give that
     output rounded to bfloat16."""
-    from chunk_llama.ops.cpu import tpp_decode_attention_cpu
+    from chunk_llama.ops.cpu.attention import tpp_decode_attention_cpu
 
     pool, tree = make_tree(branching_tokens(21), chunk_size=16, num_kv_heads=2, head_dim=head_dim,
                            dtype=torch.bfloat16)
@@ -140,7 +139,7 @@ def test_queries_in_another_dtype_than_the_pool(variant, head_dim, group):
 
 
 def test_glue_rejects_bad_tensors():
-    from chunk_llama.ops.cpu import build
+    from chunk_llama.ops.cpu.attention import build
     from chunk_llama.step.decode_plan import DECODE_ARRAYS
 
     module = build()
@@ -191,7 +190,7 @@ def test_glue_rejects_bad_tensors():
                     reason="needs an x86 CPU without AVX-512")
 def test_glue_refuses_a_variant_the_cpu_cannot_run():
     """The kernel's own CPU check, behind the Python one: no illegal instruction."""
-    from chunk_llama.ops.cpu import build
+    from chunk_llama.ops.cpu.attention import build
 
     pool, tree = make_tree([[1] * 50], chunk_size=16, num_kv_heads=1, head_dim=64)
     plan = build_decode_plan(tree, tree.seq_ids)
@@ -208,7 +207,7 @@ def test_long_private_keys_run_in_parts(variant, window):
     of 340 sharing a prefix of 300, and one of 129 (a last part of one key), with and without
     a sliding window."""
     from chunk_llama.ops import reference
-    from chunk_llama.ops.cpu import tpp_decode_attention_cpu
+    from chunk_llama.ops.cpu.attention import tpp_decode_attention_cpu
 
     rng = random.Random(window)
     prefix = [7] * 300
@@ -226,7 +225,7 @@ def test_a_sequences_attention_is_the_same_alone_or_in_a_batch(variant):
     """How phase 2 cuts a sequence's keys depends on the sequence only: its output row is
     bit for bit the same alone and beside other sequences (unrelated ones, so none of its
     keys becomes shared), at 1 part, at several, and at the 16 parts' cap."""
-    from chunk_llama.ops.cpu import tpp_decode_attention_cpu
+    from chunk_llama.ops.cpu.attention import tpp_decode_attention_cpu
 
     rng = random.Random(5)
     g = torch.Generator().manual_seed(10)

@@ -11,8 +11,11 @@ import torch
 from helpers import make_tree
 
 from chunk_llama import ops
-from chunk_llama.ops import build, isa, jit, native
-from chunk_llama.ops.build import KernelBuild, cpu_build
+from chunk_llama.logs import forget_logged
+from chunk_llama.ops.build import jit, native
+from chunk_llama.ops.build import spec as build
+from chunk_llama.ops.build.spec import KernelBuild, cpu_build
+from chunk_llama.ops.cpu import isa
 
 
 def test_auto_is_the_best_variant_the_cpu_runs(monkeypatch):
@@ -65,7 +68,7 @@ def test_backend_info(monkeypatch):
 
 
 def test_fallbacks_are_logged_once_per_reason(monkeypatch, caplog):
-    ops.dispatch._logged.clear()
+    forget_logged()
     q = torch.randn(2, 2, 72)
     pool, _ = make_tree([[1] * 50], chunk_size=48, num_kv_heads=1, head_dim=72)
     with caplog.at_level(logging.WARNING, logger="chunk_llama.ops"):
@@ -118,7 +121,7 @@ def test_variant_objects_define_nothing_outside_their_namespace():
     """Code compiled for a wider instruction set must not leak out of its translation
     unit: an inline function with external linkage defined there could be the copy the
     linker keeps for the baseline glue, and run on a CPU without those instructions."""
-    from chunk_llama.ops import cpu
+    from chunk_llama.ops.cpu import attention as cpu
 
     library = cpu.build()
     assert library is not None and library.origin == "built", "this test reads the objects of a build from source"
@@ -134,7 +137,7 @@ def test_variant_objects_define_nothing_outside_their_namespace():
 
 
 def test_build_holds_every_variant_of_the_architecture():
-    from chunk_llama.ops import cpu
+    from chunk_llama.ops.cpu import attention as cpu
 
     module = cpu.build()
     assert list(module.variants()) == list(isa.compiled_variants())

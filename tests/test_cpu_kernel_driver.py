@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from chunk_llama.ops import isa
+from chunk_llama.ops.cpu import isa
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_SRC = ROOT / "chunk_llama" / "csrc" / "cpu"

@@ -7,15 +7,15 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from tolerances import assert_kernel_close
 from helpers import make_tree, random_token_lists
 from test_cpu_kernel import _variant_params, widened_pool
+from tolerances import assert_kernel_close
 
 from chunk_llama import ops
+from chunk_llama.logs import forget_logged
 from chunk_llama.ops import reference
-from chunk_llama.step import build_prefill_plan
 from chunk_llama.ops.reference import gather_dense
-
+from chunk_llama.step import build_prefill_plan
 
 
 @pytest.fixture(params=_variant_params())
@@ -77,7 +77,7 @@ def dense_causal(q_full, k, v, scale, window=0):
 
 
 def check_step(tokens, q_starts, variant, window=0, **case):
-    from chunk_llama.ops.cpu import prefill_attention_cpu
+    from chunk_llama.ops.cpu.attention import prefill_attention_cpu
 
     dtype, head_dim = case["dtype"], case["head_dim"]
     pool, tree, plan, q, q_full = packed_step(tokens, q_starts, **case)
@@ -175,7 +175,7 @@ def test_tiles_split_long_prompts_mid_token(variant):
 
 
 def test_variants_agree(variant):
-    from chunk_llama.ops.cpu import prefill_attention_cpu
+    from chunk_llama.ops.cpu.attention import prefill_attention_cpu
 
     pool, _, plan, q, _ = packed_step([[1] * 99, [1] * 64 + [2] * 40], [0, 70], chunk_size=32, num_kv_heads=2,
                                       group=2, head_dim=64, dtype=torch.float32)
@@ -189,7 +189,7 @@ def test_variants_agree(variant):
 def test_float32_queries_over_a_bfloat16_pool(variant, head_dim, group):
     """As decode (test_cpu_kernel.py): float32 queries over a bfloat16 pool give bit for bit the
     output over the pool widened to float32 beforehand, in float32."""
-    from chunk_llama.ops.cpu import prefill_attention_cpu
+    from chunk_llama.ops.cpu.attention import prefill_attention_cpu
 
     tokens = [[1] * 99, [1] * 64 + [2] * 40, [3] * 37]
     pool, _, plan, q, _ = packed_step(tokens, [0, 70, 17], chunk_size=32, num_kv_heads=2, group=group,
@@ -206,7 +206,7 @@ def test_float32_queries_over_a_bfloat16_pool(variant, head_dim, group):
 
 
 def test_dispatch_runs_the_kernel_and_logs_fallbacks_once(monkeypatch, caplog):
-    ops.dispatch._logged.clear()
+    forget_logged()
     pool, _, plan, q, _ = packed_step([[1] * 40], [5], chunk_size=16, num_kv_heads=1, group=2, head_dim=64,
                                       dtype=torch.float32)
     assert ops.prefill_backend(q, pool.k[0]) == "cpu"
@@ -226,7 +226,7 @@ def test_dispatch_runs_the_kernel_and_logs_fallbacks_once(monkeypatch, caplog):
 
 
 def test_glue_rejects_bad_plans():
-    from chunk_llama.ops.cpu import build
+    from chunk_llama.ops.cpu.attention import build
     from chunk_llama.step.prefill_plan import PREFILL_ARRAYS, PackedArrays
 
     module = build()

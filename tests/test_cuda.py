@@ -5,13 +5,14 @@ import random
 
 import pytest
 import torch
+from helpers import check_native_kernel, make_tree, random_token_lists, tiny_llama
+from tolerances import assert_kernel_close
 
 from chunk_llama import ChunkCache, patch_model
 from chunk_llama.hf.generate import stock_generate
-from chunk_llama.step import build_decode_plan
+from chunk_llama.logs import forget_logged
 from chunk_llama.ops import tpp_decode_attention
-from tolerances import assert_kernel_close
-from helpers import check_native_kernel, make_tree, random_token_lists, tiny_llama
+from chunk_llama.step import build_decode_plan
 
 pytestmark = [
     pytest.mark.cuda,
@@ -107,9 +108,9 @@ def test_patched_model_on_gpu_matches_stock_logits(dtype):
 @pytest.mark.parametrize("window", [1, 37, 123, 700])
 def test_sliding_windows_against_the_reference(dtype, head_dim, group, window):
     """Shared chunks before, across and inside the windows; long private tails split."""
-    from chunk_llama.ops import reference
     from test_sliding_window import dense_windowed
 
+    from chunk_llama.ops import reference
     from chunk_llama.ops.reference import gather_dense
 
     tokens = [[7] * 320 + [i] * (3 + 97 * i) for i in range(6)] + [[8] * 2000]
@@ -135,7 +136,6 @@ def test_sliding_windows_against_the_reference(dtype, head_dim, group, window):
 def test_a_plan_split_inside_a_chunk_runs_the_reference_and_says_so(caplog):
     """The CUDA kernels take whole-chunk plans; a token-granular tree's plan (built by hand
     here: the CUDA cache shares by whole chunks) runs the reference, logged once."""
-    from chunk_llama import ops
     from chunk_llama.ops import reference
 
     pool, tree = make_tree([[1] * 40 + [2], [1] * 37 + [3]], chunk_size=32, num_kv_heads=2, head_dim=64,
@@ -143,7 +143,7 @@ def test_a_plan_split_inside_a_chunk_runs_the_reference_and_says_so(caplog):
     plan = build_decode_plan(tree, tree.seq_ids, device="cuda", group=2)
     assert not plan.aligned and plan.cuda_index is None
     q = torch.randn(2, 4, 64, device="cuda", dtype=torch.float16)
-    ops.dispatch._logged.clear()
+    forget_logged()
     with caplog.at_level("WARNING", logger="chunk_llama.ops"):
         out = tpp_decode_attention(q, pool.k[0], pool.v[0], plan, 0.125)
     assert "whole-chunk segments only" in caplog.text

@@ -1,4 +1,4 @@
-"""The CUDA prefill (ops/cuda_prefill.py): the varlen packing of a step's contexts, checked
+"""The CUDA prefill (ops/cuda/prefill.py): the varlen packing of a step's contexts, checked
 on any device against the reference with an SDPA oracle of the varlen kernel, and
 PyTorch's FlashAttention-2 varlen kernel itself on a GPU (skipped without one)."""
 
@@ -6,17 +6,17 @@ import random
 
 import pytest
 import torch
-from tolerances import assert_kernel_close
 from helpers import random_token_lists
 from test_cpu_prefill import dense_causal, packed_step, q_starts_for
+from tolerances import assert_kernel_close
 
 from chunk_llama import ops
 from chunk_llama.ops import reference
+from chunk_llama.ops.cuda.prefill import flash_varlen, packed_prefill_attention_varlen, sdpa_varlen
+from chunk_llama.ops.reference import gather_dense
 from chunk_llama.step import build_prefill_plan
-from chunk_llama.ops.cuda_prefill import flash_varlen, packed_prefill_attention_varlen, sdpa_varlen
 from chunk_llama.step.prefill_schedule import merged
 from chunk_llama.step.varlen import build_varlen_context
-from chunk_llama.ops.reference import gather_dense
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU and a CUDA build of torch")
 

@@ -1,4 +1,4 @@
-"""An engine decode step's forward without transformers' wrappers (`hf/decode_forward.py`) is
+"""An engine decode step's forward without transformers' wrappers (`hf/fused/decode_forward.py`) is
 transformers' forward bit for bit, per plain-loop family; a hook on the model, a forward not
 transformers' own, or the setting off runs transformers' forward. And the decoder stack's
 cached descriptions (`fused_stack.Stack.described`) see what changes in any layer."""
@@ -10,9 +10,10 @@ import torch
 from test_fused_layers import GREEDY, STACKED, engine_outputs, gguf_model, prompts, tiny
 
 from chunk_llama import ChunkLlamaEngine
-from chunk_llama.hf import decode_forward
-from chunk_llama.ops import cpu_lib, isa
-from chunk_llama.ops.cpu import build
+from chunk_llama.hf.fused import decode_forward
+from chunk_llama.ops.cpu import binding as cpu_lib
+from chunk_llama.ops.cpu import isa
+from chunk_llama.ops.cpu.attention import build
 
 pytestmark = pytest.mark.skipif(build() is None or isa.host_arch() != "x86_64",
                                 reason="the fused layers run with the CPU kernels' linear path (x86-64)")

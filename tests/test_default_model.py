@@ -92,7 +92,7 @@ def test_from_pretrained_and_pipeline_on_the_default_model(default_model):
     from transformers import AutoModelForCausalLM, pipeline
 
     stock, tokenizer = default_model
-    folder, name = os.path.split(chunk_llama.models.default_model_path())
+    folder, name = os.path.split(chunk_llama.loading.default_model_path())
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, attn_implementation="chunk_llama")
     system = {"role": "system", "content": system_prompt(tokenizer, 300)}
     chats = [[system, {"role": "user", "content": q}] for q in ("Delay of DL 10?", "Flights from BOS?",

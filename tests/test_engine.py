@@ -5,10 +5,10 @@ import random
 
 import pytest
 import torch
+from helpers import stock_greedy, tiny_llama
 from transformers import GenerationConfig
 
 from chunk_llama import ChunkLlamaEngine
-from helpers import stock_greedy, tiny_llama
 
 
 def prompts_with_shared_prefixes(seed=0, num=11):

@@ -6,11 +6,11 @@ import threading
 
 import pytest
 import torch
+from helpers import stock_greedy, tiny_llama, tiny_tokenizer
 from transformers import GenerationConfig
 
 from chunk_llama import ChunkLlamaEngine
 from chunk_llama.kv import ChunkPool, PrefixTree
-from helpers import stock_greedy, tiny_llama, tiny_tokenizer
 
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 PER_CHUNK_16 = 2 * 2 * 2 * 16 * 16 * 4  # one 16-token chunk of tiny_llama: K+V, 2 layers, 2 heads, d=16, fp32

@@ -7,13 +7,13 @@ import subprocess
 import sys
 
 import pytest
+from helpers import tiny_llama, tiny_tokenizer
 
 from chunk_llama.eval import extract_tool_call, is_correct, load_prompt_set
-from chunk_llama.eval.data import chat_messages, parse_few_shot, prompt_ids
-from chunk_llama.eval.summary import render_markdown, summarize, wilson_interval
 from chunk_llama.eval.cli import main as eval_main
+from chunk_llama.eval.data import chat_messages, parse_few_shot, prompt_ids
 from chunk_llama.eval.ordering import shard_by_app, simulate_prefill_tokens
-from helpers import tiny_llama, tiny_tokenizer
+from chunk_llama.eval.summary import render_markdown, summarize, wilson_interval
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

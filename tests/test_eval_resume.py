@@ -6,15 +6,15 @@ import logging
 import os
 
 import pytest
+import test_eval
+from test_eval import read_results
 
 from chunk_llama.eval import EvalConfig, load_prompt_set, run_eval
 from chunk_llama.eval.cli import main as eval_main
 from chunk_llama.eval.records import merge_results, read_jsonl, repair
 from chunk_llama.eval.summary import render_markdown, summarize, wall_seconds
-from chunk_llama.models import load_model
+from chunk_llama.loading import load_model
 from chunk_llama.settings import EngineArgs
-import test_eval
-from test_eval import read_results
 
 tiny_model_dir = test_eval.tiny_model_dir  # the same tiny model and prompt set as test_eval.py
 

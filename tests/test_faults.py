@@ -7,10 +7,10 @@ import random
 
 import pytest
 import torch
+from helpers import assert_tree_consistent, stock_greedy, tiny_llama, tree_snapshot
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from chunk_llama import ChunkCache, ChunkLlamaEngine, KVCacheFull, patch_model
-from helpers import assert_tree_consistent, stock_greedy, tiny_llama, tree_snapshot
 
 GREEDY = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
 PER_CHUNK_16 = 2 * 3 * 2 * 16 * 16 * 4  # K+V, 3 layers, 2 KV heads, 16 tokens, d=16, fp32

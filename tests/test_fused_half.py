@@ -1,7 +1,7 @@
-"""A bfloat16 model on the CPU (`--dtype bfloat16`): its decoder layers fuse (`hf/fused_layers.py`:
+"""A bfloat16 model on the CPU (`--dtype bfloat16`): its decoder layers fuse (`hf/fused/layers.py`:
 the weights read as they are, as BF16 blocks, the norms' weights and biases widened once, the
 hidden states widened at the call and rounded back after it) and its other linear layers run
-the quantized kernel on the weight as it is (`ops/linear.py`); judged, as every half-precision
+the quantized kernel on the weight as it is (`ops/cpu/linear.py`); judged, as every half-precision
 result, by the float64 truth of the same weights next to stock transformers' bfloat16 error."""
 
 import copy
@@ -9,15 +9,15 @@ import logging
 
 import pytest
 import torch
-import transformers
-from test_fused_layers import COMMON, FAMILIES, GREEDY, fresh_logs, fused_calls, prompts, truth_logits  # noqa: F401
+from families import FUSED_MODELS, tiny_model
+from test_fused_layers import GREEDY, fresh_logs, fused_calls, prompts, truth_logits  # noqa: F401
 from tolerances import assert_no_worse_than_stock, ulp
 
 from chunk_llama import ChunkLlamaEngine
-from chunk_llama.hf import fused_layers
-from chunk_llama.ops import isa, linear
-from chunk_llama.ops.cpu import build
-from chunk_llama.ops.quant_linear import GGML_TYPES
+from chunk_llama.hf.fused import layers as fused_layers
+from chunk_llama.ops.cpu import isa, linear
+from chunk_llama.ops.cpu.attention import build
+from chunk_llama.ops.cpu.quant_linear import GGML_TYPES
 
 pytestmark = pytest.mark.skipif(build() is None or isa.host_arch() != "x86_64",
                                 reason="the fused layer and the 16-bit linear path run with the CPU kernels (x86-64)")
@@ -29,10 +29,7 @@ WIDTHS = {"llama": dict(intermediate_size=128), "qwen2": dict(intermediate_size=
 
 
 def tiny_bf16(family: str, **overrides) -> torch.nn.Module:
-    config_name, geometry = FAMILIES[family]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_name)(**{**COMMON, **geometry, **WIDTHS.get(family, {}), **overrides})
-    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    model = tiny_model(FUSED_MODELS, family, **{**WIDTHS.get(family, {}), **overrides})
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "norm" in name or "bias" in name:  # norms and biases of their own, read widened
@@ -71,7 +68,7 @@ def test_a_bfloat16_models_decode_layers_fuse_no_further_from_the_truth_than_sto
 
 def test_a_width_off_the_groups_runs_op_by_op(monkeypatch, fused_calls, caplog):
     model = tiny_bf16("llama", intermediate_size=123)
-    with caplog.at_level(logging.WARNING, logger="chunk_llama.hf.fused_layers"):
+    with caplog.at_level(logging.WARNING, logger="chunk_llama.hf.fused.layers"):
         generate(model, prompts(seed=3)[:2], monkeypatch)
     assert not fused_calls
     assert "down_proj: its bfloat16 weight is 123 wide, not whole groups of 32" in caplog.text
@@ -101,10 +98,10 @@ def test_a_norm_weight_changed_in_place_is_read_again(monkeypatch, fused_calls):
 def test_a_long_bfloat16_prefill_fuses_only_where_onednn_is_not_native(native, monkeypatch, fused_calls, caplog):
     """Beyond SMALL_ROWS tokens a bfloat16 prefill runs op by op where oneDNN multiplies bfloat16
     natively (its linear layers then go to oneDNN), and fused elsewhere."""
-    monkeypatch.setattr(linear, "native_half_gemm", lambda dtype: native)
+    monkeypatch.setattr(isa, "native_half_gemm", lambda dtype: native)
     model = tiny_bf16("llama")
     prompt = [(7 * i) % 90 + 6 for i in range(linear.SMALL_ROWS + 20)]
-    with caplog.at_level(logging.INFO, logger="chunk_llama.hf.fused_layers"):
+    with caplog.at_level(logging.INFO, logger="chunk_llama.hf.fused.layers"):
         outputs, _ = generate(copy.deepcopy(model), [prompt], monkeypatch)
     prefill_calls = [rows for rows, _, _ in fused_calls if rows == len(prompt)]
     assert len(prefill_calls) == (0 if native else model.config.num_hidden_layers), fused_calls
@@ -116,7 +113,7 @@ def test_a_long_bfloat16_prefill_fuses_only_where_onednn_is_not_native(native, m
 @pytest.mark.parametrize("rows", [1, 3, 17, linear.SMALL_ROWS + 9])
 @pytest.mark.parametrize("native", [True, False])
 def test_the_16_bit_linear_path_rounds_the_float32_sum_once(dtype, rows, native, monkeypatch):
-    monkeypatch.setattr(linear, "native_half_gemm", lambda dtype: native)
+    monkeypatch.setattr(isa, "native_half_gemm", lambda dtype: native)
     assert linear.HALF_BLOCKS[dtype] == GGML_TYPES[{torch.bfloat16: "BF16", torch.float16: "F16"}[dtype]]
     generator = torch.Generator().manual_seed(rows)
     x, weight, bias = (torch.randn(*shape, generator=generator).to(dtype) for shape in ((rows, 96), (37, 96), (37,)))

@@ -1,4 +1,4 @@
-"""The fused decoder layer (`hf/fused_layers.py`, `csrc/cpu/layer.cpp`): a decode step of a
+"""The fused decoder layer (`hf/fused/layers.py`, `csrc/cpu/layer.cpp`): a decode step of a
 Llama, Mistral, Qwen2, Qwen3, Gemma 3 or Phi-3 layer in one call is as close to the float64 truth
 as the op-by-op path is (float32 weights and GGUF blocks, biases, q/k norms, Gemma's
 sandwich norms and GELU, sliding windows, GQA, odd sizes, rows in the plan's order or not)
@@ -13,54 +13,28 @@ import random
 
 import pytest
 import torch
-import transformers
+from families import FUSED_MODELS, tiny_model
 from test_quant_linear import gguf_py_decoded, random_blocks
 from tolerances import assert_no_worse_than_stock
 from transformers import GenerationConfig
 
 from chunk_llama import ChunkCache, ChunkLlamaEngine, patch_model
-from chunk_llama.hf import fused_layers, fused_stack
-from chunk_llama.hf.gguf_weights import GGUFLinear
-from chunk_llama.ops import cpu_lib, isa
-from chunk_llama.ops.cpu import build
+from chunk_llama.gguf.weights import GGUFLinear
+from chunk_llama.hf.fused import layers as fused_layers
+from chunk_llama.hf.fused import stack as fused_stack
+from chunk_llama.logs import forget_logged
+from chunk_llama.ops.cpu import binding as cpu_lib
+from chunk_llama.ops.cpu import isa
+from chunk_llama.ops.cpu.attention import build
 
 pytestmark = pytest.mark.skipif(build() is None or isa.host_arch() != "x86_64",
                                 reason="the fused layer runs with the CPU kernels' linear path (x86-64)")
 
-COMMON = dict(vocab_size=96, num_hidden_layers=2, max_position_embeddings=512, initializer_range=0.2,
-              bos_token_id=1, eos_token_id=5, pad_token_id=0)
-# odd sizes: hidden 96 with 3 query heads of 64 (q is wider than the hidden state), MLP 123
-FAMILIES = {
-    "llama": ("LlamaConfig", dict(hidden_size=96, intermediate_size=123, num_attention_heads=3,
-                                  num_key_value_heads=1, head_dim=64, mlp_bias=True)),
-    "qwen2": ("Qwen2Config", dict(hidden_size=96, intermediate_size=37, num_attention_heads=3,
-                                  num_key_value_heads=3)),  # head_dim 32, q/k/v biases
-    "mistral-windowed": ("MistralConfig", dict(hidden_size=96, intermediate_size=123, num_attention_heads=4,
-                                               num_key_value_heads=2, head_dim=64, sliding_window=7)),
-    # a global layer, then a sliding one (window 7): the windows differ by layer
-    "qwen2-windowed": ("Qwen2Config", dict(hidden_size=96, intermediate_size=37, num_attention_heads=3,
-                                           num_key_value_heads=1, use_sliding_window=True, sliding_window=7,
-                                           max_window_layers=1)),
-    "qwen3": ("Qwen3Config", dict(hidden_size=96, intermediate_size=123, num_attention_heads=3,
-                                  num_key_value_heads=1, head_dim=64)),  # per-head q/k norms
-    # (1 + w) norms around both blocks, GELU-tanh, a sliding layer (window 13) and a global one
-    # (each with its rotary embedding), soft-capped logits
-    "gemma3_text": ("Gemma3TextConfig", dict(hidden_size=96, intermediate_size=123, num_attention_heads=2,
-                                             num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=64,
-                                             sliding_window=13, layer_types=["sliding_attention", "full_attention"],
-                                             final_logit_softcapping=30.0)),
-    # q, k, v in one qkv_proj, gate and up in one gate_up_proj (row ranges of one weight), window 7
-    "phi3": ("Phi3Config", dict(hidden_size=96, intermediate_size=123, num_attention_heads=3, num_key_value_heads=1,
-                                sliding_window=7)),
-}
 GREEDY = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True)
 
 
 def tiny(family: str) -> torch.nn.Module:
-    config_name, geometry = FAMILIES[family]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_name)(**COMMON, **geometry)
-    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    model = tiny_model(FUSED_MODELS, family)
     with torch.no_grad():  # norms of their own (initialized equal, a norm read for another would pass)
         for name, parameter in model.named_parameters():
             if "norm" in name:
@@ -79,8 +53,7 @@ def prompts(seed: int) -> list[list[int]]:
 def fresh_logs():
     """Each reason is logged once per process: tests that count the lines start afresh (a test
     elsewhere may have logged the same reason first)."""
-    fused_layers._log_once.cache_clear()
-    fused_stack._log_once.cache_clear()
+    forget_logged()
 
 
 @pytest.fixture
@@ -139,7 +112,7 @@ def check_fused_against_op_by_op(stock, truth_model, batch, monkeypatch, fused_c
     return fused
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(FUSED_MODELS))
 def test_fused_layers_compute_what_the_op_by_op_path_does(family, monkeypatch, fused_calls):
     stock = tiny(family)
     batch = prompts(seed=len(family))
@@ -179,10 +152,7 @@ def gguf_model(family: str):
     """A tiny model of `family` whose projections are GGUF blocks (GGUF_FORMATS, random
     blocks), and the float64 model of their decoded weights."""
     formats, sizes = GGUF_FORMATS[family]
-    config_name, geometry = FAMILIES[family]
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_name)(**{
-        **COMMON, **geometry, **sizes})).float().eval()
+    model = tiny_model(FUSED_MODELS, family, **sizes)
     truth_model = copy.deepcopy(model).double()
     for (layer, ours), theirs in zip(enumerate(model.model.layers), truth_model.model.layers):
         for owner in ("self_attn", "mlp"):
@@ -300,10 +270,7 @@ def test_a_layer_it_does_not_describe_runs_op_by_op(monkeypatch, fused_calls, ca
 def test_a_partial_rotary_embedding_runs_op_by_op(monkeypatch, fused_calls, caplog):
     """Phi-4-mini's partial_rotary_factor (part of each head turned): the C function turns
     whole heads, so such layers stay op by op, said once, and the tokens are stock's."""
-    config_name, geometry = FAMILIES["phi3"]
-    torch.manual_seed(0)
-    stock = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_name)(
-        **COMMON, **geometry, partial_rotary_factor=0.5)).float().eval()
+    stock = tiny_model(FUSED_MODELS, "phi3", partial_rotary_factor=0.5)
     batch = prompts(seed=7)[:2]
     with caplog.at_level(logging.WARNING, logger=fused_layers.__name__):
         outputs = engine_outputs(copy.deepcopy(stock), batch, monkeypatch, fused=True)

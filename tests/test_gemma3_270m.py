@@ -12,7 +12,8 @@ import torch
 from transformers import GenerationConfig
 
 from chunk_llama import ChunkLlamaEngine, load_model
-from chunk_llama.models import GEMMA3_270M, GEMMA3_270M_PACKAGE, gemma3_270m_path, sliding_window
+from chunk_llama.hf.support import sliding_window
+from chunk_llama.loading import GEMMA3_270M, GEMMA3_270M_PACKAGE, gemma3_270m_path
 
 pytestmark = [
     pytest.mark.slow,

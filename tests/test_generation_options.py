@@ -8,13 +8,19 @@ import random
 
 import pytest
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from helpers import tiny_bpe_tokenizer, tiny_llama, tiny_tokenizer
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 from transformers.generation import WatermarkingConfig
 
 from chunk_llama import ChunkLlamaEngine
 from chunk_llama.eval.parity import trim_at_eos
 from chunk_llama.hf.generate import stock_generate
-from helpers import tiny_bpe_tokenizer, tiny_llama, tiny_tokenizer
 
 BASE = dict(max_new_tokens=10, pad_token_id=0)
 

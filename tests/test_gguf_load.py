@@ -1,4 +1,4 @@
-"""Loading a .gguf model tensor by tensor (`hf/gguf_load.py`): the model equals what
+"""Loading a .gguf model tensor by tensor (`gguf/load.py`): the model equals what
 `from_pretrained` followed by `keep_gguf_quantized` makes of the same file (every parameter
 and buffer bit for bit, the same modules, the LM head tied to the embedding's blocks, the
 same config and generation config), for Llama (tied and untied), Qwen2, Qwen3 and Phi-3
@@ -18,11 +18,11 @@ from gguf_files import write_gguf
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from chunk_llama import models
-from chunk_llama.hf import gguf_load
-from chunk_llama.hf.gguf_file import file_tensors
-from chunk_llama.hf.gguf_load import load_gguf_model
-from chunk_llama.hf.gguf_weights import GGUFEmbedding, GGUFLinear, keep_gguf_quantized
+from chunk_llama import loading
+from chunk_llama.gguf import load as gguf_load
+from chunk_llama.gguf.file import file_tensors
+from chunk_llama.gguf.load import load_gguf_model
+from chunk_llama.gguf.weights import GGUFEmbedding, GGUFLinear, keep_gguf_quantized
 
 SIZES = {"vocab_size": 320, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
@@ -87,7 +87,7 @@ def test_load_model_falls_back_to_from_pretrained_with_the_reason(tmp_path, monk
     config = AutoConfig.from_pretrained(tmp_path, gguf_file="llama.gguf")
 
     def load(**kwargs):
-        return models._gguf_model_tensor_by_tensor(path, config, torch.float32, torch.device("cpu"), False, kwargs)
+        return loading._gguf_model_tensor_by_tensor(path, config, torch.float32, torch.device("cpu"), False, kwargs)
 
     with caplog.at_level(logging.INFO, logger="chunk_llama.models"):
         assert load(low_cpu_mem_usage=True) is None
@@ -154,7 +154,7 @@ def test_a_parameter_the_file_lacks_sends_the_load_to_from_pretrained(tmp_path):
 MEMORY_CHILD = """
 import os, sys
 from transformers import AutoConfig
-from chunk_llama.hf.gguf_load import load_gguf_model
+from chunk_llama.gguf.load import load_gguf_model
 path = sys.argv[1]
 config = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 with open("/proc/self/clear_refs", "w") as f:

@@ -1,4 +1,4 @@
-"""GGUF models with their quantized tensors kept in blocks (`hf/gguf_weights.py`): the
+"""GGUF models with their quantized tensors kept in blocks (`gguf/weights.py`): the
 default model (Q4_1, a Q8_0 embedding tied to the LM head) and Gemma 3 270M (Q5_0, Q4_K,
 Q6_K, Q8_0; in test_gemma3_270m.py, which loads it) against transformers' float32-dequantized
 load of the same file: the weights
@@ -13,13 +13,13 @@ import os
 
 import pytest
 import torch
-from torch import nn
 from tolerances import assert_no_worse_than_stock
+from torch import nn
 from transformers import GenerationConfig
 
 from chunk_llama import ChunkLlamaEngine, load_model
-from chunk_llama.hf.gguf_weights import GGUFEmbedding, GGUFLinear, keep_gguf_quantized
-from chunk_llama.models import default_model_path
+from chunk_llama.gguf.weights import GGUFEmbedding, GGUFLinear, keep_gguf_quantized
+from chunk_llama.loading import default_model_path
 
 pytestmark = pytest.mark.slow
 SYSTEM = os.path.join(os.path.dirname(__file__), "..", "chunk_llama", "examples", "toolqa_flights_system.txt")
@@ -84,7 +84,7 @@ def dequantized_default():
 
 @pytest.fixture(scope="module")
 def quantized_default():
-    """The default model as load_model loads it: tensor by tensor, blocks kept (hf/gguf_load.py)."""
+    """The default model as load_model loads it: tensor by tensor, blocks kept (gguf/load.py)."""
     return load_model(None, gguf_weights="quantized")
 
 
@@ -100,7 +100,7 @@ def test_a_tensor_that_does_not_decode_to_the_loaded_weight_stays_float32(caplog
     changed = model.model.layers[3].mlp.up_proj
     with torch.no_grad():
         changed.weight[5, 7] += 1e-3
-    with caplog.at_level(logging.WARNING, logger="chunk_llama.hf.gguf_weights"):
+    with caplog.at_level(logging.WARNING, logger="chunk_llama.gguf.weights"):
         kept = keep_gguf_quantized(model, default_model_path())
     assert type(model.model.layers[3].mlp.up_proj) is nn.Linear  # not replaced
     assert isinstance(model.model.layers[3].mlp.down_proj, GGUFLinear)

@@ -17,8 +17,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from chunk_llama import ChunkLlamaEngine, load_model
-from chunk_llama.hf.gguf_weights import GGUFEmbedding, GGUFLinear, keep_half_precision
-from chunk_llama.ops.cpu import build
+from chunk_llama.gguf.weights import GGUFEmbedding, GGUFLinear, keep_half_precision
+from chunk_llama.ops.cpu.attention import build
 
 pytestmark = pytest.mark.skipif(build() is None, reason="the CPU kernels did not build here")
 
@@ -97,7 +97,7 @@ def test_auto_loads_a_bfloat16_checkpoint_in_bfloat16_where_the_cpu_computes_it(
     where the CPU multiplies bfloat16 natively, else in float32 with its weights kept 16-bit;
     a float16 checkpoint always the latter. The command line's settings say the same dtype
     before loading."""
-    from chunk_llama.ops import isa
+    from chunk_llama.ops.cpu import isa
     from chunk_llama.settings import EngineArgs
 
     dtype, checkpoint = checkpoint

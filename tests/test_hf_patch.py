@@ -5,11 +5,11 @@ import random
 
 import pytest
 import torch
+from helpers import tiny_llama
+from tolerances import assert_close, assert_no_worse_than_stock
 from transformers import GenerationConfig, LlamaConfig
 
 from chunk_llama import ChunkCache, patch_model
-from helpers import tiny_llama
-from tolerances import assert_close, assert_no_worse_than_stock
 
 GQA_SHAPES = [(4, 4, 16), (6, 2, 64), (2, 1, 128)]  # (heads, kv heads, head dim): MHA, GQA, MQA
 

@@ -1,4 +1,4 @@
-"""Linear layers in chunk-llama's forwards (`ops/linear.py`): the CPU kernel's
+"""Linear layers in chunk-llama's forwards (`ops/cpu/linear.py`): the CPU kernel's
 `small_linear` for every row count (a row's result the same whatever rows come with it),
 oneDNN beyond SMALL_ROWS rows only where CHUNK_LLAMA_LINEAR=onednn asks, float32 on x86
 CPUs, each as close to the float64 result as `F.linear` is; `F.linear` itself everywhere
@@ -15,7 +15,8 @@ from helpers import tiny_llama
 from test_cpu_kernel import _variant_params
 
 from chunk_llama import ChunkCache, ChunkLlamaEngine, patch_model
-from chunk_llama.ops import linear
+from chunk_llama.logs import forget_logged
+from chunk_llama.ops.cpu import linear
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 x86_only = pytest.mark.skipif(not X86, reason="chunk-llama's linear paths are used on x86-64 CPUs only")
@@ -24,8 +25,8 @@ x86_only = pytest.mark.skipif(not X86, reason="chunk-llama's linear paths are us
 @pytest.fixture(autouse=True)
 def fresh_choice(monkeypatch):
     monkeypatch.delenv(linear.ENV, raising=False)
-    for cached in (linear.onednn_unavailable_reason, linear._log_once):
-        cached.cache_clear()
+    linear.onednn_unavailable_reason.cache_clear()
+    forget_logged()
     yield
     linear.onednn_unavailable_reason.cache_clear()
 
@@ -52,14 +53,14 @@ def random_layer(rows, in_features, out_features, bias, seed=0):
 def test_small_linear_every_variant(variant, rows, in_features, out_features, bias):
     """Odd sizes: tiles narrower than the register tile in rows and columns, and
     in_features that are not a multiple of the lanes."""
-    from chunk_llama.ops.cpu import build
+    from chunk_llama.ops.cpu.attention import build
 
     x, weight, b = random_layer(rows, in_features, out_features, bias, seed=rows)
     check_against_float64(build().small_linear(x, weight, b, variant), x, weight, b)
 
 
 def test_small_linear_rejects_bad_tensors():
-    from chunk_llama.ops.cpu import build
+    from chunk_llama.ops.cpu.attention import build
 
     module = build()
     x, weight, b = random_layer(3, 8, 5, True)
@@ -93,7 +94,7 @@ def test_linear_takes_small_linear_for_every_row_count_unless_onednn_is_asked_fo
 def test_a_row_is_the_same_whatever_rows_come_with_it(variant, in_features):
     """Every row count runs the same arithmetic per output (whole tiles, narrower tiles, row
     blocks, in_features taken in parts): a row's result is bit for bit its result alone."""
-    from chunk_llama.ops.cpu import build
+    from chunk_llama.ops.cpu.attention import build
 
     module = build()
     x, weight, b = random_layer(700, in_features, 37, True, seed=3)
@@ -137,7 +138,7 @@ def test_only_forwards_on_a_chunk_cache_take_them(monkeypatch):
 def test_the_user_keeps_f_linear(monkeypatch, caplog):
     monkeypatch.setenv(linear.ENV, "torch")
     x, weight, _ = random_layer(3, 8, 5, False)
-    with caplog.at_level(logging.WARNING, logger="chunk_llama.ops.linear"):
+    with caplog.at_level(logging.WARNING, logger="chunk_llama.ops.cpu.linear"):
         assert torch.equal(linear.linear(x, weight), F.linear(x, weight)) and linear.backend(torch.float32) == "torch"
     assert not caplog.records  # a choice, not a fallback
     monkeypatch.setenv(linear.ENV, "fast")
@@ -153,9 +154,9 @@ def test_a_failing_onednn_leaves_many_rows_to_small_linear_and_says_why(monkeypa
         raise RuntimeError("no primitive")
 
     monkeypatch.setattr(linear, "_onednn", broken)
-    from chunk_llama.ops.cpu import build
+    from chunk_llama.ops.cpu.attention import build
 
-    with caplog.at_level(logging.WARNING, logger="chunk_llama.ops.linear"):
+    with caplog.at_level(logging.WARNING, logger="chunk_llama.ops.cpu.linear"):
         assert linear.backend(torch.float32) == f"small_linear:{linear.isa.selected_variant()}"
         x, weight, _ = random_layer(200, 8, 5, False)
         assert torch.equal(linear.linear(x, weight), build().small_linear(x, weight, None, linear.isa.selected_variant()))

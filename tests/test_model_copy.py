@@ -10,8 +10,9 @@ import torch
 from test_fused_layers import GREEDY, fresh_logs, fused_calls, prompts, tiny  # noqa: F401
 
 from chunk_llama import ChunkLlamaEngine
-from chunk_llama.ops import cpu_lib, isa
-from chunk_llama.ops.cpu import build
+from chunk_llama.ops.cpu import binding as cpu_lib
+from chunk_llama.ops.cpu import isa
+from chunk_llama.ops.cpu.attention import build
 
 pytestmark = pytest.mark.skipif(build() is None or isa.host_arch() != "x86_64",
                                 reason="the fused layers run with the CPU kernels' linear path (x86-64)")

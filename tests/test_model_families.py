@@ -9,40 +9,10 @@ import random
 import pytest
 import torch
 import transformers
+from families import COMMON, ENGINE_MODELS, model_type, tiny_model, uncovered_families
 from transformers import GenerationConfig
 
 from chunk_llama import ChunkLlamaEngine, load_model
-
-COMMON = dict(vocab_size=96, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=512,
-              initializer_range=0.2, bos_token_id=1, eos_token_id=5, pad_token_id=0)
-
-# (config class, geometry): MHA, GQA and MQA; head dims 16 (the reference), 64, 96
-# (Phi-3 mini's) and 256 (the native CPU kernel)
-FAMILIES = {
-    "qwen2": ("Qwen2Config", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)),
-    "qwen3": ("Qwen3Config", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=64)),
-    "mistral": ("MistralConfig", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
-                                      sliding_window=None)),
-    "phi3": ("Phi3Config", dict(hidden_size=192, num_attention_heads=2, num_key_value_heads=2)),
-    "gemma3_text": ("Gemma3TextConfig", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
-                                             head_dim=256, query_pre_attn_scalar=64,
-                                             layer_types=["full_attention"] * 2)),
-    # sliding windows shorter than the prompts (up to 65 tokens), on the native kernel and the reference
-    "gemma3_text-windowed": ("Gemma3TextConfig", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
-                                                      head_dim=256, query_pre_attn_scalar=64, sliding_window=13,
-                                                      layer_types=["sliding_attention", "full_attention"])),
-    "mistral-windowed": ("MistralConfig", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                               head_dim=64, sliding_window=21)),
-    "qwen2-windowed": ("Qwen2Config", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
-                                           use_sliding_window=True, sliding_window=9, max_window_layers=1)),
-}
-
-
-def tiny(family: str, **overrides):
-    config_name, geometry = FAMILIES[family]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_name)(**{**COMMON, **geometry, **overrides})
-    return transformers.AutoModelForCausalLM.from_config(config).float().eval()
 
 
 def prompts(seed: int) -> list[list[int]]:
@@ -52,12 +22,16 @@ def prompts(seed: int) -> list[list[int]]:
             for _ in range(7)]
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_has_tiny_models():
+    assert uncovered_families() == {"ENGINE_MODELS": set(), "FUSED_MODELS": set()}
+
+
+@pytest.mark.parametrize("family", list(ENGINE_MODELS))
 def test_engine_equals_stock_generate(family):
-    stock = tiny(family)
-    assert stock.config.model_type == family.removesuffix("-windowed")
+    stock = tiny_model(ENGINE_MODELS, family)
+    assert stock.config.model_type == model_type(family)
     if family.endswith("-windowed"):
-        from chunk_llama.models import sliding_window
+        from chunk_llama.hf.support import sliding_window
 
         assert sliding_window(stock.config) is not None
     engine = ChunkLlamaEngine(copy.deepcopy(stock), max_batch_size=3, chunk_size=16, kv_cache_bytes=1 << 23)
@@ -83,7 +57,7 @@ def test_engine_equals_stock_generate(family):
     ("T5Config", dict(), "encoder-decoder"),
 ])
 def test_unsupported_features_are_refused_by_name(config_name, kwargs, feature):
-    from chunk_llama.models import check_supported
+    from chunk_llama.hf.support import check_supported
 
     with pytest.raises(ValueError, match=feature):
         check_supported(getattr(transformers, config_name)(**kwargs))
@@ -92,7 +66,7 @@ def test_unsupported_features_are_refused_by_name(config_name, kwargs, feature):
 def test_a_window_the_layers_do_not_pass_is_refused():
     """Stock masks apply a window only where the layers pass it to the attention function
     (as the kernels do); a config that sets one where they do not is refused by name."""
-    from chunk_llama.models import check_supported
+    from chunk_llama.hf.support import check_supported
 
     config = transformers.LlamaConfig(sliding_window=32, max_position_embeddings=512)
     with pytest.raises(ValueError, match="llama: sliding-window attention .window 32. whose attention layers"):
@@ -101,7 +75,8 @@ def test_a_window_the_layers_do_not_pass_is_refused():
 
 
 def test_load_model_refuses_before_reading_weights(tmp_path):
-    config = transformers.Gemma2Config(**COMMON, hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
+    config = transformers.Gemma2Config(**COMMON, intermediate_size=128, hidden_size=64, num_attention_heads=4,
+                                       num_key_value_heads=1,
                                        head_dim=16)
     config.save_pretrained(tmp_path)  # a config and no weights: reading them would fail otherwise
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gemma2"

@@ -4,10 +4,10 @@ built from the ids the engine used and generated (engine/conversation.py)."""
 import logging
 
 import pytest
+from helpers import stock_greedy, tiny_bpe_tokenizer, tiny_llama
 from transformers import GenerationConfig
 
 from chunk_llama.engine import ChunkLlamaEngine
-from helpers import stock_greedy, tiny_bpe_tokenizer, tiny_llama
 
 CHUNK = 16
 # ChatML-like: each message is <bos>role content<eos>; the generation prompt opens an assistant turn (only

@@ -30,7 +30,7 @@ def test_a_changed_api_is_named_with_the_code_that_uses_it(monkeypatch):
 
 
 def test_the_listed_engine_functions_are_the_ones_the_code_calls():
-    """Every `model._name(` in engine/generation.py is listed (a new use must be added)."""
+    """Every `model._name(` in hf/generation.py is listed (a new use must be added)."""
     import re
     from pathlib import Path
 

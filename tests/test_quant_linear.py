@@ -1,4 +1,4 @@
-"""Weights kept in GGML blocks (`ops/quant_linear.py`, `csrc/cpu/quant.h`): every format
+"""Weights kept in GGML blocks (`ops/cpu/quant_linear.py`, `csrc/cpu/quant.h`): every format
 decodes as gguf-py decodes it (what transformers loads a GGUF file with; bit for bit on
 x86), in every variant,
 on random bytes (so every bit pattern of the packed weights and scales); the linear layer
@@ -14,10 +14,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 from test_cpu_kernel import _variant_params
 from test_linear import check_against_float64
 
-from chunk_llama.ops import isa
-from chunk_llama.ops import quant_linear as ops
-from chunk_llama.ops.cpu import build
-from chunk_llama.ops.linear import SMALL_ROWS
+from chunk_llama.logs import forget_logged
+from chunk_llama.ops.cpu import isa
+from chunk_llama.ops.cpu import quant_linear as ops
+from chunk_llama.ops.cpu.attention import build
+from chunk_llama.ops.cpu.linear import SMALL_ROWS
 
 FORMATS = tuple(ops.GGML_TYPES)
 # Where each format's fp16 scales sit in a block (the rest are packed weights, scales and
@@ -136,8 +137,8 @@ def test_the_layer_on_few_and_many_rows(rows):
 def test_an_input_of_another_dtype_multiplies_the_decoded_weight(caplog):
     blocks = random_blocks("Q8_0", 9, 64)
     x = torch.randn(3, 64).bfloat16()
-    ops._log_once.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="chunk_llama.ops.quant_linear"):
+    forget_logged()
+    with caplog.at_level(logging.WARNING, logger="chunk_llama.ops.cpu.quant_linear"):
         out = ops.QuantLinear(ops.GGML_TYPES["Q8_0"], 64)(x, torch.from_numpy(blocks), None)
     expected = torch.nn.functional.linear(x, gguf_py_decoded(blocks, "Q8_0").bfloat16())
     assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
@@ -148,7 +149,7 @@ def test_kernels_forced_off_after_loading_decode_with_gguf_py(monkeypatch, caplo
     """CHUNK_LLAMA_FORCE_REFERENCE set once the blocks are kept (the kernels' library is then
     None): the layers and the embedding decode with gguf-py and multiply with F.linear, on
     few rows and many, said once."""
-    from chunk_llama.hf.gguf_weights import GGUFEmbedding, GGUFLinear
+    from chunk_llama.gguf.weights import GGUFEmbedding, GGUFLinear
 
     blocks = torch.from_numpy(random_blocks("Q4_1", 70, 128))
     weight = gguf_py_decoded(blocks.numpy(), "Q4_1")
@@ -156,8 +157,8 @@ def test_kernels_forced_off_after_loading_decode_with_gguf_py(monkeypatch, caplo
     assert repr(embedding) == "GGUFEmbedding(70, 128, ggml_type=Q4_1)"
     monkeypatch.setenv("CHUNK_LLAMA_FORCE_REFERENCE", "1")
     assert build() is None
-    ops._log_once.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="chunk_llama.ops.quant_linear"):
+    forget_logged()
+    with caplog.at_level(logging.WARNING, logger="chunk_llama.ops.cpu.quant_linear"):
         for rows in (1, SMALL_ROWS + 5):
             x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
             assert torch.equal(layer(x), torch.nn.functional.linear(x, weight))

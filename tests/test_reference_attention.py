@@ -4,12 +4,11 @@ import random
 
 import pytest
 import torch
-
-from chunk_llama.step import build_decode_plan
-from chunk_llama.ops.reference import gather_dense, prefill_attention, tpp_decode_attention
-from tolerances import assert_kernel_close
 from helpers import assert_decode_matches, dense_decode_reference, make_tree, random_token_lists
+from tolerances import assert_kernel_close
 
+from chunk_llama.ops.reference import gather_dense, prefill_attention, tpp_decode_attention
+from chunk_llama.step import build_decode_plan
 
 
 def check_against_dense(pool, tree, num_heads, head_dim, dtype, seed=0):

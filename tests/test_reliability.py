@@ -8,10 +8,10 @@ import sys
 
 import pytest
 import torch
+from helpers import tiny_llama
 from transformers import GenerationConfig
 
 from chunk_llama import ChunkCache, ChunkLlamaEngine
-from helpers import tiny_llama
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 PER_CHUNK_16 = 2 * 2 * 2 * 16 * 16 * 4

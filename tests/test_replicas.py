@@ -20,7 +20,7 @@ from transformers import GenerationConfig
 pytest.importorskip("sglang_router", reason="the router of --data-parallel (pip install sglang-router)")
 
 from chunk_llama import ChunkLlamaEngine  # noqa: E402
-from chunk_llama.models import load_model  # noqa: E402
+from chunk_llama.loading import load_model  # noqa: E402
 
 SYSTEM_WORDS = 150
 NUM_SYSTEMS = 3
@@ -174,9 +174,10 @@ def test_a_worker_killed_mid_run_and_the_rest_serves(model_folder, prompts, expe
 def test_without_the_router_installed_it_says_so(monkeypatch):
     """A missing sglang-router is a UsageError naming it (the command prints it as one line
     and exits with code 2, as tests/test_settings.py checks for such errors)."""
-    from chunk_llama.cli import ServeArgs
+    from chunk_llama.errors import UsageError
     from chunk_llama.server import replicas
-    from chunk_llama.settings import EngineArgs, UsageError
+    from chunk_llama.server.options import ServeArgs
+    from chunk_llama.settings import EngineArgs
 
     monkeypatch.setattr(replicas, "router_installed", lambda: False)
     with pytest.raises(UsageError, match="need sglang-router: pip install sglang-router"):

@@ -134,7 +134,8 @@ def test_server_options_from_flags_and_environment(model_folder, tmp_path):
 
 
 def test_engine_flags_reach_the_server_engine():
-    from chunk_llama.cli import ServeArgs, build_parser
+    from chunk_llama.cli import build_parser
+    from chunk_llama.server.options import ServeArgs
     from chunk_llama.settings import EngineArgs, from_namespace
 
     args = build_parser().parse_args(["serve", "--max-prefill-tokens", "256", "--no-prefix-caching",

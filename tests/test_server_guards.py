@@ -16,7 +16,7 @@ import openai
 import pytest
 import torch
 from helpers import tiny_llama, tiny_tokenizer
-from test_server import CHAT_TEMPLATE, MODEL, Server, chat, metrics, wait_for, words
+from test_server import CHAT_TEMPLATE, MODEL, Server, metrics, wait_for, words
 from transformers import GenerationConfig
 
 from chunk_llama import ChunkLlamaEngine

@@ -9,8 +9,10 @@ import torch
 
 from chunk_llama import __version__
 from chunk_llama.cli import build_parser
-from chunk_llama.models import resolve_device, resolve_dtype, resolve_kv_dtype
-from chunk_llama.settings import EngineArgs, UsageError, from_namespace
+from chunk_llama.errors import UsageError
+from chunk_llama.hf.support import resolve_kv_dtype
+from chunk_llama.loading import resolve_device, resolve_dtype
+from chunk_llama.settings import EngineArgs, from_namespace
 
 
 @pytest.mark.parametrize("command", ["generate", "serve", "eval"])
@@ -72,13 +74,15 @@ def test_device_and_dtype_resolution():
     with pytest.raises(ValueError, match="device must be"):
         resolve_device("tpu")
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
-    from chunk_llama.ops import isa  # auto on the CPU: a bfloat16 checkpoint's where the CPU computes it natively
+    from chunk_llama.ops.cpu import (
+        isa,  # auto on the CPU: a bfloat16 checkpoint's where the CPU computes it natively
+    )
 
     native = isa.native_bfloat16()
     assert resolve_dtype("auto", torch.device("cpu"), torch.bfloat16) == (torch.bfloat16 if native else torch.float32)
     assert resolve_dtype("auto", torch.device("cpu"), torch.float16) == torch.float32
     assert resolve_dtype("float32", torch.device("cpu"), torch.bfloat16) == torch.float32
-    held = subprocess.run([sys.executable, "-c", "from chunk_llama.ops import isa; print(isa.native_bfloat16())"],
+    held = subprocess.run([sys.executable, "-c", "from chunk_llama.ops.cpu import isa; print(isa.native_bfloat16())"],
                           env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}, capture_output=True, text=True, check=True)
     assert held.stdout.strip() == "False", "oneDNN held to AVX2 computes bfloat16 by emulation: auto stays float32"
     assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16

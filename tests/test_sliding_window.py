@@ -8,15 +8,14 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from tolerances import assert_kernel_close
 from helpers import make_tree, random_token_lists
 from test_cpu_kernel import _variant_params
 from test_cpu_prefill import packed_step
+from tolerances import assert_kernel_close
 
-from chunk_llama.step import build_decode_plan
 from chunk_llama.ops import reference
 from chunk_llama.ops.reference import gather_dense
-
+from chunk_llama.step import build_decode_plan
 
 
 @pytest.fixture(params=["reference"] + _variant_params())
@@ -38,7 +37,7 @@ def dense_windowed(q, k, v, q_start, window, scale):
 def decode(backend, q, pool, plan, scale, window):
     if backend == "reference":
         return reference.tpp_decode_attention(q, pool.k[0], pool.v[0], plan, scale, window)
-    from chunk_llama.ops.cpu import tpp_decode_attention_cpu
+    from chunk_llama.ops.cpu.attention import tpp_decode_attention_cpu
 
     return tpp_decode_attention_cpu(q, pool.k[0], pool.v[0], plan, scale, variant=backend, window=window)
 
@@ -79,7 +78,7 @@ def test_decode_segments_before_across_and_inside_windows(backend, max_chunks_pe
     across others' and inside the rest."""
     if backend == "reference" and max_chunks_per_item != 1:
         pytest.skip("the reference has no work items")
-    from chunk_llama.ops.cpu import tpp_decode_attention_cpu
+    from chunk_llama.ops.cpu.attention import tpp_decode_attention_cpu
 
     tokens = [[7] * 160 + [i] * (3 + 29 * i) for i in range(6)]  # lengths 166 .. 311
     pool, tree = make_tree(tokens, chunk_size=16, num_kv_heads=1, head_dim=64)
@@ -112,7 +111,7 @@ def test_prefill_against_dense_windowed_sdpa(backend, dtype, head_dim, group, wi
     if backend == "reference":
         out = reference.packed_prefill_attention(q, pool.k[0], pool.v[0], plan, scale, window)
     else:
-        from chunk_llama.ops.cpu import prefill_attention_cpu
+        from chunk_llama.ops.cpu.attention import prefill_attention_cpu
 
         out = prefill_attention_cpu(q, pool.k[0], pool.v[0], plan, scale, variant=backend, window=window)
     for s, (start, q_start, n) in enumerate(plan.segments):

@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from chunk_llama.models import load_model
-from chunk_llama.ops.cpu import build
+from chunk_llama.loading import load_model
+from chunk_llama.ops.cpu.attention import build
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "synthetic_gguf.py")
 

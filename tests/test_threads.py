@@ -8,10 +8,10 @@ import threading
 
 import pytest
 import torch
+from helpers import stock_greedy, tiny_llama, tiny_tokenizer
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from chunk_llama import ChunkLlamaEngine
-from helpers import stock_greedy, tiny_llama, tiny_tokenizer
 
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 

@@ -141,7 +141,7 @@ def test_accelerate_offload_computes_what_the_offloaded_stock_model_does(saved, 
 def test_kv_of_each_layer_sits_on_that_layers_device(saved):
     """The placement of a model split over devices, on the CPU: a layer whose weights are
     on `meta` gets its K/V there (the forward of such a model needs real devices)."""
-    from chunk_llama.models import layer_devices
+    from chunk_llama.hf.support import layer_devices
 
     _, stock = saved
     model = copy.deepcopy(stock)

@@ -5,8 +5,7 @@ import torch
 from helpers import assert_tree_consistent
 
 from chunk_llama.kv import ChunkPool, KVCacheFull, PrefixTree
-from chunk_llama.step import build_decode_plan
-from chunk_llama.step import NO_POSITION
+from chunk_llama.step import NO_POSITION, build_decode_plan
 
 
 def make(capacity=16, chunk_size=4, **tree_options):

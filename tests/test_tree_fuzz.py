@@ -9,13 +9,20 @@ CI runs at least 10,000 operations; CHUNK_LLAMA_FUZZ_EXAMPLES raises the count.
 import os
 
 import torch
+from helpers import assert_tree_consistent
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from chunk_llama.kv import ChunkPool, KVCacheFull, PrefixTree
 from chunk_llama.step.decode_plan import depth_first_order
-from helpers import assert_tree_consistent
 
 NUM_EXAMPLES = int(os.environ.get("CHUNK_LLAMA_FUZZ_EXAMPLES", "160"))
 STEPS = 100

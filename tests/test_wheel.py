@@ -28,11 +28,11 @@ from pathlib import Path
 
 import pytest
 
-from chunk_llama.ops import build
+from chunk_llama.ops.build import spec as build
 
 REPO = Path(__file__).resolve().parents[1]
 CSRC = REPO / "chunk_llama" / "csrc"
-NATIVE = (".h", ".cuh", ".cu", ".cpp")  # what ops/build.py hashes and compiles
+NATIVE = (".h", ".cuh", ".cu", ".cpp")  # what ops/build/spec.py hashes and compiles
 
 
 def _run(args, **kwargs) -> subprocess.CompletedProcess:

@@ -26,7 +26,8 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 import chunk_llama
-from chunk_llama.ops import build, cpu
+from chunk_llama.ops.build import spec as build
+from chunk_llama.ops.cpu import attention as cpu
 
 
 def main() -> None:

@@ -37,14 +37,9 @@ import logging
 import threading
 from collections import OrderedDict
 
+from chunk_llama.logs import log_once
+
 logger = logging.getLogger(__name__)
-_warned: set[str] = set()
-
-
-def _warn_once(reason: str) -> None:
-    if reason not in _warned:
-        _warned.add(reason)
-        logger.warning("multi-turn prompt rendered anew, earlier turns' ids not reused: %s", reason)
 
 
 class ConversationHistory:
@@ -120,8 +115,8 @@ class ConversationHistory:
         if not generated:
             return None  # the client edited the reply (or a stop string cut it): plain rendering
         if not text.startswith(earlier_text):
-            _warn_once("the chat template renders the earlier turns differently once a reply follows "
-                       "(e.g. it drops reasoning from earlier replies)")
+            _rendered_anew("the chat template renders the earlier turns differently once a reply follows "
+                           "(e.g. it drops reasoning from earlier replies)")
             return None
         tail = text[len(earlier_text):]
         out = generated[0]
@@ -136,6 +131,10 @@ class ConversationHistory:
                     with self._lock:
                         self.num_continued += 1
                     return list(earlier_ids) + list(ids) + list(rest_ids)
-        _warn_once("the chat template does not render the assistant's reply as the generated text "
-                   "(it changes the reply's text or its end-of-turn marker)")
+        _rendered_anew("the chat template does not render the assistant's reply as the generated text "
+                       "(it changes the reply's text or its end-of-turn marker)")
         return None
+
+
+def _rendered_anew(reason: str) -> None:
+    log_once(logger, "multi-turn prompt rendered anew, earlier turns' ids not reused: %s", reason)

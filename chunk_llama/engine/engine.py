@@ -30,9 +30,10 @@ from chunk_llama.engine.outputs import make_delta
 from chunk_llama.engine.request import RequestDelta, RequestOutput, Sequence
 from chunk_llama.engine.runner import ModelRunner
 from chunk_llama.engine.scheduler import Scheduler
+from chunk_llama.gguf.weights import gguf_blocks
 from chunk_llama.hf import ChunkCache, is_patched, patch_model
-from chunk_llama.hf.gguf_weights import gguf_blocks
-from chunk_llama.ops import backend_info, isa, linear, prepare_backend
+from chunk_llama.ops import backend_info, prepare_backend
+from chunk_llama.ops.cpu import isa, linear
 
 
 class ChunkLlamaEngine:
@@ -49,7 +50,7 @@ class ChunkLlamaEngine:
     transformers' `generate` resolves them (`generation.py`).
 
     Args:
-        model: a transformers causal LM (see `models.check_supported`), patched here if it is not yet.
+        model: a transformers causal LM (see `hf.support.check_supported`), patched here if it is not yet.
         tokenizer: needed for text and chat prompts, text deltas and stop strings.
         max_batch_size: most sequences decoded at once.
         chunk_size: tokens per KV chunk (default: the patch's, 64).

@@ -13,11 +13,11 @@ import time
 import torch
 from transformers import GenerationConfig
 
-from chunk_llama.engine import generation
 from chunk_llama.engine.conversation import ConversationHistory
 from chunk_llama.engine.grammar import GrammarCompiler, as_grammar
 from chunk_llama.engine.request import SampleGroup, Sequence
 from chunk_llama.engine.text import decode
+from chunk_llama.hf import generation
 
 
 def positive_int(name: str, value) -> int:

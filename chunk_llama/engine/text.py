@@ -14,15 +14,9 @@ import logging
 from tokenizers.decoders import DecodeStream
 
 from chunk_llama.engine.request import Sequence
+from chunk_llama.logs import log_once
 
 logger = logging.getLogger(__name__)
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(message)
 
 
 def decode(tokenizer, token_ids: list[int]) -> str:
@@ -38,7 +32,7 @@ def advance_text(seq: Sequence, tokenizer, flush: bool = False) -> str:
     new_ids = seq.output_ids[seq.num_decoded :]
     seq.num_decoded = len(seq.output_ids)
     if backend is None:
-        _warn_once("no-backend", f"{type(tokenizer).__name__} has no `tokenizers` backend: streamed text "
+        log_once(logger, f"{type(tokenizer).__name__} has no `tokenizers` backend: streamed text "
                    "re-decodes the whole output every step")
         full = decode(tokenizer, seq.output_ids)
         delta = full[len(seq.text) :] if full.startswith(seq.text) and not full.endswith("\ufffd") else ""
@@ -53,7 +47,7 @@ def advance_text(seq: Sequence, tokenizer, flush: bool = False) -> str:
         if full.startswith(so_far):
             delta += full[len(so_far) :]
         elif full != so_far:
-            _warn_once("mismatch", f"{type(tokenizer).__name__}.decode differs from its streamed text "
+            log_once(logger, f"{type(tokenizer).__name__}.decode differs from its streamed text "
                        "(e.g. clean_up_tokenization_spaces): outputs keep decode()'s text")
     seq.text += delta
     return delta

@@ -35,8 +35,18 @@ from chunk_llama.eval.constrained import action_grammar
 from chunk_llama.eval.data import prompt_ids, shared_prefix_lengths
 from chunk_llama.eval.ordering import compare_orders, shard_by_app
 from chunk_llama.eval.parity import count_equal, parity_sample
-from chunk_llama.eval.records import (REQUIRED_FIELDS, STEMS, append_record, existing_files, journal_path,
-                                      merge_results, merge_runs, read_jsonl, repair, write_jsonl)
+from chunk_llama.eval.records import (
+    REQUIRED_FIELDS,
+    STEMS,
+    append_record,
+    existing_files,
+    journal_path,
+    merge_results,
+    merge_runs,
+    read_jsonl,
+    repair,
+    write_jsonl,
+)
 from chunk_llama.eval.scoring import extract_tool_call, is_correct
 from chunk_llama.eval.summary import summarize, write_summary
 from chunk_llama.settings import EngineArgs

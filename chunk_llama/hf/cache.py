@@ -27,10 +27,15 @@ from transformers.cache_utils import Cache
 
 from chunk_llama.hf.adapters import WeightsKey
 from chunk_llama.hf.rows import GenerateRows
+from chunk_llama.hf.support import (
+    check_supported,
+    default_kv_cache_bytes,
+    kv_geometry,
+    layer_devices,
+    resolve_kv_dtype,
+)
 from chunk_llama.kv import ChunkPool, PrefixTree
-from chunk_llama.models import (check_supported, default_kv_cache_bytes, kv_geometry, layer_devices,
-                                resolve_kv_dtype)
-from chunk_llama.ops import linear
+from chunk_llama.ops.cpu import linear
 from chunk_llama.ops.dispatch import Geometry, decode_attention, prefill_attention
 from chunk_llama.step import StaticBuffers, StepBuilder, StepContext, current_step
 
@@ -45,7 +50,7 @@ class ChunkCache(GenerateRows, Cache):
         chunk_size: tokens per chunk (positive).
         kv_cache_bytes: memory budget for K and V of all layers; default from free memory.
         kv_dtype: the pool's dtype: the model's (default), or bfloat16 under a float32 model
-            on the CPU (`models.resolve_kv_dtype`).
+            on the CPU (`hf.support.resolve_kv_dtype`).
         device: of the pool; default the model's.
         retain_prefixes: keep finished sequences' chunks as an LRU prefix cache.
         token_granular: share a common prefix to the token, also where it ends inside a

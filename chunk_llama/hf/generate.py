@@ -21,6 +21,7 @@ import weakref
 
 from chunk_llama.hf import compat
 from chunk_llama.hf.cache import ChunkCache
+from chunk_llama.logs import log_once
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +52,10 @@ def model_cache(model) -> ChunkCache:
     return cache
 
 
-@functools.cache
-def _log_stock_once(problem: str) -> None:
-    logger.warning("chunk-llama: %s runs stock transformers generate, without the prefix cache", problem)
 
 
 def _chunk_generate(model, original, *args, **kwargs):
-    from chunk_llama.engine.generation import unsupported_on_chunk_cache
+    from chunk_llama.hf.generation import unsupported_on_chunk_cache
 
     cache = compat.cache_from(kwargs)
     config = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
@@ -70,7 +68,7 @@ def _chunk_generate(model, original, *args, **kwargs):
         return original(*args, **kwargs)
     if cache is not None or problem:
         if problem:
-            _log_stock_once(problem)
+            log_once(logger, "chunk-llama: %s runs stock transformers generate, without the prefix cache", problem)
         return original(*args, **kwargs)
     with _lock_of(model):
         cache = model_cache(model)

@@ -2,7 +2,7 @@
 
 The model's `forward` is wrapped (on the instance, like accelerate's hooks), and so
 are its `generate` (`hf/generate.py`) and each plain `nn.Linear`'s `forward` (its layers
-run the step's linear path, `ops/linear.py`, in forwards on a `ChunkCache`, and their
+run the step's linear path, `ops/cpu/linear.py`, in forwards on a `ChunkCache`, and their
 own forward otherwise). Wrapped rather than hooked: forward hooks do not run when a
 forward raises a `BaseException` such as `KeyboardInterrupt`, and a step left open
 would leave the cache half written. Under stock `generate` the wrapper opens each
@@ -21,12 +21,13 @@ import functools
 
 import torch
 
-from chunk_llama.hf import attention, compat, decode_forward, fused_layers
+from chunk_llama.hf import attention, compat
 from chunk_llama.hf.cache import ChunkCache
+from chunk_llama.hf.fused import decode_forward
+from chunk_llama.hf.fused import layers as fused_layers
 from chunk_llama.hf.generate import wrap_generate
-from chunk_llama.models import check_dtype, check_supported
+from chunk_llama.hf.support import check_dtype, check_supported
 from chunk_llama.step import current_step, running
-
 
 _PLAIN = (torch.nn.Parameter, torch.Tensor)
 
@@ -76,7 +77,7 @@ def _chunk_forward(original_forward, *args, **kwargs):
 
 def patch_model(model: torch.nn.Module, *, chunk_size: int = 64) -> torch.nn.Module:
     """Route a causal LM's attention through chunk-llama (idempotent); raises ValueError
-    naming the feature for a model it cannot run (see `models.check_supported`).
+    naming the feature for a model it cannot run (see `hf.support.check_supported`).
 
     After patching, `model.generate(...)` keeps the common prefixes of its batch, and of
     its earlier calls, in the model's own `ChunkCache` (`model.chunk_llama_cache`, made on
@@ -84,7 +85,7 @@ def patch_model(model: torch.nn.Module, *, chunk_size: int = 64) -> torch.nn.Mod
     `model(..., cache=ChunkCache(model))` and `generate(..., cache=...)` take a cache of
     your own. Without a `ChunkCache` the model computes exactly what stock SDPA does. In
     forwards on a `ChunkCache`, float32 linear layers on x86 CPUs run through
-    chunk-llama's kernel or oneDNN (see `ops/linear.py`; `CHUNK_LLAMA_LINEAR=torch` keeps
+    chunk-llama's kernel or oneDNN (see `ops/cpu/linear.py`; `CHUNK_LLAMA_LINEAR=torch` keeps
     `F.linear`). `chunk_size` is the default for caches and engines made for this model.
     """
     check_supported(model.config)

@@ -29,11 +29,11 @@ class PrivateApi:
 
 _GEN = "transformers.generation.utils:GenerationMixin"
 _CACHE = "transformers.cache_utils:Cache"
-_RESOLVE = "engine/generation.py (resolve: generate's settings for one prompt)"
+_RESOLVE = "hf/generation.py (resolve: generate's settings for one prompt)"
 _CACHE_USE = "hf/cache.py (ChunkCache overrides what the masks and generate ask a cache)"
 
 PRIVATE_APIS = (
-    PrivateApi(f"{_GEN}._prepare_generation_config", "engine/generation.py (resolve, unsupported_on_chunk_cache)",
+    PrivateApi(f"{_GEN}._prepare_generation_config", "hf/generation.py (resolve, unsupported_on_chunk_cache)",
                ("generation_config",)),
     PrivateApi(f"{_GEN}._prepare_generated_length", _RESOLVE,
                ("generation_config", "has_default_max_length", "has_default_min_length", "model_input_name",
@@ -45,7 +45,7 @@ PRIVATE_APIS = (
     PrivateApi(f"{_GEN}._get_logits_processor", _RESOLVE,
                ("generation_config", "input_ids_seq_length", "encoder_input_ids", "logits_processor", "device",
                 "model_kwargs")),
-    PrivateApi("transformers.generation.configuration_utils:GenerationMode", "engine/generation.py (modes it runs)",
+    PrivateApi("transformers.generation.configuration_utils:GenerationMode", "hf/generation.py (modes it runs)",
                kind="class"),
     PrivateApi(f"{_CACHE}.update", _CACHE_USE, ("key_states", "value_states", "layer_idx")),
     PrivateApi(f"{_CACHE}.get_seq_length", _CACHE_USE, ("layer_idx",)),
@@ -56,35 +56,35 @@ PRIVATE_APIS = (
       for name in ("is_compileable", "is_initialized", "is_sliding", "is_croppable")),
     PrivateApi("transformers.masking_utils:sdpa_mask", "hf/attention.py (the chunk_llama mask is sdpa's)",
                ("batch_size", "q_length", "kv_length", "q_offset", "kv_offset", "mask_function", "attention_mask")),
-    PrivateApi("transformers.masking_utils:AttentionMaskInterface", "hf/attention.py, models.py (mask registered)",
+    PrivateApi("transformers.masking_utils:AttentionMaskInterface", "hf/attention.py, hf/support.py (mask registered)",
                kind="class"),
     PrivateApi("transformers.integrations.sdpa_attention:sdpa_attention_forward",
                "hf/attention.py (stock attention outside a step)",
                ("module", "query", "key", "value", "attention_mask", "dropout", "scaling", "is_causal")),
     PrivateApi("transformers.modeling_utils:PreTrainedModel._supports_attention_backend",
-               "models.py (check_supported: the model takes a registered attention)", kind="attribute"),
+               "hf/support.py (check_supported: the model takes a registered attention)", kind="attribute"),
     PrivateApi("transformers.modeling_utils:PreTrainedModel.post_init",
                "hf/integration.py (wrapped: from_pretrained(attn_implementation='chunk_llama') patches)", ()),
     PrivateApi("transformers.models.auto.modeling_auto:MODEL_FOR_CAUSAL_LM_MAPPING",
-               "models.py (the causal LM class of a config)", kind="attribute"),
+               "hf/support.py (the causal LM class of a config)", kind="attribute"),
     PrivateApi("transformers.modeling_gguf_pytorch_utils:TENSOR_PROCESSORS",
-               "hf/gguf_weights.py (the row order transformers gives a tensor)", kind="attribute"),
+               "gguf/weights.py (the row order transformers gives a tensor)", kind="attribute"),
     PrivateApi("transformers.modeling_gguf_pytorch_utils:TensorProcessor.process",
-               "hf/gguf_weights.py (run on row numbers), hf/gguf_load.py (each tensor, as transformers loads it)",
+               "gguf/weights.py (run on row numbers), gguf/load.py (each tensor, as transformers loads it)",
                ("weights", "name", "tensor_key_mapping", "parsed_parameters")),
-    *(PrivateApi(f"transformers.modeling_gguf_pytorch_utils:{name}", "hf/gguf_load.py (the plain processors)",
+    *(PrivateApi(f"transformers.modeling_gguf_pytorch_utils:{name}", "gguf/load.py (the plain processors)",
                  kind="class") for name in ("LlamaTensorProcessor", "Gemma2TensorProcessor")),
     PrivateApi("transformers.modeling_gguf_pytorch_utils:get_gguf_hf_weights_map",
-               "hf/gguf_weights.py, hf/gguf_load.py (GGUF tensor name -> parameter name)", ("hf_model", "processor")),
+               "gguf/weights.py, gguf/load.py (GGUF tensor name -> parameter name)", ("hf_model", "processor")),
     PrivateApi("transformers.integrations.gguf:is_gguf_arch_supported",
-               "hf/gguf_load.py (files transformers converts its newer way are left to it)", ("gguf_arch",)),
+               "gguf/load.py (files transformers converts its newer way are left to it)", ("gguf_arch",)),
     # the decoder layers fused_layers computes in one call (csrc/cpu/layer.cpp follows their forward)
     *(PrivateApi(f"transformers.models.{family}.modeling_{family}:{name}DecoderLayer.forward",
-                 "hf/fused_layers.py (the layer's forward it replaces in decode steps)",
+                 "hf/fused/layers.py (the layer's forward it replaces in decode steps)",
                  ("hidden_states", "position_embeddings"))
       for family, name in (("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"),
                            ("gemma3", "Gemma3"), ("phi3", "Phi3"))),
-    PrivateApi("transformers.activations:GELUTanh", "hf/fused_layers.py (its `act`, F.gelu's tanh approximation)",
+    PrivateApi("transformers.activations:GELUTanh", "hf/fused/layers.py (its `act`, F.gelu's tanh approximation)",
                kind="class"),
     PrivateApi("transformers.models.llama.modeling_llama:rotate_half", "csrc/cpu/layer.cpp (rotate)", ("x",)),
 )

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from chunk_llama.ops import isa
-from chunk_llama.ops.jit import force_reference
+from chunk_llama.logs import log_once
+from chunk_llama.ops.build.jit import force_reference
+from chunk_llama.ops.cpu import isa
 from chunk_llama.ops.reference import ReferenceDecode, ReferencePrefill
 from chunk_llama.step.buffers import StaticBuffers
 
 logger = logging.getLogger("chunk_llama.ops")
-_logged: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -55,12 +55,12 @@ def _static_info(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dt
                  chunk_size: int, variant: str | None) -> dict:
     """What would run, from the shapes alone (no build); `variant`: the CPU variant selected."""
     if device.type == "cpu":
-        from chunk_llama.ops import cpu
+        from chunk_llama.ops.cpu import attention as cpu
 
         reason = cpu.unsupported_reason(dtype, cache_dtype, head_dim, chunk_size)
         return _info("reference", reason=reason) if reason else _info("cpu", isa_name=variant)
     if device.type == "cuda":
-        from chunk_llama.ops import cuda
+        from chunk_llama.ops.cuda import decode as cuda
 
         reason = cuda.unsupported_reason(device.index, dtype, cache_dtype, head_dim, chunk_size)
         return _info("reference", reason=reason) if reason else _info("cuda")
@@ -79,24 +79,18 @@ def resolve(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype, 
     if info["backend"] == "reference":
         return info
     if info["backend"] == "cpu":
-        from chunk_llama.ops import cpu
+        from chunk_llama.ops.cpu import attention as cpu
 
         module = cpu.build() if build else True
         failed = cpu.build_failed()
     else:
-        from chunk_llama.ops import cuda
+        from chunk_llama.ops.cuda import decode as cuda
 
         module = cuda.build(device.index) if build else True
         failed = cuda.build_failed(device.index)
     if module is None or failed:
         return _info("reference", reason=failed or f"the {info['backend']} kernel did not load")
     return info
-
-
-def log_once(key: str, message: str, reason: str) -> None:
-    if key not in _logged:
-        _logged.add(key)
-        logger.warning(message, reason)
 
 
 def _made(made: dict | None, key: tuple, make):
@@ -117,15 +111,15 @@ def decode_attention(geometry: Geometry, workspace: StaticBuffers, aligned: bool
         info = _info("reference", reason="the CUDA decode kernel takes whole-chunk segments only, and this plan has "
                                          "a segment that ends inside a chunk (token-granular sharing)")
     if info["backend"] == "cpu":
-        from chunk_llama.ops.cpu import CpuDecode
+        from chunk_llama.ops.cpu.attention import CpuDecode
 
         return _made(made, ("decode", "cpu", info["isa"]),
                      lambda: CpuDecode(workspace, *geometry.heads, variant=info["isa"]))
     if info["backend"] == "cuda":
-        from chunk_llama.ops.cuda import CudaDecode
+        from chunk_llama.ops.cuda.decode import CudaDecode
 
         return _made(made, ("decode", "cuda"), lambda: CudaDecode(workspace, *geometry.heads))
-    log_once(info["reason"], "chunk-llama: decode attention runs the PyTorch reference: %s", info["reason"])
+    log_once(logger, "chunk-llama: decode attention runs the PyTorch reference: %s", info["reason"])
     return _made(made, ("decode", "reference"), ReferenceDecode)
 
 
@@ -134,7 +128,7 @@ def prefill_attention(geometry: Geometry, workspace: StaticBuffers, made: dict |
     set; on CUDA it is PyTorch's FlashAttention-2 varlen (`cuda_prefill.py`)."""
     device = geometry.device
     if device.type == "cuda" and not force_reference():
-        from chunk_llama.ops import cuda_prefill
+        from chunk_llama.ops.cuda import prefill as cuda_prefill
 
         reason = cuda_prefill.unsupported_reason(device.index, geometry.dtype, geometry.kv_dtype, geometry.head_dim)
         if reason is None:
@@ -142,10 +136,10 @@ def prefill_attention(geometry: Geometry, workspace: StaticBuffers, made: dict |
     else:
         info = resolve(device, geometry.dtype, geometry.kv_dtype, geometry.head_dim, geometry.chunk_size, True)
         if info["backend"] == "cpu":
-            from chunk_llama.ops.cpu import CpuPrefill
+            from chunk_llama.ops.cpu.attention import CpuPrefill
 
             return _made(made, ("prefill", "cpu", info["isa"]),
                          lambda: CpuPrefill(workspace, *geometry.heads, variant=info["isa"]))
         reason = info["reason"] or f"there is no native prefill kernel for {device.type} tensors"
-    log_once(f"prefill: {reason}", "chunk-llama: prefill attention runs the PyTorch reference: %s", reason)
+    log_once(logger, "chunk-llama: prefill attention runs the PyTorch reference: %s", reason)
     return _made(made, ("prefill", "reference"), ReferencePrefill)

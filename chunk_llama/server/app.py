@@ -25,8 +25,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from chunk_llama.server import responses as fmt
 from chunk_llama.server.auth import ApiKeyMiddleware
 from chunk_llama.server.convert import OpenAIError, chat_request, check_model, completion_requests
-from chunk_llama.server.limits import (BodyLimitMiddleware, StrictJSONRoute, check_chat_size, check_completion_size,
-                                      request_deadline)
+from chunk_llama.server.limits import (
+    BodyLimitMiddleware,
+    StrictJSONRoute,
+    check_chat_size,
+    check_completion_size,
+    request_deadline,
+)
 from chunk_llama.server.loop import EngineLoop
 from chunk_llama.server.metrics import CONTENT_TYPE, Metrics
 from chunk_llama.server.options import DeployArgs

@@ -16,7 +16,7 @@ import hmac
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from chunk_llama.server.convert import OpenAIError
+from chunk_llama.server.errors import OpenAIError
 
 
 def read_key_file(path: str) -> list[str]:

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from chunk_llama.server.convert import OpenAIError
+from chunk_llama.server.errors import OpenAIError
 from chunk_llama.server.options import DeployArgs
 
 CLIENT_TIMEOUT_SHARE = 0.9  # end a request at 90% of its client's timeout, so its answer arrives in time

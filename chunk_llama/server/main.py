@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 
-from chunk_llama.server.options import DeployArgs
+from chunk_llama.server.options import DeployArgs, ServeArgs
 from chunk_llama.settings import EngineArgs
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -75,11 +75,10 @@ def warn_if_exposed(host: str, keys: list[str]) -> None:
 
 def serve(engine_args: EngineArgs | None = None, serve_args=None, deploy: DeployArgs | None = None) -> None:
     """Load the model `engine_args` name (None: the default model, its defaults) and serve it
-    as `serve_args` (`cli.ServeArgs`: host, port, names, loading and logging) and `deploy`
+    as `serve_args` (`options.ServeArgs`: host, port, names, loading and logging) and `deploy`
     (keys, limits, timeouts, drain) say, until a signal drains it (module doc)."""
     import uvicorn
 
-    from chunk_llama.cli import ServeArgs
     from chunk_llama.server.app import create_app
     from chunk_llama.server.http import uvicorn_config
 

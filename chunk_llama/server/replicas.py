@@ -31,9 +31,10 @@ import time
 
 import httpx
 
+from chunk_llama.errors import UsageError
 from chunk_llama.extras import missing
 from chunk_llama.server.options import DeployArgs
-from chunk_llama.settings import EngineArgs, UsageError, to_argv
+from chunk_llama.settings import EngineArgs, to_argv
 
 logger = logging.getLogger(__name__)
 

@@ -97,7 +97,7 @@ def _arguments(text: str):
     try:
         return json.loads(text)
     except json.JSONDecodeError as error:
-        from chunk_llama.server.convert import OpenAIError
+        from chunk_llama.server.errors import OpenAIError
 
         raise OpenAIError(f"a tool call's arguments are not valid JSON: {error}", param="messages") from error
 

@@ -34,7 +34,7 @@ class StepContext:
     decode / prefill: the step's plan (one of them); in decode, plan row i is batch row
         row_order[i] (None: the same order)
     attention: the backend chosen for the step, planned (`ops/dispatch.py`)
-    linear: what the model's linear layers run in this forward (`ops/linear.py`), or None
+    linear: what the model's linear layers run in this forward (`ops/cpu/linear.py`), or None
         for F.linear
     past_len: tokens cached before this step (what `get_seq_length` reports meanwhile)
     q_dtype: what the attention takes queries in (the model's dtype; None: the pool's)
@@ -59,9 +59,9 @@ class StepContext:
     for_device: Callable[["StepContext", torch.device], "StepContext"] | None = None
     moved: dict = field(default_factory=dict)
     # the fused decoder layers' K/V slots (token, chunk, offset), or why this step has none:
-    # made by the first layer (`hf/fused_layers.py`)
+    # made by the first layer (`hf/fused/layers.py`)
     fused_writes: tuple | str | None = None
-    # (Stack, its output) once a plain-loop decoder stack ran in one call (`hf/fused_stack.py`)
+    # (Stack, its output) once a plain-loop decoder stack ran in one call (`hf/fused/stack.py`)
     fused_stack: tuple | None = None
     _rows: torch.Tensor | None = field(default=None, init=False, repr=False)  # not copied by dataclasses.replace
 

@@ -2,7 +2,7 @@
 
 Every sequence prefilled in a step becomes one varlen entry: its new query rows and
 its whole context's K/V (cached prefix and new tokens), gathered from the pool by an
-index built once per step and read by every layer (`ops/cuda_prefill.py` runs it).
+index built once per step and read by every layer (`ops/cuda/prefill.py` runs it).
 Where every sequence's context is whole chunks from slot 0 (the CUDA cache shares by
 whole chunks) the gather copies whole chunks (one index per chunk) and FlashAttention
 reads only each sequence's first `seqused_k` keys of them; otherwise it gathers slot by

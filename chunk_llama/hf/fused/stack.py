@@ -1,6 +1,6 @@
 """A decode step's whole stack of fused decoder layers in one call of the CPU library.
 
-`hf/fused_layers.py` runs each decoder layer of a decode step as one C call; at batch 1 on
+`hf/fused/layers.py` runs each decoder layer of a decode step as one C call; at batch 1 on
 a small model the Python around those calls (the module call, the checks, the ctypes
 arguments: about 20 us a layer, 0.6 ms a step of the default model) is still a tenth of
 the step. Where the model's forward is transformers' plain loop (`STACK_MODELS`: every
@@ -26,7 +26,6 @@ as before. `CHUNK_LLAMA_FUSED_STACK=0` turns it off.
 
 from __future__ import annotations
 
-import functools
 import logging
 import operator
 import weakref
@@ -34,17 +33,14 @@ import weakref
 import torch
 from torch import nn
 
-from chunk_llama.hf.snapshot import Snapshot
-from chunk_llama.ops import cpu_lib
-from chunk_llama.ops.jit import setting
+from chunk_llama.hf.families import ROTARY_PER_LAYER_TYPE, STACK_MODELS
+from chunk_llama.hf.fused.snapshot import Snapshot
+from chunk_llama.logs import log_once
+from chunk_llama.ops.build.jit import setting
+from chunk_llama.ops.cpu import binding as cpu_lib
 
 logger = logging.getLogger(__name__)
 ENV = "CHUNK_LLAMA_FUSED_STACK"
-# decoder stacks whose forward is the plain loop described above, by class name (defined in
-# transformers itself: a subclass may loop otherwise)
-STACK_MODELS = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", "Phi3Model", "Gemma3TextModel"})
-# those of them whose rotary embedding is one per layer type: rotary_emb(x, position_ids, layer_type)
-ROTARY_PER_LAYER_TYPE = frozenset({"Gemma3TextModel"})
 _TRAINING = operator.attrgetter("training")
 
 
@@ -149,14 +145,14 @@ def run(stack: Stack, layer: nn.Module, first, step, hidden: torch.Tensor, posit
         for each in layers:
             if each._forward_hooks or each._forward_pre_hooks or each.training or \
                     "_chunk_llama_fused" not in each.__dict__:
-                return _log_once("a decoder layer has a hook, is training or is not wrapped")
+                return _log_stack_falls_back("a decoder layer has a hook, is training or is not wrapped")
             one = first if each is layer else describe(each)
             if one.reason is not None:
                 return None  # (the layer's own call logs its reason)
             described.append(one)
         if any(d.scale != first.scale or d.head_dim != first.head_dim or d.hidden_size != first.hidden_size
                for d in described):
-            return _log_once("its layers differ in attention scale or sizes")
+            return _log_stack_falls_back("its layers differ in attention scale or sizes")
         stack.remember(layers, described)
     if step.linear is None and any(d.float32_weights for d in described):
         return None  # (float32 projections run F.linear here: the layers' own calls log it)
@@ -165,10 +161,10 @@ def run(stack: Stack, layer: nn.Module, first, step, hidden: torch.Tensor, posit
     try:
         arrays = stack.arrays(described, [pool.k[i] for i in indices], [pool.v[i] for i in indices])
     except (TypeError, ValueError) as error:  # e.g. pools on several devices
-        return _log_once(f"its K/V pools do not fit one call ({error})")
+        return _log_stack_falls_back(f"its K/V pools do not fit one call ({error})")
     rotary = stack.rotary(layers, hidden, position_embeddings, position_ids)
     if isinstance(rotary, str):
-        return _log_once(rotary)
+        return _log_stack_falls_back(rotary)
     cos, sin = rotary
     if hidden.dtype is not torch.float32:  # a 16-bit model's: each table widened once
         widened = {id(t): t for t in (*cos, *sin)}
@@ -184,6 +180,6 @@ def _fits(table, like: torch.Tensor) -> bool:
         table.shape == like.shape and table.is_contiguous()
 
 
-@functools.cache
-def _log_once(message: str) -> None:
-    logger.info("chunk-llama: the decoder layers run one call each, not one for the stack: %s", message)
+def _log_stack_falls_back(reason: str) -> None:
+    log_once(logger, "chunk-llama: the decoder layers run one call each, not one for the stack: %s", reason,
+             level=logging.INFO)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from chunk_llama.ops import native
-from chunk_llama.ops.build import cuda_build
-from chunk_llama.ops.cpu_lib import int64_array
-from chunk_llama.ops.cuda_lib import CudaLibrary
+from chunk_llama.ops.build import native
+from chunk_llama.ops.build.c_types import int64_array
+from chunk_llama.ops.build.spec import cuda_build
+from chunk_llama.ops.cuda.binding import CudaLibrary
 from chunk_llama.step.buffers import StaticBuffers
 from chunk_llama.step.decode_plan import CUDA_COUNTS, DecodePlan
 

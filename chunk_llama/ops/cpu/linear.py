@@ -40,9 +40,10 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from chunk_llama.ops import isa
-from chunk_llama.ops.cpu import build
-from chunk_llama.ops.jit import force_reference, setting
+from chunk_llama.logs import log_once
+from chunk_llama.ops.build.jit import force_reference, setting
+from chunk_llama.ops.cpu import isa
+from chunk_llama.ops.cpu.attention import build
 
 logger = logging.getLogger(__name__)
 ENV = "CHUNK_LLAMA_LINEAR"
@@ -50,7 +51,7 @@ CHOICES = ("auto", "onednn", "torch")
 # With CHUNK_LLAMA_LINEAR=onednn: the rows up to which `small_linear` runs (it beats oneDNN
 # there: measured at 1 .. 128 rows, in 576 out 1536 and the LM head, AVX-512 and AVX2).
 SMALL_ROWS = 128
-# GGML's type ids of 16-bit weights (`ops/quant_linear.py`'s BF16, F16), by the model's dtype
+# GGML's type ids of 16-bit weights (`ops/cpu/quant_linear.py`'s BF16, F16), by the model's dtype
 HALF_BLOCKS = {torch.bfloat16: 30, torch.float16: 1}
 
 
@@ -117,17 +118,6 @@ def _run(small, onednn: bool, x: torch.Tensor, weight: torch.Tensor, bias: torch
 
 
 @functools.cache
-def native_half_gemm(dtype: torch.dtype) -> bool:
-    """Whether torch's oneDNN computes `dtype` (bfloat16, float16) products at least at the
-    float32 kernel's rate here, as torch reports it (False where it cannot say)."""
-    check = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}[dtype]
-    try:
-        return bool(getattr(torch.ops.mkldnn, check)())
-    except (AttributeError, RuntimeError):  # (a private op: a torch without it keeps F.linear for many rows)
-        return False
-
-
-@functools.cache
 def _half_kernel(dtype: torch.dtype, in_features: int, variant: str):
     return build().quant_linear_call(HALF_BLOCKS[dtype], in_features, variant)
 
@@ -153,7 +143,7 @@ def _half_paths(dtype: torch.dtype, device: torch.device | str):
     if dtype not in HALF_BLOCKS or torch.device(device).type != "cpu" or _choice() is None or force_reference() \
             or build() is None:
         return None
-    return native_half_gemm(dtype), isa.selected_variant()
+    return isa.native_half_gemm(dtype), isa.selected_variant()
 
 
 def resolve(dtype: torch.dtype, device: torch.device | str):
@@ -196,17 +186,14 @@ def backend(dtype: torch.dtype, device: torch.device | str = "cpu") -> str:
     if not force_reference() and _small_linear_of(isa.selected_variant()) is not None:
         paths.append(f"small_linear:{isa.selected_variant()}")
     else:
-        _log_once("the CPU kernel does not run here: " + ("few rows run F.linear (MKL)" if choice == "onednn"
+        log_once(logger, "chunk-llama: float32 linear layers: %s", "the CPU kernel does not run here: " + ("few rows run F.linear (MKL)" if choice == "onednn"
                                                            else "F.linear (MKL) runs them"))
     if choice == "onednn":
         reason = onednn_unavailable_reason()
         if reason is None:
             paths.append("onednn")
         else:
-            _log_once(f"many rows run {'small_linear' if paths else 'F.linear (MKL)'}, not oneDNN: {reason}")
+            log_once(logger, "chunk-llama: float32 linear layers: %s", f"many rows run {'small_linear' if paths else 'F.linear (MKL)'}, not oneDNN: {reason}")
     return " + ".join(paths) or "torch"
 
 
-@functools.cache
-def _log_once(message: str) -> None:
-    logger.warning("chunk-llama: float32 linear layers: %s", message)

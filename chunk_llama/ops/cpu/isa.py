@@ -17,7 +17,7 @@ import platform
 
 import torch
 
-from chunk_llama.ops.build import compiled_variants, host_arch
+from chunk_llama.ops.build.spec import compiled_variants, host_arch
 
 ENV = "CHUNK_LLAMA_CPU_ISA"
 VARIANTS = ("avx512", "avx2", "neon", "generic")
@@ -45,8 +45,6 @@ def native_bfloat16() -> bool:
     it by `ONEDNN_MAX_CPU_ISA`)."""
     if not _cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"}:
         return False
-    from chunk_llama.ops.linear import native_half_gemm  # (linear imports this module)
-
     return native_half_gemm(torch.bfloat16)
 
 
@@ -101,3 +99,14 @@ def _select(requested: str) -> str:
                          + (f" (it lacks {', '.join(missing)})" if missing else "")
                          + f"; this CPU: {describe_host()}")
     return requested
+
+
+@functools.cache
+def native_half_gemm(dtype: torch.dtype) -> bool:
+    """Whether torch's oneDNN computes `dtype` (bfloat16, float16) products at least at the
+    float32 kernel's rate here, as torch reports it (False where it cannot say)."""
+    check = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}[dtype]
+    try:
+        return bool(getattr(torch.ops.mkldnn, check)())
+    except (AttributeError, RuntimeError):  # (a private op: a torch without it keeps F.linear for many rows)
+        return False

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from chunk_llama.ops.cpu_lib import F64, I32, I64, P, STR, int64_array
+from chunk_llama.ops.build.c_types import F64, I32, I64, STR, P, int64_array
 
 ABI_VERSION = 1  # CHUNK_LLAMA_CUDA_ABI_VERSION in c_api.h
 _SIGNATURES = {  # name: (argument types, result type), as c_api.h declares them

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from chunk_llama.hf import gguf_weights
-from chunk_llama.hf.gguf_file import FileTensor, file_tensors
+from chunk_llama.gguf import weights as gguf_weights
+from chunk_llama.gguf.file import FileTensor, file_tensors
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ transformers loads a GGUF file by dequantizing every tensor to float32: the defa
 98 MB file becomes 540 MB of weights, and a decode step, which reads every weight once,
 reads those. This module gives the quantized tensors back their blocks: each `nn.Linear`
 (and the token embedding, and a tied LM head) whose GGUF tensor is in a format the CPU
-kernel decodes (`ops/quant_linear.py`) is replaced by a `GGUFLinear` (`GGUFEmbedding`)
+kernel decodes (`ops/cpu/quant_linear.py`) is replaced by a `GGUFLinear` (`GGUFEmbedding`)
 holding that tensor's bytes, and the float32 copy is dropped.
 
 Nothing is trusted to a name alone: transformers' name map (`get_gguf_hf_weights_map`,
@@ -13,7 +13,7 @@ run on the row numbers, how it reordered the rows (Llama's query and key heads),
 kept tensor is decoded and compared with the float32 weight transformers loaded for that
 module: a tensor that does not match stays float32, with a warning. So the model computes
 with the weights stock transformers computes with, up to the order of rounding.
-`hf/gguf_load.py` loads a file the same way one tensor at a time (`keep_blocks`,
+`gguf/load.py` loads a file the same way one tensor at a time (`keep_blocks`,
 `file_tensors`).
 """
 
@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from chunk_llama.hf.gguf_file import FileTensor, file_tensors
-from chunk_llama.ops import quant_linear as ops
+from chunk_llama.gguf.file import FileTensor, file_tensors
+from chunk_llama.ops.cpu import quant_linear as ops
 
 logger = logging.getLogger(__name__)
 # How far a decoded weight may be from transformers' (relative to the tensor's largest): on
@@ -157,7 +157,7 @@ def keep_gguf_quantized(model: nn.Module, gguf_path: str) -> dict[str, int]:
     """Replace the float32 weights transformers loaded from `gguf_path` by the file's blocks
     wherever the CPU kernel decodes them (module doc). The model must be on the CPU in
     float32 (ValueError otherwise). Returns how many tensors of each GGML type were kept;
-    empty, with a warning, where the kernels are not available. (`hf/gguf_load.py` does the
+    empty, with a warning, where the kernels are not available. (`gguf/load.py` does the
     same while it loads, without transformers' float32 copy of the whole file.)"""
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,

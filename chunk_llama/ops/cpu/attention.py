@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from chunk_llama.ops import isa, native
-from chunk_llama.ops.build import cpu_build
-from chunk_llama.ops.cpu_lib import CpuLibrary, int64_array
+from chunk_llama.ops.build import native
+from chunk_llama.ops.build.c_types import int64_array
+from chunk_llama.ops.build.spec import cpu_build
+from chunk_llama.ops.cpu import isa
+from chunk_llama.ops.cpu.binding import CpuLibrary
 from chunk_llama.step.buffers import StaticBuffers
 from chunk_llama.step.decode_plan import DecodePlan
 from chunk_llama.step.prefill_plan import PrefillPlan

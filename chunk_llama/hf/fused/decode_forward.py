@@ -26,14 +26,12 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from chunk_llama.hf import compat, fused_stack
-from chunk_llama.hf.snapshot import GLOBAL_HOOKS
-from chunk_llama.ops.jit import setting
+from chunk_llama.hf import compat
+from chunk_llama.hf.families import CAUSAL_LMS, ROTARY_PER_LAYER_TYPE, SOFTCAPPED_LOGITS, STACK_MODELS
+from chunk_llama.hf.fused.snapshot import GLOBAL_HOOKS
+from chunk_llama.ops.build.jit import setting
 
 ENV = "CHUNK_LLAMA_DECODE_FORWARD"
-CAUSAL_LMS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                        "Phi3ForCausalLM", "Gemma3ForCausalLM"})
-SOFTCAPPED_LOGITS = frozenset({"Gemma3ForCausalLM"})  # (config.final_logit_softcapping: None or a float)
 _ARGUMENTS = frozenset({"input_ids", "position_ids", "use_cache", "logits_to_keep", "cache", "past_key_values",
                         "attention_mask"})
 
@@ -46,7 +44,7 @@ def applies(forward, kwargs: dict) -> bool:
     if model is None or getattr(forward, "__func__", None) is not type(model).forward:
         return False  # (a forward the model's class does not define: a wrapper of it may do more)
     inner = model.__dict__["_modules"].get("model")
-    return (_plain(type(model), CAUSAL_LMS) and inner is not None and _plain(type(inner), fused_stack.STACK_MODELS)
+    return (_plain(type(model), CAUSAL_LMS) and inner is not None and _plain(type(inner), STACK_MODELS)
             and kwargs.keys() <= _ARGUMENTS and kwargs.get("attention_mask") is None
             and kwargs.get("use_cache", True) and kwargs.get("logits_to_keep") == 1
             and kwargs.get("input_ids") is not None and kwargs.get("position_ids") is not None
@@ -69,7 +67,7 @@ def run(model: nn.Module, step, kwargs: dict) -> CausalLMOutputWithPast:
     cache_argument = compat.cache_argument(model)
     input_ids, position_ids = kwargs["input_ids"], kwargs["position_ids"]
     hidden = inner.embed_tokens(input_ids)  # [rows, 1, hidden]
-    layer_types = inner.config.layer_types if type(inner).__name__ in fused_stack.ROTARY_PER_LAYER_TYPE else None
+    layer_types = inner.config.layer_types if type(inner).__name__ in ROTARY_PER_LAYER_TYPE else None
     tables = {}  # layer type (None: the one rotary embedding) -> cos, sin [rows, 1, head_dim]
 
     def rotary(i: int) -> tuple:

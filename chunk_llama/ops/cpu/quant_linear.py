@@ -12,26 +12,27 @@ Q4_K, Q5_K) goes in once, times the group's sum of x, as llama.cpp factors it. E
 count runs the same arithmetic per output, so a row's result does not depend on the rows
 beside it (batch invariance); with `CHUNK_LLAMA_LINEAR=onednn` many rows (a prefill)
 instead decode the whole weight to float32 once per call and run oneDNN's GEMM
-(`ops/linear.py`). Both compute with the weights of the float32-dequantized model (what
+(`ops/cpu/linear.py`). Both compute with the weights of the float32-dequantized model (what
 transformers loads a GGUF file as, gguf-py's decode, bit for bit), rounded in another
 order: within the float32 error of `F.linear` on them.
 
-`GGUFLinear` and `GGUFEmbedding` hold such weights in a model (`hf/gguf_weights.py` puts
+`GGUFLinear` and `GGUFEmbedding` hold such weights in a model (`gguf/weights.py` puts
 them there); they run these ops in every forward, with or without a `ChunkCache`.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from chunk_llama.ops import isa, jit
-from chunk_llama.ops.cpu import build, build_failed
-from chunk_llama.ops.linear import SMALL_ROWS, _onednn, many_rows_onednn
+from chunk_llama.logs import log_once
+from chunk_llama.ops.build import jit
+from chunk_llama.ops.cpu import isa
+from chunk_llama.ops.cpu.attention import build, build_failed
+from chunk_llama.ops.cpu.linear import SMALL_ROWS, _onednn, many_rows_onednn
 
 logger = logging.getLogger(__name__)
 # GGML type ids the kernels decode (csrc/cpu/quant_params.h), by gguf-py's names.
@@ -62,7 +63,7 @@ def reference_dequantize(blocks: torch.Tensor, ggml_type: int, in_features: int)
     from gguf import GGMLQuantizationType
     from gguf import dequantize as gguf_dequantize
 
-    _log_once(f"the CPU kernels are off ({build_failed() or 'CHUNK_LLAMA_FORCE_REFERENCE is set'}): the blocks are "
+    log_once(logger, "chunk-llama: quantized linear layers: %s", f"the CPU kernels are off ({build_failed() or 'CHUNK_LLAMA_FORCE_REFERENCE is set'}): the blocks are "
               "decoded by gguf-py and multiplied with F.linear")
     decoded = gguf_dequantize(blocks.cpu().numpy(), GGMLQuantizationType(ggml_type))  # [num_rows, in_features]
     return torch.from_numpy(np.array(decoded, dtype=np.float32)).reshape(blocks.shape[0], in_features)
@@ -84,7 +85,7 @@ class QuantLinear:
         if forced_off or not (x.dtype is torch.float32 and x.is_cpu and (bias is None or (
                 bias.dtype is torch.float32 and bias.is_cpu and bias.is_contiguous()))):
             if not forced_off:
-                _log_once(f"a {x.dtype} input on {x.device} (bias {None if bias is None else bias.dtype}) "
+                log_once(logger, "chunk-llama: quantized linear layers: %s", f"a {x.dtype} input on {x.device} (bias {None if bias is None else bias.dtype}) "
                           "multiplies the dequantized weight with F.linear")
             weight = dequantize(blocks, self.ggml_type, self.in_features)
             return F.linear(x, weight.to(x.device, x.dtype), None if bias is None else bias.to(x.device, x.dtype))
@@ -96,6 +97,3 @@ class QuantLinear:
         return out.view(*x.shape[:-1], blocks.shape[0])
 
 
-@functools.cache
-def _log_once(message: str) -> None:
-    logger.warning("chunk-llama: quantized linear layers: %s", message)

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-P, I64, I32, F64, STR = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_char_p
+from chunk_llama.ops.build.c_types import F64, I32, I64, STR, P, int64_array
+
 ABI_VERSION = 7  # CHUNK_LLAMA_CPU_ABI_VERSION in c_api.h
 _ATTENTION = [P, I64, I64, I64, I32, P, P, I64, I64, I64, I64, I64, I64, I32, P, P, I64, P, I64, P, I64, F64, I64]
 _SIGNATURES = {  # name: (argument types, result type), as c_api.h declares them
@@ -93,11 +94,6 @@ class DecoderStack:
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # CHUNK_LLAMA_FLOAT32, CHUNK_LLAMA_BFLOAT16
 _ERRORS = {1: ValueError, 2: TypeError}
-
-
-def int64_array(values: Sequence[int]) -> ctypes.Array:
-    """A plan's layout as the C interface reads it (made once per plan by the backends)."""
-    return (I64 * len(values))(*values)
 
 
 def _extent(cache: torch.Tensor) -> int:
@@ -179,7 +175,7 @@ class AttentionCall:
                       writes: tuple, row_order: torch.Tensor | None, k_cache: torch.Tensor,
                       v_cache: torch.Tensor) -> torch.Tensor:
         """A call of the whole layer whose attention this call plans, a decode step's or a
-        prefill's (`hf/fused_layers.py` has checked dtypes, devices and contiguity): hidden
+        prefill's (`hf/fused/layers.py` has checked dtypes, devices and contiguity): hidden
         [rows, hidden_size], cos and sin [rows, head_dim], float32; writes: (token, chunk,
         offset) int64 tensors of the step's K/V slots; row_order [rows] int64 (decode: the
         plan's row i is batch row row_order[i]) or None -> [rows, hidden_size]"""
@@ -302,7 +298,7 @@ class CpuLibrary:
         return y if code == 0 else self.raise_error(code)
 
     def small_linear_call(self, isa: str):
-        """`small_linear` for `ops/linear.py`'s hot path, which has already checked that x,
+        """`small_linear` for `ops/cpu/linear.py`'s hot path, which has already checked that x,
         weight and bias are float32, on the CPU and contiguous: per call only the shapes that
         guard memory are checked (a decode step makes about 7 calls per layer, so each
         microsecond of checks and conversions is a few hundred per step)."""
@@ -330,7 +326,7 @@ class CpuLibrary:
         return row_bytes if row_bytes >= 0 else self.raise_error(1)
 
     def quant_linear_call(self, ggml_type: int, in_features: int, isa: str):
-        """y = x W^T (+ bias) on a weight kept in GGML blocks, for `ops/quant_linear.py`,
+        """y = x W^T (+ bias) on a weight kept in GGML blocks, for `ops/cpu/quant_linear.py`,
         which has checked dtypes, devices and contiguity: (x [rows, in_features] float32,
         weight [out_features, row_bytes] uint8, bias [out_features] float32 or None) ->
         [rows, out_features]. The library checks the weight's size against the shapes."""

@@ -22,10 +22,10 @@ import warnings
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from chunk_llama.ops import jit
-from chunk_llama.ops.build import BuildError, KernelBuild, source_digest
+from chunk_llama.ops.build import jit
+from chunk_llama.ops.build.spec import BuildError, KernelBuild, source_digest
 
-PREBUILT = Path(__file__).resolve().parents[1] / "_native"
+PREBUILT = Path(__file__).resolve().parents[2] / "_native"
 MANIFEST = PREBUILT / "manifest.json"
 logger = logging.getLogger("chunk_llama.ops")
 Binding = TypeVar("Binding")

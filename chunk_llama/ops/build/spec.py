@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-CSRC = Path(__file__).resolve().parents[1] / "csrc"  # the kernel sources, inside the package
+CSRC = Path(__file__).resolve().parents[2] / "csrc"  # the kernel sources, inside the package
 NATIVE_SUFFIXES = (".h", ".cuh", ".cu", ".cpp")  # what a build reads (and its digest covers)
 # Baseline flags for every CPU file: each variant raises its own target with a pragma, so
 # the glue (and the shared library) runs on any CPU of the architecture. Only the C

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from chunk_llama.ops.build import KernelBuild, compile_library, find_compiler, source_digest
+from chunk_llama.ops.build.spec import KernelBuild, compile_library, find_compiler, source_digest
 
 
 def setting(name: str, default: str = "") -> str:

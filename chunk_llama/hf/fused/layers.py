@@ -26,20 +26,21 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from chunk_llama.hf import fused_stack
-from chunk_llama.hf.gguf_weights import GGUFLinear
-from chunk_llama.hf.snapshot import GLOBAL_HOOKS, Snapshot
-from chunk_llama.ops import cpu_lib
-from chunk_llama.ops import linear as linear_ops
-from chunk_llama.ops import quant_linear as quant_ops
-from chunk_llama.ops.cpu import CpuDecode, CpuPrefill
-from chunk_llama.ops.jit import setting
+from chunk_llama.gguf.weights import GGUFLinear
+from chunk_llama.hf.families import BY_LAYER, Family
+from chunk_llama.hf.fused import stack as fused_stack
+from chunk_llama.hf.fused.snapshot import GLOBAL_HOOKS, Snapshot
+from chunk_llama.logs import log_once
+from chunk_llama.ops.build.jit import setting
+from chunk_llama.ops.cpu import binding as cpu_lib
+from chunk_llama.ops.cpu import isa
+from chunk_llama.ops.cpu import linear as linear_ops
+from chunk_llama.ops.cpu import quant_linear as quant_ops
+from chunk_llama.ops.cpu.attention import CpuDecode, CpuPrefill
 from chunk_llama.step import current_step
 
 logger = logging.getLogger(__name__)
@@ -49,55 +50,8 @@ ENV = "CHUNK_LLAMA_FUSED_LAYERS"
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@dataclass(frozen=True)
-class Family:
-    """What a decoder layer class is made of, as the C function computes it: its attention,
-    MLP and norm classes, the layer's norms by attribute (input, attention output, MLP
-    input, MLP output; None where the family has none), whether the attention has q/k
-    norms, the norm's epsilon attribute and offset (Llama's w * t: 0, Gemma's (1 + w) t:
-    1), the MLP's activation (`ACTIVATIONS`) and its attribute, the attention's window (0:
-    none), and the seven projections q, k, v, o, gate, up, down by (owner, attribute): the
-    same attribute for several where one weight holds them (Phi-3's qkv_proj, gate_up_proj),
-    each then a range of its rows (`_row_ranges`)."""
-
-    attention: str
-    mlp: str
-    norm: str
-    norms: tuple
-    qk_norms: bool = False
-    eps: str = "variance_epsilon"
-    norm_offset: float = 0.0
-    activation: str = "silu"
-    window: Callable = lambda attn: attn.sliding_window or 0
-    projections: tuple = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
-                          ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
-    act: str = "act_fn"
-
-
-_LLAMA_NORMS = ("input_layernorm", None, "post_attention_layernorm", None)
-
-
-def _config_window(attn) -> int:
-    return getattr(attn.config, "sliding_window", None) or 0
-
-
-FAMILIES = {  # decoder layer class -> Family
-    "LlamaDecoderLayer": Family("LlamaAttention", "LlamaMLP", "LlamaRMSNorm", _LLAMA_NORMS, window=lambda attn: 0),
-    "MistralDecoderLayer": Family("MistralAttention", "MistralMLP", "MistralRMSNorm", _LLAMA_NORMS,
-                                  window=_config_window),
-    "Qwen2DecoderLayer": Family("Qwen2Attention", "Qwen2MLP", "Qwen2RMSNorm", _LLAMA_NORMS),
-    "Qwen3DecoderLayer": Family("Qwen3Attention", "Qwen3MLP", "Qwen3RMSNorm", _LLAMA_NORMS, qk_norms=True),
-    "Gemma3DecoderLayer": Family("Gemma3Attention", "Gemma3MLP", "Gemma3RMSNorm",
-                                 ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                                  "post_feedforward_layernorm"), qk_norms=True, eps="eps", norm_offset=1.0,
-                                 activation="gelu_tanh"),
-    "Phi3DecoderLayer": Family("Phi3Attention", "Phi3MLP", "Phi3RMSNorm", _LLAMA_NORMS, window=_config_window,
-                               projections=(*(("self_attn", "qkv_proj"),) * 3, ("self_attn", "o_proj"),
-                                            *(("mlp", "gate_up_proj"),) * 2, ("mlp", "down_proj")),
-                               act="activation_fn"),
-}
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # chunk_llama_cpu_decoder_layer.activation
-_WEIGHT_FIELDS = tuple(name.removesuffix("_proj") for _, name in Family.projections)  # cpu_lib.DecoderLayer's
+_WEIGHT_FIELDS = ("q", "k", "v", "o", "gate", "up", "down")  # cpu_lib.DecoderLayer's
 _NUM_FIXED = 4 + 4 + 2  # layer, attention, MLP, activation; the four norm slots; q and k norms
 
 
@@ -106,11 +60,11 @@ def fuse_decoder_layers(model: nn.Module) -> int:
     how many are wrapped. The wrapped forward is the layer's own outside the cases above."""
     wrapped = 0
     for module in model.modules():
-        if type(module).__name__ in FAMILIES and "_chunk_llama_fused" not in module.__dict__:
+        if type(module).__name__ in BY_LAYER and "_chunk_llama_fused" not in module.__dict__:
             module._chunk_llama_fused = None  # described on first use
             module.forward = functools.partial(_forward, module, module.forward)
         wrapped += "_chunk_llama_fused" in module.__dict__
-    fused_stack.find_stacks(model, FAMILIES)
+    fused_stack.find_stacks(model, BY_LAYER)
     return wrapped
 
 
@@ -145,17 +99,17 @@ def _fused(layer: nn.Module, step, hidden: torch.Tensor, position_embeddings, st
     if writes is None:  # once per step
         reason = _step_reason(step)
         if reason is not None and isinstance(step.attention, (CpuDecode, CpuPrefill)) and not reason.startswith(ENV):
-            _log_once(reason)  # (an attention that is not the CPU kernel's says why itself)
+            _log_op_by_op(reason)  # (an attention that is not the CPU kernel's says why itself)
         writes = step.fused_writes = reason or (step.write_token_index, step.write_chunk, step.write_offset)
     if isinstance(writes, str) or position_embeddings is None or torch.is_grad_enabled() or layer.training:
         return None  # (the C function records no autograd graph, and runs no dropout)
     described = _current(layer)
     if described.reason is not None:
-        return _log_once(f"{type(layer).__name__}: {described.reason}")
+        return _log_op_by_op(f"{type(layer).__name__}: {described.reason}")
     if described.float32_weights and step.linear is None:
         # float32 projections op by op run F.linear here (CHUNK_LLAMA_LINEAR=torch, or not x86-64);
         # GGUF blocks run the same kernel either way
-        return _log_once("float32 linear layers run F.linear here (CHUNK_LLAMA_LINEAR=torch or not x86-64)")
+        return _log_op_by_op("float32 linear layers run F.linear here (CHUNK_LLAMA_LINEAR=torch or not x86-64)")
     cos, sin = position_embeddings
     # a decode step's rows are [batch, 1], a prefill's tokens [1, tokens] (or a padded batch's
     # [batch, length], flattened as the step's plan numbers them)
@@ -167,10 +121,10 @@ def _fused(layer: nn.Module, step, hidden: torch.Tensor, position_embeddings, st
             and sin.shape == cos.shape and sin.is_contiguous()):
         return None
     if hidden.dtype is not torch.float32 and hidden.numel() > linear_ops.SMALL_ROWS * hidden.shape[2] \
-            and linear_ops.native_half_gemm(hidden.dtype):
-        # a 16-bit prefill's linear layers go to oneDNN, as op by op (`ops/linear.py`): twice the C
+            and isa.native_half_gemm(hidden.dtype):
+        # a 16-bit prefill's linear layers go to oneDNN, as op by op (`ops/cpu/linear.py`): twice the C
         # layer's float32 arithmetic rate
-        return _log_once(f"a {str(hidden.dtype).removeprefix('torch.')} prefill of more than "
+        return _log_op_by_op(f"a {str(hidden.dtype).removeprefix('torch.')} prefill of more than "
                          f"{linear_ops.SMALL_ROWS} tokens runs op by op: oneDNN multiplies it natively here",
                          logging.INFO)
     if stack is not None and stack[1] == 0:
@@ -264,7 +218,7 @@ def _hooked(modules: tuple) -> bool:
 
 def _describe(layer: nn.Module) -> _Described:
     """The layer's description (with the reason it does not fuse, if it does not)."""
-    family = FAMILIES[type(layer).__name__]
+    family = BY_LAYER[type(layer).__name__]
     modules = _modules(layer, family)
     reason = _why_not(modules, family)
     if reason is not None:
@@ -399,6 +353,5 @@ def _weight(module: nn.Module, start: int, stop: int, widened: _Widened) -> "cpu
     return f"a {type(module).__name__} (adapters, quantized or offloaded layers run their own forward)"
 
 
-@functools.cache
-def _log_once(message: str, level: int = logging.WARNING) -> None:
-    logger.log(level, "chunk-llama: decoder layer runs op by op: %s", message)
+def _log_op_by_op(reason: str, level: int = logging.WARNING) -> None:
+    log_once(logger, "chunk-llama: decoder layer runs op by op: %s", reason, level=level)
