@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 from chunk_llama.eval.cli import add_eval_parser
+from chunk_llama.errors import UsageError
 from chunk_llama.extras import MissingExtraError, require
 from chunk_llama.server.options import DeployArgs, ServeArgs
 from chunk_llama.settings import EngineArgs, HelpFormatter, add_arguments, from_namespace, option, run_command
@@ -28,6 +29,10 @@ class GenerateArgs:
     system_prompt: str = option(DEFAULT_SYSTEM, "file holding the shared system prompt")
     prompts: str = option(DEFAULT_PROMPTS, "questions: one per line, or JSONL with a prompt or question field")
     max_new_tokens: int = option(64, "most new tokens per request")
+    temperature: float = option(0.0, "sampling temperature (0: greedy)")
+    top_p: float = option(1.0, "nucleus sampling: the smallest set of tokens whose probability reaches top_p")
+    seed: int | None = option(None, "sample reproducibly: request i draws as stock generate after "
+                                    "torch.manual_seed(seed + i)")
     limit: int | None = option(None, "use only the first N prompts")
     output: str | None = option(None, "write one JSON object per request to this file")
 
@@ -61,6 +66,20 @@ def _format_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def sampling_config(args: GenerateArgs):
+    """The requests' `GenerationConfig`: greedy at temperature 0, else sampled (a ValueError names
+    a value transformers refuses)."""
+    from transformers import GenerationConfig
+
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise UsageError(f"--temperature must be >= 0 and --top-p in (0, 1], got {args.temperature} and "
+                         f"{args.top_p}")
+    if args.temperature == 0:
+        return GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False)
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=True, temperature=args.temperature,
+                            top_p=args.top_p, top_k=0)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from transformers import GenerationConfig
 
@@ -77,9 +96,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": q}]
         for q in questions
     ]
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False)
-    start = time.perf_counter()
-    outputs = engine.generate(messages, config, progress=True)
+    config = sampling_config(args)
+    if args.seed is None:
+        start = time.perf_counter()
+        outputs = engine.generate(messages, config, progress=True)
+    else:  # one seed per request, so every request draws its own sample
+        configs = [GenerationConfig(**{**config.to_dict(), "seed": args.seed + i}) for i in range(len(messages))]
+        start = time.perf_counter()
+        outputs = engine.generate(messages, configs, progress=True)
     elapsed = time.perf_counter() - start
 
     if args.output:
@@ -150,9 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv or ["generate"])
-    if not hasattr(args, "func"):
-        args = parser.parse_args(["generate", *argv])
+    if not argv:  # bare `chunk-llama`: what it can do, not a run
+        parser.print_help()
+        return 0
+    args = parser.parse_args(argv)
     try:
         return run_command(parser, args)
     except MissingExtraError as error:  # one line naming the extra, not an import's traceback

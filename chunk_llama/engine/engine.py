@@ -212,22 +212,29 @@ class ChunkLlamaEngine:
             self._leave([request_id], aborted=not finished)
 
     # ----------------------------------------------------------- offline API
-    def generate(self, prompts: list, generation_config: GenerationConfig | None = None, *, progress: bool = False,
-                 logits_processor=None, stopping_criteria=None, grammar=None) -> list[RequestOutput]:
+    def generate(self, prompts: list, generation_config: GenerationConfig | list | None = None, *,
+                 progress: bool = False, logits_processor=None, stopping_criteria=None,
+                 grammar=None) -> list[RequestOutput]:
         """Generate for every prompt; results in input order, the samples of a
         prompt together (like `generate` with `num_return_sequences`).
 
         prompts: strings (tokenized as given), chat message lists (chat template with
         the generation prompt) or lists of token ids. All are validated before any runs.
-        grammar: as in `add_request`, for every prompt.
+        generation_config: one for every prompt, or a list of one per prompt (its own
+        seed, length...). grammar: as in `add_request`, for every prompt.
         """
         self._check_open()
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a list, got {type(prompts).__name__}")
+        configs = generation_config
+        if not isinstance(configs, (list, tuple)):
+            configs = [generation_config] * len(prompts)
+        if len(configs) != len(prompts):
+            raise ValueError(f"generation_config: {len(configs)} configs for {len(prompts)} prompts")
         batches = [
-            self.inputs.make_sequences(p, generation_config, False, logits_processor=logits_processor,
+            self.inputs.make_sequences(p, config, False, logits_processor=logits_processor,
                                        stopping_criteria=stopping_criteria, grammar=grammar)
-            for p in prompts
+            for p, config in zip(prompts, configs)
         ]
         channel: deque[RequestDelta] = deque()
         request_ids = self._enqueue(batches, channel)

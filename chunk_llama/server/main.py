@@ -46,16 +46,6 @@ def configure_logging(level: str) -> None:
         logging.getLogger(name).propagate = True
 
 
-def read_chat_template(value: str) -> str:
-    """`--chat-template`: a file's content, or the template itself."""
-    if os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            return f.read()
-    if "{" not in value:
-        raise SystemExit(f"error: --chat-template {value!r} is neither a file nor a Jinja template")
-    return value
-
-
 def is_loopback(host: str) -> bool:
     """Whether `host` is a loopback address (or `localhost`), reachable from this machine only."""
     if host == "localhost":
@@ -75,7 +65,7 @@ def warn_if_exposed(host: str, keys: list[str]) -> None:
 
 def serve(engine_args: EngineArgs | None = None, serve_args=None, deploy: DeployArgs | None = None) -> None:
     """Load the model `engine_args` name (None: the default model, its defaults) and serve it
-    as `serve_args` (`options.ServeArgs`: host, port, names, loading and logging) and `deploy`
+    as `serve_args` (`options.ServeArgs`: host, port, names and logging) and `deploy`
     (keys, limits, timeouts, drain) say, until a signal drains it (module doc)."""
     import uvicorn
 
@@ -87,9 +77,7 @@ def serve(engine_args: EngineArgs | None = None, serve_args=None, deploy: Deploy
     warn_if_exposed(args.host, deploy.keys())
     model = engine_args.model
     names = args.served_model_name or [model_name_for(model)]
-    loaded, tokenizer = engine_args.load(revision=args.revision, trust_remote_code=args.trust_remote_code)
-    if args.chat_template is not None and tokenizer is not None:
-        tokenizer.chat_template = read_chat_template(args.chat_template)
+    loaded, tokenizer = engine_args.load()
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
         logger.warning("the tokenizer has no chat template: /v1/chat/completions will refuse requests "
                        "(give one with --chat-template)")

@@ -1,5 +1,5 @@
 """The flags of `chunk-llama serve` beyond the engine's (and `CHUNK_LLAMA_<NAME>` variables):
-`ServeArgs`, where to listen, under which names, how to load and log; `DeployArgs`, the
+`ServeArgs`, where to listen, under which names and how to log; `DeployArgs`, the
 server's guards, also the `create_app` argument `deploy`: who may call it (API keys), how
 much one request may ask, how it sheds load (a bounded queue, deadlines), how long a slow
 client may hold a connection, and how it stops (drain)."""
@@ -59,16 +59,12 @@ class DeployArgs:
 
 @dataclass
 class ServeArgs:
-    """Where to listen, under which names, and how to load and log."""
+    """Where to listen, under which names, and how to log."""
 
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(8000, "port to bind")
     served_model_name: list[str] | None = option(None, "the names requests may give as `model` (the first is "
                                                        "the one /v1/models lists; default: from --model)")
-    chat_template: str | None = option(None, "a Jinja chat template, or a file holding one, replacing the "
-                                             "tokenizer's")
-    trust_remote_code: bool = option(False, "let transformers run the model repository's own code")
-    revision: str | None = option(None, "the hub branch, tag or commit of --model")
     log_level: str = option("info", "logging level of the server, the engine and libraries",
                             choices=("debug", "info", "warning", "error", "critical"))
     allowed_origins: list[str] | None = option(None, "browser origins allowed by CORS ('*': any; default: none)")
