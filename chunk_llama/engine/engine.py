@@ -15,9 +15,6 @@ own requests; the others go on.
 
 from __future__ import annotations
 
-import contextlib
-import threading
-import time
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -25,18 +22,19 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from chunk_llama.engine.inputs import InputProcessor, is_chat, positive_int
-from chunk_llama.engine.outputs import make_delta
+from chunk_llama.engine.delivery import Delivery
+from chunk_llama.engine.figures import describe, engine_stats
+from chunk_llama.engine.inputs import InputProcessor, positive_int
 from chunk_llama.engine.request import RequestDelta, RequestOutput, Sequence
 from chunk_llama.engine.runner import ModelRunner
 from chunk_llama.engine.scheduler import Scheduler
 from chunk_llama.gguf.weights import gguf_blocks
 from chunk_llama.hf import ChunkCache, is_patched, patch_model
-from chunk_llama.ops import backend_info, prepare_backend
-from chunk_llama.ops.cpu import isa, linear
+from chunk_llama.ops import prepare_backend
+from chunk_llama.ops.cpu import linear
 
 
-class ChunkLlamaEngine:
+class ChunkLlamaEngine(Delivery):
     """Serve many prompts on one model, sharing the KV cache of common prefixes.
 
     Each step admits waiting requests in arrival order (batch and memory
@@ -112,19 +110,7 @@ class ChunkLlamaEngine:
         self.runner = ModelRunner(model, self.cache, self.scheduler, self.inputs)
         self.max_batch_size = max_batch_size
         self.device = model.device
-        self._step_lock = threading.Lock()  # one iteration at a time
-        self._step_owner: int | None = None
-        self._lock = threading.Lock()  # guards everything below
-        self._inbox: list[list[Sequence]] = []
-        self._aborts: list[int] = []
-        self._deadlines: dict[int, float] = {}  # request id -> perf_counter time it must end by
-        self._live: dict[int, list[Sequence]] = {}  # request id -> its sequences, until all finish
-        self._channels: dict[int, deque[RequestDelta]] = {}  # requests of a generate / stream call
-        self._undelivered: list[RequestDelta] = []  # deltas of add_request's requests, for step()
-        self._num_submitting = 0  # add_request calls still tokenizing
-        self._next_request_id = 0
-        self._next_seq_id = 0
-        self._closed = False
+        self._init_delivery()
 
     # ------------------------------------------------------------ online API
     def add_request(self, prompt, generation_config: GenerationConfig | None = None, *, logits_processor=None,
@@ -266,50 +252,12 @@ class ChunkLlamaEngine:
     # ------------------------------------------------------------- figures
     @property
     def stats(self) -> dict[str, Any]:
-        """Counters and memory peaks. `peak_kv_bytes` counts chunks held by live
-        sequences; `peak_pool_bytes` also counts retained (cached) prefixes.
-        `attention_backend` is the decode kernel in use ("cpu:avx2", "cuda", "reference",
-        ...) and `attention_fallback_reason` why the reference runs, if it does;
-        `linear_backend` what the model's linear layers run on ("small_linear:avx512 + onednn",
-        "torch", ...; with ", GGUF blocks Q4_1 x210" for layers kept in a GGUF file's blocks)."""
-        pool, tree, dtype = self.cache.pool, self.cache.tree, self.cache.geometry.dtype
-        backend = backend_info(pool.device, dtype, pool.head_dim, pool.chunk_size, pool.dtype)
-        return dict(
-            self.runner.counters,
-            peak_kv_bytes=tree.peak_live_chunks * pool.bytes_per_chunk,
-            peak_pool_bytes=pool.peak_used * pool.bytes_per_chunk,
-            peak_chunks_used=tree.peak_live_chunks,
-            peak_unshared_kv_bytes=self.runner.peak_unshared_chunks * pool.bytes_per_chunk,
-            peak_batch_size=self.runner.peak_batch_size,
-            plan_rebuilds=self.cache.num_plan_rebuilds,
-            plan_updates=self.cache.num_plan_updates,
-            preemptions=self.scheduler.num_preemptions,
-            prefix_cache_hit_chunks=tree.num_revived,
-            evicted_chunks=tree.num_evicted,
-            retained_chunks=tree.num_retained,
-            chunks_in_use=pool.num_used,
-            kv_capacity_chunks=pool.capacity,
-            bytes_per_chunk=pool.bytes_per_chunk,
-            chunk_size=pool.chunk_size,
-            attention_backend=":".join(filter(None, (backend["backend"], backend["isa"]))),
-            attention_fallback_reason=backend["reason"],
-            linear_backend=linear.backend(dtype, pool.device) + (
-                ", GGUF blocks " + ", ".join(f"{t} x{n}" for t, n in sorted(self._gguf_blocks.items()))
-                if self._gguf_blocks else ""),
-        )
+        """Counters and memory peaks (`figures.engine_stats` says what each is)."""
+        return engine_stats(self)
 
     def describe(self) -> str:
         """One line for a start-up log: device, dtype, kernels and the KV pool."""
-        stats, pool = self.stats, self.cache.pool
-        device = pool.device
-        where = torch.cuda.get_device_name(device) if device.type == "cuda" else isa.describe_host()
-        attention = stats["attention_backend"]
-        if stats["attention_fallback_reason"]:
-            attention += f" ({stats['attention_fallback_reason']})"
-        name = lambda t: str(t).removeprefix("torch.")  # noqa: E731
-        return (f"chunk-llama: {device} ({where}), {name(self.cache.geometry.dtype)}; attention: {attention}; "
-                f"linear layers: {stats['linear_backend']}; KV pool {pool.capacity * pool.bytes_per_chunk / 2**30:.2f} "
-                f"GiB, {name(pool.dtype)} ({pool.capacity} chunks of {pool.chunk_size} tokens)")
+        return describe(self)
 
     def reset_peaks(self) -> None:
         """Start the peak figures of `stats` over from the current state."""
@@ -335,105 +283,3 @@ class ChunkLlamaEngine:
     def tokenize(self, prompt) -> list[int]:
         """Token ids of a prompt: a string, a chat message list or a list of token ids."""
         return self.inputs.tokenize(prompt)
-
-    # ------------------------------------------------------------ internals
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("this ChunkLlamaEngine was closed; create a new one")
-
-    @contextlib.contextmanager
-    def _stepping(self):
-        """Hold the step lock; re-entering from inside a step (a processor calling the
-        engine) would deadlock, so it raises instead."""
-        if self._step_owner == threading.get_ident():
-            raise RuntimeError("the engine was called from inside one of its own steps")
-        with self._step_lock:
-            self._step_owner = threading.get_ident()
-            try:
-                yield
-            finally:
-                self._step_owner = None
-
-    def _enqueue(self, batches: list[list[Sequence]], channel: deque | None = None,
-                 deadline: float | None = None) -> list[int]:
-        """Number the requests (arrival order) and queue them; returns their ids."""
-        request_ids = []
-        with self._lock:
-            for seqs in batches:
-                request_id = self._next_request_id
-                self._next_request_id += 1
-                for seq in seqs:
-                    seq.request_id, seq.seq_id = request_id, self._next_seq_id
-                    self._next_seq_id += 1
-                self._inbox.append(seqs)
-                self._live[request_id] = seqs
-                if channel is not None:
-                    self._channels[request_id] = channel
-                if deadline is not None:
-                    self._deadlines[request_id] = float(deadline)
-                request_ids.append(request_id)
-        return request_ids
-
-    def _wait(self, channel: deque) -> None:
-        """Until `channel` has a delta: run an iteration unless another caller's run filled it."""
-        with self._stepping():
-            if not channel:
-                self._check_open()
-                self._iterate()
-
-    def _leave(self, request_ids: list[int], aborted: bool) -> None:
-        """A generate / stream call is done with its requests: drop its channel, and
-        abort those still unfinished (the caller stopped early)."""
-        if aborted:
-            with self._stepping():
-                if not self._closed:
-                    wanted = set(request_ids)
-                    with self._lock:
-                        self._inbox = [seqs for seqs in self._inbox if seqs[0].request_id not in wanted]
-                    for request_id in request_ids:
-                        self.scheduler.abort(request_id)
-        with self._lock:
-            for request_id in request_ids:
-                self._channels.pop(request_id, None)
-                if aborted:
-                    self._live.pop(request_id, None)
-                    self._deadlines.pop(request_id, None)
-
-    def _iterate(self) -> None:
-        """One iteration (caller holds the step lock); every delta goes to its consumer,
-        those that advanced before an exception included."""
-        now = time.perf_counter()
-        with self._lock:
-            inbox, self._inbox = self._inbox, []
-            aborts, self._aborts = self._aborts, []
-            expired = [r for r, deadline in self._deadlines.items() if deadline <= now]
-            for request_id in expired:
-                del self._deadlines[request_id]
-        for seqs in inbox:
-            self.scheduler.add(seqs)
-        deltas = []
-        for request_ids, reason in ((aborts, "abort"), (expired, "length")):
-            for request_id in request_ids:
-                for seq in self.scheduler.abort(request_id):
-                    seq.finish_reason = reason
-                    deltas.append(self._delta(seq))
-        try:
-            if self.scheduler.has_work():
-                self.runner.run_iteration()
-        finally:
-            deltas += [self._delta(seq) for seq in self.runner.take_advanced()]
-            with self._lock:
-                for delta in deltas:
-                    self._channels.get(delta.request_id, self._undelivered).append(delta)
-
-    def _delta(self, seq: Sequence) -> RequestDelta:
-        delta = make_delta(seq, self.inputs)
-        if delta.finished and seq.finish_reason != "abort" and self.inputs.conversations is not None \
-                and is_chat(seq.prompt):
-            self.inputs.conversations.record(seq.prompt_ids, seq.output_ids)  # the next turn may continue it
-        if delta.finished:
-            with self._lock:
-                if all(s.is_finished for s in self._live.get(seq.request_id, [])):
-                    self._live.pop(seq.request_id, None)
-                    self._deadlines.pop(seq.request_id, None)
-        return delta
