@@ -54,7 +54,7 @@ def _assert_wheel_carries_sources(wheel: Path) -> None:
         names = set(archive.namelist())
         stale = [n for n, data in _sources().items() if n not in names or archive.read(n) != data]
     assert stale == [], f"{wheel.name} lacks or has stale kernel sources: {stale}"
-    assert {"chunk_llama/py.typed", "chunk_llama/ops/jit.py", "chunk_llama/data/toolqa/systems.jsonl"} <= names
+    assert {"chunk_llama/py.typed", "chunk_llama/ops/build/jit.py", "chunk_llama/data/toolqa/systems.jsonl"} <= names
 
 
 def _needed(library: Path) -> list[str]:
