@@ -204,7 +204,11 @@ def assert_tree_consistent(tree) -> None:
         else:
             assert node.parent.chunk_id == node.chunk_id and node.parent.end == node.start
         assert node.parent.children[node.key] is node and node in node.parent.by_token[node.tokens[0]]
-    for node in [tree.root, *nodes]:
+    for seq_id in tree.seq_ids:  # a path runs from its key's root
+        path = tree.path(seq_id)
+        assert not path or path[0].parent is tree.roots()[tree.keys().index(tree.key_of(seq_id))]
+    assert all(root.children for root in tree.roots()[1:])  # an emptied key's root goes
+    for node in [*tree.roots(), *nodes]:
         assert sum(len(v) for v in node.by_token.values()) == len(node.children)
         assert sum(child.chunk_id == node.chunk_id for child in node.children.values()) <= 1
     assert tree.num_retained == sum(1 for head in heads.values() if head.num_seqs == 0)
@@ -240,7 +244,8 @@ def tree_snapshot(tree) -> dict:
     with its slots, tokens and count, LRU order, counters."""
     pool = tree.pool
     return dict(
-        seqs={s: (tree.segments(s), tree.tokens(s)) for s in tree.seq_ids},
+        seqs={s: (tree.segments(s), tree.tokens(s), tree.key_of(s)) for s in tree.seq_ids},
+        keys=tree.keys(),
         nodes=sorted((n.key, n.parent.key, tuple(n.tokens), n.num_seqs) for n in tree.nodes()),
         retained=tree.retained_ids(),
         free=sorted(c for c in range(pool.capacity) if pool.is_free(c)),

@@ -179,13 +179,9 @@ class DecodePlan:
 
 
 def depth_first_order(tree: PrefixTree, seq_ids: list[int]) -> list[int]:
-    """Sort sequences by their paths' preorder positions (a prefix sorts first)."""
-    preorder: dict[int, int] = {}
-    stack = list(reversed(tree.root.children.values()))
-    while stack:
-        node = stack.pop()
-        preorder[id(node)] = len(preorder)
-        stack.extend(reversed(node.children.values()))
+    """Sort sequences by their paths' preorder positions (a prefix sorts first; the keys'
+    forests one after another, so the sequences of one key are one range of rows too)."""
+    preorder = tree.preorder()
     return sorted(seq_ids, key=lambda s: [preorder[id(n)] for n in tree.path(s)])
 
 
