@@ -66,13 +66,21 @@ class EngineArgs:
     trust_remote_code: bool = option(False, "let transformers run the model repository's own code")
     chat_template: str | None = option(None, "a Jinja chat template, or a file holding one, replacing the "
                                              "tokenizer's")
+    lora_modules: list[str] | None = option(None, "LoRA adapters to serve, each name=folder (a folder PEFT's "
+                                                  "save_pretrained wrote); a request selects one by name "
+                                                  "(the server's `model` field)", metavar="NAME=PATH")
+    max_loras: int | None = option(None, "most LoRA adapters whose weights stay in memory at once (the least "
+                                         "recently used one not in use gives its place; default: all)")
+    max_lora_rank: int | None = option(None, "largest rank a LoRA adapter may have (default: any)")
 
     def engine_kwargs(self) -> dict:
         """The keyword arguments of `ChunkLlamaEngine` these settings give."""
         return dict(max_batch_size=self.max_batch_size, chunk_size=self.chunk_size,
                     kv_cache_bytes=self.kv_cache_bytes, kv_dtype=self.kv_dtype,
                     max_prefill_tokens=self.max_prefill_tokens,
-                    retain_prefixes=self.prefix_caching, max_model_len=self.max_model_len)
+                    retain_prefixes=self.prefix_caching, max_model_len=self.max_model_len,
+                    lora_modules=lora_modules(self.lora_modules), max_loras=self.max_loras,
+                    max_lora_rank=self.max_lora_rank)
 
     def load(self, announce: bool = True):
         """(model, tokenizer) on the chosen device and dtype (`loading.load_model`), the chat
@@ -104,7 +112,25 @@ class EngineArgs:
     def build_engine(self, model, tokenizer):
         from chunk_llama.engine import ChunkLlamaEngine
 
-        return ChunkLlamaEngine(model, tokenizer, **self.engine_kwargs())
+        try:  # (a bad setting or adapter: one line and exit code 2, as a bad flag)
+            return ChunkLlamaEngine(model, tokenizer, **self.engine_kwargs())
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+
+
+def lora_modules(values: list[str] | None) -> dict[str, str] | None:
+    """`--lora-modules name=path ...` as {name: path} (UsageError for a malformed or repeated one)."""
+    if not values:
+        return None
+    out: dict[str, str] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise UsageError(f"--lora-modules {value!r}: give each adapter as NAME=PATH")
+        if name.strip() in out:
+            raise UsageError(f"--lora-modules: the adapter name {name.strip()!r} is given twice")
+        out[name.strip()] = path.strip()
+    return out
 
 
 def read_chat_template(value: str) -> str:

@@ -16,7 +16,10 @@ def engine_stats(engine) -> dict[str, Any]:
     `attention_backend` is the decode kernel in use ("cpu:avx2", "cuda", "reference",
     ...) and `attention_fallback_reason` why the reference runs, if it does;
     `linear_backend` what the model's linear layers run on ("small_linear:avx512 + onednn",
-    "torch", ...; with ", GGUF blocks Q4_1 x210" for layers kept in a GGUF file's blocks)."""
+    "torch", ...; with ", GGUF blocks Q4_1 x210" for layers kept in a GGUF file's blocks).
+    `adapters` and `adapters_resident` count the LoRA adapters requests may name and those
+    whose weights are in memory (`adapter_bytes_resident`); `retained_chunks_by_adapter` the
+    cached prefixes of each (None: the base)."""
     pool, tree, dtype = engine.cache.pool, engine.cache.tree, engine.cache.geometry.dtype
     backend = backend_info(pool.device, dtype, pool.head_dim, pool.chunk_size, pool.dtype)
     return dict(
@@ -41,7 +44,12 @@ def engine_stats(engine) -> dict[str, Any]:
         linear_backend=linear.backend(dtype, pool.device) + (
             ", GGUF blocks " + ", ".join(f"{t} x{n}" for t, n in sorted(engine._gguf_blocks.items()))
             if engine._gguf_blocks else ""),
+        adapters=len(engine.adapters.names()),
+        adapters_resident=engine.adapters.num_resident,
+        adapter_bytes_resident=engine.adapters.resident_bytes,
+        retained_chunks_by_adapter=engine.adapters.names_of_keys(tree.retained_by_key()),
     )
+
 
 def describe(engine) -> str:
     """One line for a start-up log: device, dtype, kernels and the KV pool."""

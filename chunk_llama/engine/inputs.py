@@ -75,11 +75,12 @@ class InputProcessor:
 
     def make_sequences(
         self, prompt, config: GenerationConfig | None, track_text: bool, *, logits_processor=None,
-        stopping_criteria=None, grammar=None,
+        stopping_criteria=None, grammar=None, adapter=None,
     ) -> list[Sequence]:
         """One sequence per returned sample; all share the prompt (and its chunks). The
         engine numbers them (`request_id`, `seq_id`) when it queues them. `grammar`: a
-        `Grammar` or OpenAI `response_format` dict constraining every sample's output."""
+        `Grammar` or OpenAI `response_format` dict constraining every sample's output;
+        `adapter`: what they run under (`AdapterRegistry.resolve`'s result)."""
         generation.check_config(config)
         grammar = as_grammar(grammar)
         if config is not None and config.max_new_tokens is not None:
@@ -141,6 +142,7 @@ class InputProcessor:
                 track_text=(track_text and self.tokenizer is not None) or bool(settings.stop_strings),
                 arrival_time=arrival,
                 grammar=states[index],
+                adapter=adapter,
             )
             for index in range(num_samples)
         ]

@@ -91,6 +91,8 @@ class Sequence:
     stop_strings: tuple[str, ...] = ()
     track_text: bool = False  # decode text as tokens arrive (streaming, stop strings)
     grammar: Any = None  # GrammarState when the output is constrained (grammar.py)
+    adapter: Any = None  # what the request runs under, as resolved when submitted (`hf/lora/registry.py`)
+    lora: Any = None  # its weights (a LoraAdapter) once admitted; None: the base
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -26,6 +26,8 @@ import torch
 from transformers.cache_utils import Cache
 
 from chunk_llama.hf.adapters import WeightsKey
+from chunk_llama.hf.cache_answers import CacheAnswers
+from chunk_llama.hf.lora.rows import AdapterRows
 from chunk_llama.hf.rows import GenerateRows
 from chunk_llama.hf.support import (
     check_supported,
@@ -42,7 +44,7 @@ from chunk_llama.step import StaticBuffers, StepBuilder, StepContext, current_st
 logger = logging.getLogger(__name__)
 
 
-class ChunkCache(GenerateRows, Cache):
+class ChunkCache(GenerateRows, AdapterRows, CacheAnswers, Cache):
     """Prefix-aware KV cache for a causal LM that `patch_model` accepts.
 
     Args:
@@ -117,6 +119,7 @@ class ChunkCache(GenerateRows, Cache):
         self._device_attention: dict[torch.device, dict] = {}
         self._weights_key = WeightsKey(model) if isinstance(model, torch.nn.Module) else None
         self._weights_seen = self._weights_key() if self._weights_key is not None else None
+        self._lora_of: dict = {}  # sequence -> its adapter, where the engine assigns them (`lora/rows.py`)
         self._plan_counters_at_open = (0, 0)
         self._step: StepContext | None = None
         self._row_seq_ids: list[int] = []  # generate mode: sequence of each batch row
@@ -145,6 +148,9 @@ class ChunkCache(GenerateRows, Cache):
         step.q_dtype = self.geometry.dtype
         if len(set(self.pool.layer_devices)) > 1:
             step.for_device = self._step_on
+        if step.lora is None and step.decode is not None:
+            step.lora = self._lora_rows([(s, row, 1) for row, s in enumerate(step.decode.seq_ids)],
+                                        len(step.decode.seq_ids))
         self._step = step
         return step
 
@@ -182,14 +188,18 @@ class ChunkCache(GenerateRows, Cache):
     def num_plan_updates(self) -> int:
         return self._builder.num_plan_updates
 
-    def add_sequence(self, seq_id: int, tokens: list[int]) -> int:
-        """Insert a new sequence; returns how many leading tokens need no compute.
+    def add_sequence(self, seq_id: int, tokens: list[int], adapter=None) -> int:
+        """Insert a new sequence, computed under `adapter` (a `LoraAdapter` of the engine's
+        registry; None: the base); returns how many leading tokens need no compute (K/V the
+        same adapter computed for the same prefix).
 
         The last token is always computed so that the forward yields its logits.
         Raises `KVCacheFull` (nothing changed) when the pool cannot hold it.
         """
         self._open_step()
-        return self.tree.insert(seq_id, tokens, max_match=len(tokens) - 1)
+        cached = self.tree.insert(seq_id, tokens, max_match=len(tokens) - 1, key=self.key_of(adapter))
+        self._note_adapter(seq_id, adapter)
+        return cached
 
     def extend_sequence(self, seq_id: int, tokens: list[int]) -> None:
         """Add the next piece of a sequence's prompt (chunked prefill), to be computed by
@@ -206,6 +216,7 @@ class ChunkCache(GenerateRows, Cache):
 
     def remove_sequence(self, seq_id: int) -> None:
         self.tree.remove(seq_id)
+        self._forget_adapter(seq_id)
 
     def begin_prefill(self, seq_ids: list[int], starts: list[int]):
         """Prepare a packed prefill of tokens `[start, len)` of each sequence.
@@ -217,14 +228,17 @@ class ChunkCache(GenerateRows, Cache):
         ids, positions, last_of, segments = [], [], {}, []
         tokens_of = {s: self.tree.tokens(s) for s in seq_ids}
         start_of = dict(zip(seq_ids, starts))
-        # packed in token order: sequences with a common prefix are neighbours and read it together
-        for seq_id in sorted(seq_ids, key=tokens_of.__getitem__):
+        # packed by key, then in token order: sequences with a common prefix are neighbours and read
+        # it together, and each adapter's rows are one run
+        for seq_id in self._packing_order(seq_ids, tokens_of):
             tokens, start = tokens_of[seq_id], start_of[seq_id]
             segments.append((seq_id, len(ids), start, len(tokens) - start, start))
             ids.extend(tokens[start:])
             positions.extend(range(start, len(tokens)))
             last_of[seq_id] = len(ids) - 1
-        step = self._prepare(self._builder.prefill(segments, len(ids), inputs=(ids, positions)))
+        step = self._builder.prefill(segments, len(ids), inputs=(ids, positions))
+        step.lora = self._lora_rows([(s, start, n) for s, start, _, n, _ in segments], len(ids))
+        step = self._prepare(step)
         last_index = torch.tensor([last_of[s] for s in seq_ids], device=self.pool.device)
         return step.input_ids, step.position_ids, last_index
 
@@ -268,7 +282,8 @@ class ChunkCache(GenerateRows, Cache):
 
     def _open_step(self) -> None:
         if not self.tree.in_step:
-            key = self._weights_key() if self._weights_key is not None else None
+            self._forget_changed_weights()
+            key = self._weights_key() if self._weights_key is not None and not self.rows_managed else None
             if key != self._weights_seen:  # adapters changed: no K/V of the old weights is served again
                 freed = self.tree.forget_prefixes()
                 logger.info("chunk-llama: the model's adapters changed: the prefix cache forgot what it held "
@@ -298,54 +313,3 @@ class ChunkCache(GenerateRows, Cache):
             )
         step.store(layer_idx, key_states, value_states)
         return key_states, value_states
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Tokens before the current step: under stock generate, the batch's columns so far
-        (left padding included, as transformers counts them)."""
-        if self._step is not None:
-            return self._step.past_len
-        return self._columns
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self.get_seq_length()
-
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
-    @property
-    def is_initialized(self) -> bool:
-        return True
-
-    @property
-    def is_sliding(self) -> list[bool]:
-        return [False] * self.num_layers
-
-    @property
-    def is_linear(self) -> list[bool]:
-        return [False] * self.num_layers
-
-    @property
-    def is_dummy(self) -> list[bool]:
-        return [False] * self.num_layers
-
-    def __len__(self) -> int:
-        return self.num_layers
-
-    @property
-    def is_croppable(self) -> bool:
-        return False
-
-    def _unsupported(self, *args, **kwargs):
-        raise NotImplementedError(
-            "ChunkCache does not support beam search, cache cropping or reordering "
-            "(use greedy or sampling with num_return_sequences instead)"
-        )
-
-    reorder_cache = crop = batch_repeat_interleave = batch_select_indices = _unsupported

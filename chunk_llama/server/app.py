@@ -23,8 +23,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chunk_llama.server import responses as fmt
+from chunk_llama.server.adapters import ServedModels, add_adapter_routes
 from chunk_llama.server.auth import ApiKeyMiddleware
-from chunk_llama.server.convert import OpenAIError, chat_request, check_model, completion_requests
+from chunk_llama.server.convert import OpenAIError, chat_request, completion_requests
 from chunk_llama.server.limits import (
     BodyLimitMiddleware,
     StrictJSONRoute,
@@ -153,12 +154,8 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
             )
         return {"status": "ok"}
 
-    @app.get("/v1/models")
-    async def models():
-        return {
-            "object": "list",
-            "data": [{"id": model_name, "object": "model", "created": created_at, "owned_by": "chunk-llama"}],
-        }
+    served_models = ServedModels(engine, served, created_at)
+    add_adapter_routes(app, engine, served_models)
 
     @app.get("/metrics")
     async def prometheus():
@@ -190,9 +187,10 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        check_model(body, served)
+        adapter = served_models.adapter_for(body.model)
         check_chat_size(body, deploy)
         requests = chat_request(body, max_positions, vocab_size, native_tools)
+        requests.adapter = adapter
         return await respond(body, request, requests, endpoint="chat", id_prefix="chatcmpl",
                              object_name="chat.completion",
                              stream_events=functools.partial(_stream_chat, tool_parsing=requests.tool_parsing),
@@ -202,9 +200,10 @@ def create_app(engine, model_name: str, *, aliases: tuple[str, ...] = (), loop_t
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        check_model(body, served)
+        adapter = served_models.adapter_for(body.model)
         check_completion_size(body, deploy)
         requests = completion_requests(body, vocab_size)
+        requests.adapter = adapter
         return await respond(body, request, requests, endpoint="completions", id_prefix="cmpl",
                              object_name="text_completion", stream_events=_stream_completion,
                              choice=fmt.completion_choice, logprobs_format=fmt.completion_logprobs,

@@ -27,14 +27,6 @@ from chunk_llama.server.errors import OpenAIError
 from chunk_llama.server.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
 
 
-def check_model(body: _Sampling, served: list[str]) -> None:
-    """The request must name the served model."""
-    if body.model not in served:
-        raise OpenAIError(
-            f"model {body.model!r} does not exist here; this server serves {served[0]!r}", param="model"
-        )
-
-
 @dataclass
 class EngineRequests:
     """What the engine gets for one HTTP request: its prompts, their config, and per prompt
@@ -46,9 +38,12 @@ class EngineRequests:
     grammar: object = None
     penalties: tuple[float, float] | None = None
     tool_parsing: bool = False
+    adapter: str | None = None  # the LoRA adapter the request's `model` names (None: the base)
 
     def kwargs(self) -> dict:
         out = {}
+        if self.adapter is not None:
+            out["adapter"] = self.adapter
         if self.grammar is not None:
             out["grammar"] = self.grammar
         if self.penalties is not None:

@@ -38,6 +38,7 @@ class StepContext:
         for F.linear
     past_len: tokens cached before this step (what `get_seq_length` reports meanwhile)
     q_dtype: what the attention takes queries in (the model's dtype; None: the pool's)
+    lora: which rows run under which adapter (`ops/lora.py`), or None
     """
 
     pool: ChunkPool
@@ -55,6 +56,9 @@ class StepContext:
     past_len: int = 0
     q_dtype: torch.dtype | None = None
     columns: int | None = None  # stock generate's rows: the batch's columns after this step
+    # the rows' LoRA adapters (`ops/lora.py`'s LoraRows) where the engine assigns them per
+    # request (no segment: every row runs the base); None: the layers compute as they are
+    lora: object = None
     # layers whose K/V sit on another device (a model split by device_map): this step there
     for_device: Callable[["StepContext", torch.device], "StepContext"] | None = None
     moved: dict = field(default_factory=dict)

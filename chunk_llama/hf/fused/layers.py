@@ -152,6 +152,8 @@ def _step_reason(step) -> str | None:
     """Why this step's layers run op by op, or None when they may fuse."""
     if setting(ENV, "1") == "0":
         return f"{ENV}=0"
+    if getattr(step, "lora", None) is not None and step.lora.segments:
+        return "the step has rows under LoRA adapters (added op by op)"
     if not isinstance(step.attention, (CpuDecode, CpuPrefill)):
         return f"the step's attention runs on {getattr(step.attention, 'backend', type(step.attention).__name__)}"
     if step.pool.dtype not in (torch.float32, torch.bfloat16):
