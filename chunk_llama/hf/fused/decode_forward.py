@@ -78,7 +78,9 @@ def run(model: nn.Module, step, kwargs: dict) -> CausalLMOutputWithPast:
         return tables[key]
 
     layer_kwargs = {"attention_mask": None, "position_embeddings": rotary(0), "position_ids": position_ids,
-                    cache_argument: kwargs.get(cache_argument), "use_cache": True}
+                    # (the cache under the name the caller used: a PeftModel's forward takes `past_key_values`
+                    # and passes it on as given, where this model's layers may take `cache`)
+                    cache_argument: compat.cache_from(kwargs), "use_cache": True}
     layers = list(inner.layers._modules.values())[: inner.config.num_hidden_layers]  # (a ModuleList slice builds one)
     hidden = layers[0](hidden, **layer_kwargs)
     ran = step.fused_stack  # (its Stack, its output) when layer 0's call ran every layer
