@@ -19,10 +19,7 @@ class EngineAdapters:
 
     adapters: AdapterRegistry
 
-    def _init_adapters(self, model, max_loras: int | None, max_lora_rank: int | None,
-                       lora_modules: dict[str, str] | None) -> None:
-        self.adapters = AdapterRegistry(model, max_loras=max_loras, max_lora_rank=max_lora_rank)
-        self.cache.adapters = self.adapters
+    def _load_adapters(self, lora_modules: dict[str, str] | None) -> None:
         if lora_modules is not None and not isinstance(lora_modules, dict):
             raise TypeError(f"lora_modules must be a dict of name -> adapter folder, got {type(lora_modules).__name__}")
         for name, path in (lora_modules or {}).items():

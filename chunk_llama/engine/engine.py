@@ -31,6 +31,7 @@ from chunk_llama.engine.runner import ModelRunner
 from chunk_llama.engine.scheduler import Scheduler
 from chunk_llama.gguf.weights import gguf_blocks
 from chunk_llama.hf import ChunkCache, is_patched, patch_model
+from chunk_llama.hf.lora.registry import AdapterRegistry
 from chunk_llama.ops import prepare_backend
 from chunk_llama.ops.cpu import linear
 
@@ -102,12 +103,14 @@ class ChunkLlamaEngine(Delivery, EngineAdapters):
         self.model = model
         self._gguf_blocks = gguf_blocks(model)
         self.tokenizer = tokenizer
+        self.adapters = AdapterRegistry(model, max_loras=max_loras, max_lora_rank=max_lora_rank)
         self.cache = ChunkCache(
             model,
             chunk_size=chunk_size or model.chunk_llama_chunk_size,
             kv_cache_bytes=kv_cache_bytes,
             kv_dtype=kv_dtype,
             retain_prefixes=retain_prefixes,
+            adapters=self.adapters,
         )
         pool, dtype = self.cache.pool, self.cache.geometry.dtype
         # The native kernel is built now (first use only, announced on stderr), not in
@@ -116,7 +119,7 @@ class ChunkLlamaEngine(Delivery, EngineAdapters):
         linear.backend(dtype, pool.device)  # its one-time check, and why not, logged now
         self.inputs = InputProcessor(model, tokenizer, self.cache.chunk_size, pool.capacity, max_batch_size,
                                      max_model_len)
-        self._init_adapters(model, max_loras, max_lora_rank, lora_modules)
+        self._load_adapters(lora_modules)
         self.scheduler = Scheduler(self.cache, max_batch_size, max_prefill_tokens, self.adapters)
         self.runner = ModelRunner(model, self.cache, self.scheduler, self.inputs)
         self.max_batch_size = max_batch_size

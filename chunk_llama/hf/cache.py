@@ -57,6 +57,8 @@ class ChunkCache(GenerateRows, AdapterRows, CacheAnswers, Cache):
         retain_prefixes: keep finished sequences' chunks as an LRU prefix cache.
         token_granular: share a common prefix to the token, also where it ends inside a
             chunk (default: yes, but on CUDA, whose kernels take whole chunks only).
+        adapters: the engine's `AdapterRegistry` (`hf/lora/`): its sequences run under
+            adapters of their own, each keyed by its identity (None: the model as it is).
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class ChunkCache(GenerateRows, AdapterRows, CacheAnswers, Cache):
         device: torch.device | str | None = None,
         retain_prefixes: bool = False,
         token_granular: bool | None = None,
+        adapters=None,
     ):
         config = getattr(model, "config", model)
         check_supported(config)
@@ -117,7 +120,11 @@ class ChunkCache(GenerateRows, AdapterRows, CacheAnswers, Cache):
         self._attention: dict = {}  # the backends' objects, made once each and planned per step
         self._device_buffers: dict[torch.device, StaticBuffers] = {}  # layers on other devices
         self._device_attention: dict[torch.device, dict] = {}
-        self._weights_key = WeightsKey(model) if isinstance(model, torch.nn.Module) else None
+        self.adapters = adapters
+        # (PEFT's adapters applied to every row: a change forgets everything; not where the engine
+        # assigns adapters per row, whose K/V are keyed by each adapter's identity)
+        self._weights_key = WeightsKey(model) if isinstance(model, torch.nn.Module) and not self.rows_managed \
+            else None
         self._weights_seen = self._weights_key() if self._weights_key is not None else None
         self._lora_of: dict = {}  # sequence -> its adapter, where the engine assigns them (`lora/rows.py`)
         self._plan_counters_at_open = (0, 0)
@@ -283,7 +290,7 @@ class ChunkCache(GenerateRows, AdapterRows, CacheAnswers, Cache):
     def _open_step(self) -> None:
         if not self.tree.in_step:
             self._forget_changed_weights()
-            key = self._weights_key() if self._weights_key is not None and not self.rows_managed else None
+            key = self._weights_key() if self._weights_key is not None else None
             if key != self._weights_seen:  # adapters changed: no K/V of the old weights is served again
                 freed = self.tree.forget_prefixes()
                 logger.info("chunk-llama: the model's adapters changed: the prefix cache forgot what it held "

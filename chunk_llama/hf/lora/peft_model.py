@@ -67,6 +67,7 @@ class PeftAdapters:
         self._read: dict[str, tuple[LoraAdapter, tuple, tuple]] = {}  # name -> (adapter, tensors, versions)
         self._layers: dict[str, nn.Module] | None = None
         self._layers_for = None
+        self.generation = 0  # bumped each time the layers are found again
 
     def layers(self) -> dict[str, nn.Module]:
         """The LoRA layers by module name, found again when PEFT's configs change."""
@@ -74,6 +75,7 @@ class PeftAdapters:
         marker = (id(configs), tuple(configs) if isinstance(configs, dict) else None)
         if self._layers is None or marker != self._layers_for:
             self._layers, self._layers_for = tuner_layers(self.model), marker
+            self.generation += 1
         return self._layers
 
     def read_adapters(self) -> dict[str, tuple]:

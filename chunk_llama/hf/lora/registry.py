@@ -14,7 +14,7 @@ A request resolves its adapter's name when it is submitted (`resolve`: ValueErro
 unknown one) and gets its weights when admitted (`acquire`). The prefix tree keys its K/V by
 the weights' identity, so an adapter replaced under the same name shares nothing with
 the one it replaced; what a PEFT adapter written in place computed before is forgotten
-(`take_stale`), and everything is when PEFT merges adapters into the base (`base_changed`).
+(`take_stale`), and everything is when PEFT merges adapters into the base.
 
 A PeftModel whose tuner layers the engine cannot add per row (non-LoRA tuners, DoRA...)
 runs PEFT's own forward for every request (`rows_managed` False), as it would under stock
@@ -62,12 +62,30 @@ class AdapterRegistry:
         self._resident: OrderedDict[int, AdapterEntry] = OrderedDict()  # id(entry) -> entry, LRU first
         self._stale: list[str] = []
         self._base_changed = False
-        layers = tuner_layers(model)
-        self.peft = PeftAdapters(model) if layers else None
-        self.peft_reason = unsupported_reason(layers) if layers else None
+        self.peft = PeftAdapters(model) if tuner_layers(model) else None
+        self.peft_reason: str | None = None
+        self._attached = -1  # the PEFT layers' generation whose layers are attached
+        self._sync_peft()
         self._base_state = self.peft.base_state() if self.peft is not None else None
-        if self.peft is not None and self.peft_reason is None:
-            attach(model, self.peft.layers())
+
+    def _sync_peft(self) -> None:
+        """Where PEFT added or removed adapters (its layers found again), wrap the new LoRA layers
+        (`layers.attach`: a layer left out would apply PEFT's active adapter to every row), or
+        note why per-request adapters cannot run on them."""
+        if self.peft is None:
+            return
+        layers = self.peft.layers()
+        if self.peft.generation == self._attached:
+            return
+        reason = unsupported_reason(layers)
+        if self._attached >= 0 and (reason is None) != (self.peft_reason is None):
+            # (this engine's cache keys K/V one way or the other, chosen when it was made)
+            raise RuntimeError(f"PEFT's layers changed kind since this engine was made ({reason or 'now plain LoRA'}): "
+                               "make a new engine for the model")
+        self.peft_reason = reason
+        if reason is None:
+            attach(self.model, layers)
+        self._attached = self.peft.generation
 
     @property
     def rows_managed(self) -> bool:
@@ -147,6 +165,7 @@ class AdapterRegistry:
         """What a request under `name` runs with (None: the model as it is), when submitted:
         an `AdapterEntry` (a folder), a `LoraAdapter` (a PEFT adapter now), or None (the
         base). ValueError for an unknown name or one that cannot run per request."""
+        self._sync_peft()
         if name is None:
             if self.peft is None or not self.rows_managed:
                 return None
@@ -243,7 +262,8 @@ class AdapterRegistry:
     def take_stale(self) -> tuple[bool, list[str]]:
         """(whether the base weights changed, so no K/V computed before may be matched again;
         the identities of adapters whose weights were written in place since) since the last
-        call."""
+        call; called between steps, it also wraps any LoRA layer PEFT added since)."""
+        self._sync_peft()
         self.check_base()
         with self._lock:
             stale, self._stale = self._stale, []
