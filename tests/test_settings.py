@@ -27,7 +27,8 @@ def test_every_command_takes_the_engine_options(command):
                                 kv_dtype="bfloat16")
     assert engine.engine_kwargs() == dict(max_batch_size=4, chunk_size=32, kv_cache_bytes=1000000,
                                           kv_dtype="bfloat16", max_prefill_tokens=256, retain_prefixes=False,
-                                          max_model_len=None)
+                                          max_model_len=None, lora_modules=None, max_loras=None,
+                                          max_lora_rank=None)
 
 
 def test_defaults_equal_the_dataclass_and_the_environment_overrides_them(monkeypatch):
