@@ -114,7 +114,8 @@ class ChunkLlamaEngine(Delivery):
 
     # ------------------------------------------------------------ online API
     def add_request(self, prompt, generation_config: GenerationConfig | None = None, *, logits_processor=None,
-                    stopping_criteria=None, grammar=None, deadline: float | None = None) -> int:
+                    stopping_criteria=None, grammar=None, deadline: float | None = None,
+                    skip_special_tokens: bool = True) -> int:
         """Queue a request (thread-safe); returns its id. It is admitted at the next step.
 
         prompt: a string, a list of chat messages (chat template applied) or token ids.
@@ -125,6 +126,8 @@ class ChunkLlamaEngine(Delivery):
         deadline: a `time.perf_counter()` time; a request not finished by then ends at the next
             step with what it generated (`finish_reason="length"`, as `max_time` ends one) and
             leaves the batch or the queue, its chunks freed.
+        skip_special_tokens: leave special tokens out of the text (False keeps them, such as a
+            tool-call marker; the end-of-sequence token is never text).
         Raises ValueError/TypeError for a bad prompt, config or grammar; nothing is queued then.
         """
         self._check_open()
@@ -134,7 +137,8 @@ class ChunkLlamaEngine(Delivery):
             self._num_submitting += 1
         try:
             seqs = self.inputs.make_sequences(prompt, generation_config, True, logits_processor=logits_processor,
-                                              stopping_criteria=stopping_criteria, grammar=grammar)
+                                              stopping_criteria=stopping_criteria, grammar=grammar,
+                                              skip_special_tokens=skip_special_tokens)
             return self._enqueue([seqs], deadline=deadline)[0]
         finally:
             with self._lock:

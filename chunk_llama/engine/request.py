@@ -90,6 +90,7 @@ class Sequence:
     keep_scores: bool = False
     stop_strings: tuple[str, ...] = ()
     track_text: bool = False  # decode text as tokens arrive (streaming, stop strings)
+    skip_special_tokens: bool = True  # special tokens are not text (but see text.py for EOS)
     grammar: Any = None  # GrammarState when the output is constrained (grammar.py)
     arrival_time: float = 0.0
     first_token_time: float | None = None
