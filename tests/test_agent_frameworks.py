@@ -66,7 +66,8 @@ def _agents_run(url: str, api: str):
     agent = agents.Agent(
         name="weather", instructions="Answer questions about the weather with the get_weather tool.",
         tools=[agents.function_tool(get_weather)], model=model_class(model=NAME, openai_client=client),
-        model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=48))
+        model_settings=agents.ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0,
+                                            max_tokens=96))
     return asyncio.run(agents.Runner.run(agent, QUESTION, max_turns=4))
 
 

@@ -48,9 +48,9 @@ def tiny_qwen3():
     model.generation_config.eos_token_id = end
     examples = []
     for kwargs, target in (({}, f"<think>\n{REASONING}\n</think>\n\n{ANSWER}"), ({"enable_thinking": False}, ANSWER)):
-        prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, **kwargs)
-        prompt = prompt["input_ids"] if isinstance(prompt, dict) else prompt
-        examples.append((list(prompt), tokenizer(target, add_special_tokens=False)["input_ids"] + [end]))
+        text = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False, **kwargs)
+        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+        examples.append((prompt, tokenizer(target, add_special_tokens=False)["input_ids"] + [end]))
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     for _ in range(400):
         loss = 0.0

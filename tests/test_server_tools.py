@@ -58,10 +58,10 @@ def ask(question: str) -> list[dict]:
     return [SYSTEM, {"role": "user", "content": question}]
 
 
-def check_calls(message, names=None):
+def check_calls(message, names=None, id_prefix="call_"):
     assert message.tool_calls, message
     for call in message.tool_calls:
-        assert call.type == "function" and call.id.startswith("call_")
+        assert call.type == "function" and call.id.startswith(id_prefix)
         assert names is None or call.function.name in names
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
