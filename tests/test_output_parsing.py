@@ -146,3 +146,14 @@ def test_stop_strings_are_cut_or_kept():
     assert ReadSettings(["STOP"]).reader().read_whole("abc STOP def")[0] == "abc "
     assert ReadSettings(["STOP"], keep_stop=True).reader().read_whole("abc STOP def")[0] == "abc STOP"
     assert read(ReadSettings(["STOP"], keep_stop=True), "abc STOP def", 1)[0] == "abc STOP"
+
+
+def test_a_forced_call_writes_declared_arguments_only():
+    from chunk_llama.server.tool_formats import closed
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "when": {"type": "object", "properties": {
+        "day": {"type": "integer"}}}, "tags": {"type": "object"}}, "required": ["city"]}
+    out = closed(schema)
+    assert out["additionalProperties"] is False and out["properties"]["when"]["additionalProperties"] is False
+    assert "additionalProperties" not in out["properties"]["tags"]  # no properties declared: any object
+    assert closed({**schema, "additionalProperties": True})["additionalProperties"] is True  # said: kept

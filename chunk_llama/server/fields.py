@@ -22,7 +22,7 @@ IGNORED_FIELDS_HEADER = "X-Chunk-Llama-Ignored-Fields"
 MAX_LISTED = 32
 MAX_LOGGED = 256  # distinct names logged in a process: a client sending random names cannot grow the log
 _PRINTABLE = re.compile(r"^[\x21-\x2b\x2d-\x7e]{1,64}$")  # printable ASCII but the comma
-_logged: set[str] = set()
+_num_logged = 0  # distinct names logged so far
 
 
 def unknown_fields(value, prefix: str = "") -> list[str]:
@@ -47,10 +47,11 @@ def ignored_fields_header(names: list[str]) -> dict[str, str]:
     """Log each new name once and return the response header listing them (empty: none)."""
     if not names:
         return {}
+    global _num_logged
     for name in names:
-        if name not in _logged and len(_logged) < MAX_LOGGED:
-            _logged.add(name)
-            log_once(logger, "ignored a request field unknown here: %r (logged once)", name)
+        if _num_logged < MAX_LOGGED and log_once(logger, "ignored a request field unknown here: %r (logged once)",
+                                                 name):
+            _num_logged += 1
     listed = [n for n in names if _PRINTABLE.match(n)][:MAX_LISTED]
     rest = len(names) - len(listed)
     value = ", ".join(listed + ([f"({rest} more)"] if rest else []))

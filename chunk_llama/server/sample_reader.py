@@ -59,10 +59,10 @@ class SampleReader:
     def feed(self, text: str | None, finished: bool, num_tokens: int = 0) -> list[tuple]:
         """The events of the sample's new `text` (its `num_tokens` tokens, counted as reasoning
         tokens when they arrive inside the reasoning)."""
-        if self.splitter is not None and self.splitter.state in ("start", "reasoning"):
-            self.num_reasoning_tokens += num_tokens
         cut = self.cutter.feed(text, finished)
         pieces = self.splitter.feed(cut, finished) if self.splitter is not None else [("content", cut)]
+        if self.splitter is not None and (self.splitter.in_reasoning or any(k == "reasoning" for k, _ in pieces)):
+            self.num_reasoning_tokens += num_tokens
         events = []
         for kind, piece in pieces:
             if kind == "reasoning" or self.parser is None:

@@ -38,8 +38,23 @@ _INTRO = ("You may call one or more functions to assist with the user query. The
 def _call_schema(tool, arguments_key: str) -> dict:
     function = tool.function
     return {"type": "object", "properties": {"name": {"const": function.name},
-                                             arguments_key: function.parameters or {"type": "object"}},
+                                             arguments_key: closed(function.parameters or {"type": "object"})},
             "required": ["name", arguments_key], "additionalProperties": False}
+
+
+def closed(schema):
+    """`schema` with `additionalProperties: false` on every object that declares properties and
+    says nothing of others: a forced call writes the declared arguments only (what OpenAI's
+    strict mode requires, and what tool executors check: smolagents refuses a call with an
+    argument its tool does not declare)."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) if k not in ("const", "enum", "default", "examples") else v for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 class ToolFormat:
@@ -166,7 +181,7 @@ def tool_format(name: str | None, tokenizer) -> ToolFormat:
             name = "hermes"
             if template:
                 log_once(logger, "the chat template writes no tool-call format known here: tool calls use "
-                                 "Hermes <tool_call> blocks, described in the system prompt")
+                                 "Hermes <tool_call> blocks, described in the system prompt", level=logging.INFO)
     cls = FORMATS[name]
     special = set(getattr(tokenizer, "all_special_tokens", []) or [])
     marker_id = tokenizer.convert_tokens_to_ids(cls.marker) if cls.marker in special else None
