@@ -1,24 +1,29 @@
 """Cost of the CPU kernels' binding: the ctypes binding over the torch-free C interface
-(`ops/cpu/binding.py`, what chunk-llama ships) against the C++ torch op it replaced (the glue
-`csrc/cpu/tpp_cpu_torch.cpp` of commit 81a3301, JIT-built with torch.utils.cpp_extension),
-in one process, the two interleaved (A, B, A, B, ...), medians.
+(`ops/cpu/binding.py` and the step's made plan, `ops/cpu/planned.py`: what chunk-llama ships)
+against the C++ torch op it replaced (the glue `csrc/cpu/tpp_cpu_torch.cpp` of commit 81a3301,
+JIT-built with torch.utils.cpp_extension), in one process, the two interleaved (A, B, A, B,
+...), medians.
 
     git archive 81a3301 csrc | tar -x -C /tmp/old
     python scripts/bench_binding_overhead.py --torch-op-csrc /tmp/old/csrc
 
 Measures a decode step of the default model (SmolLM2-135M, float32, 30 layers: an
 attention call per layer, and `small_linear` where the linear path takes it) at batch 1
-and 32, milliseconds per step, as `bench_host_overhead.py` times a step; then the step's
-first call of each op replayed alone, and `small_linear` on a 576 -> 576 weight (the
-per-call cost, microseconds).
+and 32, milliseconds per step, as `bench_host_overhead.py` times a step, with the fused
+decoder layers off (`CHUNK_LLAMA_FUSED_LAYERS=0`: the torch op has no fused layer, so both
+bindings run the attention op by op); then the step's first attention call replayed alone
+(a layer's call on the step's made plan; the torch op's, on the plan tensor and its layout),
+the making of the step's plan (the ctypes binding's only: the torch op checked the plan
+at every call), and `small_linear` on a 576 -> 576 weight (the per-call cost, microseconds).
 
-Both bindings run the same kernels (the kernel sources did not change); the engine's
-backend objects call whichever `Switch.target` is at the time. One thread.
+Both bindings run the same kernels; the engine's backend objects make their plans through
+whichever `Switch.target` is at the time. One thread.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -31,6 +36,7 @@ from chunk_llama import ChunkCache
 from chunk_llama.ops.build import native
 from chunk_llama.ops.build.spec import CPU_FLAGS, compiled_variants, cpu_build
 from chunk_llama.ops.cpu.binding import CpuLibrary
+from chunk_llama.ops.cpu.structs import DECODE_PLAN
 
 
 def load_torch_op(csrc: Path, build_dir: Path):
@@ -45,58 +51,76 @@ def load_torch_op(csrc: Path, build_dir: Path):
     return torch.ops.chunk_llama_cpu
 
 
-class TorchOpBinding:
-    """The old op behind the ctypes binding's methods; a plan's call passes the plan's
-    layout as the list the old op took (the old backend passed `plan.layout` per layer)."""
+class TorchOpPlanned:
+    """A step's attention through the old op: every call passes the plan, its layout (the
+    list the old op took), the scratch and the scalars, and the op checks them all."""
 
-    def __init__(self, ops, ctypes_binding):
-        self.ops, self.helper = ops, ctypes_binding
+    def __init__(self, ops, kind, index, layout, scratch, max_blocks_per_item, variant):
+        self.op = ops.tpp_decode if kind == DECODE_PLAN else ops.tpp_prefill
+        self.kind, self.index, self.layout, self.scratch = kind, index, list(layout), scratch
+        self.items, self.variant = max_blocks_per_item, variant
 
-    def decode_call(self, plan, layout, scratch, scale, window, items, isa):
-        layout, tpp_decode = list(layout), self.ops.tpp_decode
-        return lambda q, k, v: tpp_decode(q, k, v, plan, layout, scratch, float(scale), window, items, isa)
+    def run(self, q, k_cache, v_cache, scale, window=0, new_kv=None):
+        if self.kind == DECODE_PLAN:
+            return self.op(q.contiguous(), k_cache, v_cache, self.index, self.layout, self.scratch, float(scale),
+                           window, self.items, self.variant)
+        return self.op(q.contiguous(), k_cache, v_cache, self.index, self.layout, self.scratch, float(scale), window,
+                       self.variant)
 
-    def prefill_call(self, plan, layout, scratch, scale, window, isa):
-        layout, tpp_prefill = list(layout), self.ops.tpp_prefill
-        return lambda q, k, v: tpp_prefill(q, k, v, plan, layout, scratch, float(scale), window, isa)
 
-    def small_linear(self, x, weight, bias, isa):
-        return self.ops.small_linear(x, weight, bias, isa)
+class SwitchHandle:
+    """The plan handle the engine's backends hold: each step's plan is made through the
+    binding `switch.target` names then (the torch op's scratch is sized by the ctypes plan,
+    which checks the plan as the op would); the first decode plan and call are kept."""
 
-    def __getattr__(self, name):  # scratch sizes, layouts, variants: the same C++ either way
-        return getattr(self.helper, name)
+    def __init__(self, switch):
+        self.switch, self.handle = switch, switch.ctypes.new_plan()
+
+    def make(self, kind, index, layout, geometry, capacity, scratch_of, variant, writes=None, row_order=None,
+             max_blocks_per_item=0):
+        planned = self.handle.make(kind, index, layout, geometry, capacity, scratch_of, variant, writes, row_order,
+                                   max_blocks_per_item)
+        if self.switch.target is not self.switch.ctypes:
+            planned = TorchOpPlanned(self.switch.ops, kind, index, layout, planned._kept[1], max_blocks_per_item,
+                                     variant)
+        if kind == DECODE_PLAN and geometry[0] == self.switch.decode_rows and "tpp_decode" not in self.switch.first:
+            args = (kind, index.clone(), list(layout), geometry, capacity, planned_scratch(planned).clone(),
+                    variant, max_blocks_per_item)
+            run = planned.run
+
+            def recorded(q, k, v, scale, window=0, new_kv=None):  # copies: the buffers hold later steps' plans
+                self.switch.first.setdefault("tpp_decode", (args, (q.contiguous().clone(), k, v, scale, window)))
+                return run(q, k, v, scale, window, new_kv)
+
+            planned.run = recorded
+        return planned
+
+
+def planned_scratch(planned):
+    return planned.scratch if isinstance(planned, TorchOpPlanned) else planned._kept[1]
 
 
 class Switch:
-    """What the engine's backends hold as their library: each op goes to `target` (a plan's
-    call is made when a step plans, so a step runs under one binding), and the first call
-    of each op is kept, to replay it alone."""
+    """What the engine's backends hold as their library: plans go to `target`'s binding,
+    everything else to the ctypes library; the first decode call of a step is kept, to
+    replay it alone."""
 
-    def __init__(self, target):
-        self.target = target
+    def __init__(self, ctypes_binding, ops):
+        self.ctypes, self.ops, self.target = ctypes_binding, ops, ctypes_binding
         self.record(0)
 
-    def decode_call(self, *args):
-        call = self.target.decode_call(*args)
-        if "tpp_decode" in self.first:
-            return call
-
-        def recorded(q, k, v):  # copies: the step's buffers hold the next step's plan later
-            plan, layout, scratch, *scalars = args
-            self.first.setdefault("tpp_decode", ((plan.clone(), layout, scratch.clone(), *scalars), (q.clone(), k, v)))
-            return call(q, k, v)
-        return recorded
-
-    def prefill_call(self, *args):
-        return self.target.prefill_call(*args)
+    def new_plan(self):
+        return SwitchHandle(self)
 
     def small_linear(self, x, weight, bias, isa):
         if x.shape[0] == self.decode_rows:
             self.first.setdefault("small_linear", (x, weight, bias, isa))
-        return self.target.small_linear(x, weight, bias, isa)
+        if self.target is self.ctypes:
+            return self.ctypes.small_linear(x, weight, bias, isa)
+        return self.ops.small_linear(x, weight, bias, isa)
 
     def __getattr__(self, name):
-        return getattr(self.target, name)
+        return getattr(self.ctypes, name)
 
     def record(self, decode_rows: int) -> None:
         """Keep the first calls of a decode step of `decode_rows` sequences from now on."""
@@ -146,20 +170,29 @@ def decode_steps(model, switch: Switch, bindings: dict, batch: int, rounds: int)
     return interleaved({name: under(b) for name, b in bindings.items()}, rounds, 4)
 
 
-def replay(bindings: dict, first: dict, rounds: int, batch: int, calls: int) -> list[tuple[str, dict]]:
-    """Per-call microseconds of each op's first call in a decode step, replayed alone (a
-    decode plan's call made once, then called per layer, as a step does)."""
+def replay(switch: Switch, rounds: int, batch: int, calls: int) -> list[tuple[str, dict]]:
+    """Per-call microseconds of the step's first decode attention call replayed alone (its plan
+    made once, then called per layer, as a step does), and `small_linear`'s."""
     rows = []
-    plan_args, qkv = first["tpp_decode"]
-    made = {name: b.decode_call(*plan_args) for name, b in bindings.items()}
+    (kind, index, layout, geometry, capacity, scratch, variant, items), (q, k, v, scale, window) = \
+        switch.first["tpp_decode"]
+    handle = switch.ctypes.new_plan()
+
+    def make_plan():
+        return handle.make(kind, index, layout, geometry, capacity, lambda floats: scratch, variant,
+                           max_blocks_per_item=items)
+
+    made = {"ctypes": make_plan(), "torch op": TorchOpPlanned(switch.ops, kind, index, layout, scratch, items, variant)}
     rows.append((f"decode attention, per layer, batch {batch} (us)",
-                 interleaved({name: (lambda c=c: c(*qkv)) for name, c in made.items()}, rounds, calls)))
-    isa = plan_args[-1]
-    small = (torch.randn(batch, 576), torch.randn(576, 576), None, isa)  # a q_proj of the default model
-    for x, weight, bias, isa in ([first["small_linear"]] if "small_linear" in first else []) + [small]:
+                 interleaved({name: (lambda c=c: c.run(q, k, v, scale, window)) for name, c in made.items()},
+                             rounds, calls)))
+    plan_us = interleaved({"ctypes": make_plan}, rounds, calls)["ctypes"]
+    rows.append((f"making the step's plan, batch {batch} (us)", {"ctypes": plan_us, "torch op": float("nan")}))
+    small = (torch.randn(batch, 576), torch.randn(576, 576), None, variant)  # a q_proj of the default model
+    for x, weight, bias, isa in ([switch.first["small_linear"]] if "small_linear" in switch.first else []) + [small]:
         rows.append((f"small_linear {x.shape[0]}x{weight.shape[1]} -> {weight.shape[0]} (us)",
-                     interleaved({name: (lambda b=b: b.small_linear(x, weight, bias, isa))
-                                  for name, b in bindings.items()}, rounds, calls)))
+                     interleaved({"ctypes": lambda: switch.ctypes.small_linear(x, weight, bias, isa),
+                                  "torch op": lambda: switch.ops.small_linear(x, weight, bias, isa)}, rounds, calls)))
     return rows
 
 
@@ -172,13 +205,13 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=500, help="calls per round when an op is replayed alone")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    os.environ["CHUNK_LLAMA_FUSED_LAYERS"] = "0"  # (the torch op has no fused layer: both run op by op)
     spec = cpu_build()
     ctypes_binding = native.load(spec, CpuLibrary)
     if ctypes_binding is None:
         sys.exit(f"the CPU library is not available: {native.failure(spec.name)}")
-    bindings = {"ctypes": ctypes_binding, "torch op": TorchOpBinding(load_torch_op(args.torch_op_csrc, args.build_dir),
-                                                                     ctypes_binding)}
-    switch = native._loaded[spec.name] = Switch(ctypes_binding)  # what every backend will hold
+    switch = native._loaded[spec.name] = Switch(ctypes_binding, load_torch_op(args.torch_op_csrc, args.build_dir))
+    bindings = {"ctypes": ctypes_binding, "torch op": switch.ops}  # (what Switch.target names)
 
     model, _ = chunk_llama.load_default_model(dtype=torch.float32, device="cpu")
     chunk_llama.patch_model(model)
@@ -188,7 +221,7 @@ def main() -> None:
         switch.record(batch)
         step_us = decode_steps(model, switch, bindings, batch, args.rounds)
         rows = [(f"decode step, default model, batch {batch} (ms)", {k: v / 1e3 for k, v in step_us.items()})]
-        for label, values in rows + replay(bindings, switch.first, args.rounds, batch, args.calls):
+        for label, values in rows + replay(switch, args.rounds, batch, args.calls):
             print(f"| {label} | {values['ctypes']:.3f} | {values['torch op']:.3f} | "
                   f"{values['ctypes'] - values['torch op']:+.3f} |", flush=True)
 
