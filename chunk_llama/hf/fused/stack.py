@@ -50,7 +50,7 @@ class Stack:
 
     def __init__(self, owner: nn.Module):
         self.owner = weakref.ref(owner)  # (the layers point at the stack: no cycle through it)
-        self._arrays: tuple | None = None  # (descriptions, the pools' structs, DecoderStack)
+        self._arrays: tuple | None = None  # (descriptions, pool.k, pool.v, the KvTable, DecoderStack)
         self._described: tuple | None = None  # (layers, descriptions, Snapshot of layers 1 on)
 
     def __deepcopy__(self, memo) -> "Stack | None":
@@ -85,14 +85,18 @@ class Stack:
             Snapshot((), (), (), tuple(d for layer in layers for d in (layer._forward_hooks, layer._forward_pre_hooks)))]
         self._described = (tuple(layers), described, Snapshot.joined(rest))
 
-    def arrays(self, described: list, kvs: list) -> DecoderStack:
-        """The C call's arrays for these layer descriptions and their pools' structs
-        (`structs.LayerKv`, the step's backend's: one per pool, scale and window)."""
-        if self._arrays is None or len(self._arrays[0]) != len(described) or any(
-                a is not b for a, b in zip(self._arrays[0], described)) or any(
-                a is not b for a, b in zip(self._arrays[1], kvs)):
-            self._arrays = (described, kvs, DecoderStack([d.struct for d in described], kvs))
-        return self._arrays[2]
+    def arrays(self, described: list, pool, kvs) -> DecoderStack:
+        """The C call's arrays for these layer descriptions over `pool`'s K/V, each layer's pool
+        struct from `kvs` (the step's backend's `structs.KvTable`: one per pool, scale and
+        window); made again when a description, the pool's tensors or the table change."""
+        arrays = self._arrays
+        if (arrays is None or arrays[1] is not pool.k or arrays[2] is not pool.v or arrays[3] is not kvs
+                or len(arrays[0]) != len(described) or any(a is not b for a, b in zip(arrays[0], described))):
+            layer_kvs = [kvs.get(pool.k[i], pool.v[i], d.scale, d.window)
+                         for i, d in zip((d.modules[1].layer_idx for d in described), described)]
+            arrays = self._arrays = (described, pool.k, pool.v, kvs,
+                                     DecoderStack([d.struct for d in described], layer_kvs))
+        return arrays[4]
 
     def rotary(self, layers: list, hidden: torch.Tensor, first: tuple, position_ids) -> tuple | str:
         """Each layer's cos and sin for this step, as the owner's forward gives them: `first`,
@@ -156,11 +160,9 @@ def run(stack: Stack, layer: nn.Module, first, step, hidden: torch.Tensor, posit
         stack.remember(layers, described)
     if step.linear is None and any(d.float32_weights for d in described):
         return None  # (float32 projections run F.linear here: the layers' own calls log it)
-    pool, planned = step.pool, step.attention
+    planned = step.attention
     try:
-        kvs = [planned.kvs.get(pool.k[i], pool.v[i], d.scale, d.window)
-               for i, d in zip((d.modules[1].layer_idx for d in described), described)]
-        arrays = stack.arrays(described, kvs)
+        arrays = stack.arrays(described, step.pool, planned.kvs)
     except (TypeError, ValueError) as error:  # e.g. pools on several devices
         return _log_stack_falls_back(f"its K/V pools do not fit one call ({error})")
     rotary = stack.rotary(layers, hidden, position_embeddings, position_ids)

@@ -81,11 +81,9 @@ class _CpuAttention:
     def _make(self, index: torch.Tensor, layout, q_rows: int, capacity: int, writes, row_order,
               max_blocks_per_item: int = 0) -> CpuPlanned:
         num_heads, num_kv_heads, head_dim, chunk_size = self.geometry
-        planned = self._handle.make(self.kind, index, layout, (q_rows, num_heads, num_kv_heads, head_dim, chunk_size),
-                                    capacity, self.workspace.scratch, self.variant, writes, row_order,
-                                    max_blocks_per_item)
-        planned.kvs = self._kvs
-        return planned
+        return self._handle.make(self.kind, index, layout, (q_rows, num_heads, num_kv_heads, head_dim, chunk_size),
+                                 capacity, self.workspace.scratch, self.variant, writes, row_order, max_blocks_per_item,
+                                 self._kvs)
 
 
 class CpuDecode(_CpuAttention):

@@ -58,12 +58,14 @@ class PlanHandle:
 
     def make(self, kind: int, index: torch.Tensor, layout: Sequence[int], geometry: tuple[int, int, int, int, int],
              capacity: int, scratch_of, variant: str, writes: tuple | None = None,
-             row_order: torch.Tensor | None = None, max_blocks_per_item: int = 0) -> "CpuPlanned":
+             row_order: torch.Tensor | None = None, max_blocks_per_item: int = 0,
+             kvs: KvTable | None = None) -> "CpuPlanned":
         """Plan `index` (int64, contiguous, on the CPU; its `layout`) into this handle for query
         rows and heads `geometry` = (q_rows, num_heads, num_kv_heads, head_dim, chunk_size) over
         pools of `capacity` chunks; `scratch_of(floats)` gives the step's scratch (the caller's
         buffers); writes: the step's (token, chunk, offset) int64 tensors the fused layers
-        store, and row_order (decode) for them, or None. Returns the step's calls."""
+        store, and row_order (decode) for them, or None; kvs: the pools' structs the calls reuse
+        (a backend keeps one across steps; default: a new table). Returns the step's calls."""
         for name, tensor in (("plan", index), *zip(("write token", "write chunk", "write offset"), writes or ()),
                              ("row order", row_order)):
             if tensor is not None and not (tensor.is_cpu and tensor.dtype == torch.int64 and tensor.is_contiguous()):
@@ -79,7 +81,7 @@ class PlanHandle:
                             max_blocks_per_item, variant.encode())
         generation, floats = self._library.plan_make(self.pointer, params)
         return CpuPlanned(self, generation, scratch_of(floats), (q_rows, num_heads, head_dim), writes is not None,
-                          row_order is not None)
+                          row_order is not None, kvs)
 
 
 class CpuPlanned:
@@ -87,7 +89,7 @@ class CpuPlanned:
     for its step only (the handle's next plan makes it stale: refused, never read)."""
 
     def __init__(self, handle: PlanHandle, generation: int, scratch: torch.Tensor, q_shape: tuple[int, int, int],
-                 has_writes: bool, reordered: bool = False):
+                 has_writes: bool, reordered: bool = False, kvs: KvTable | None = None):
         if not (scratch.is_cpu and scratch.dtype == torch.float32 and scratch.is_contiguous()):
             raise ValueError(f"scratch must be a contiguous float32 CPU tensor, got {scratch.dtype} on "
                              f"{scratch.device}")
@@ -101,7 +103,7 @@ class CpuPlanned:
         self.q_shape = q_shape  # [q_rows, num_heads, head_dim]
         self.has_writes = has_writes  # the step's K/V slots are planned: the fused layers may run
         self.reordered = reordered  # a row order is planned: plan row i is the fused layers' batch row row_order[i]
-        self.kvs = KvTable()  # the pools' structs: a backend gives its own, kept across steps
+        self.kvs = kvs if kvs is not None else KvTable()  # the pools' structs (a backend's: kept across steps)
 
     @property
     def generation(self) -> int:
