@@ -2,7 +2,7 @@
 how: one function that compiles a declaration into a shared library.
 
 The libraries are torch-free: C++ (and CUDA) with a C interface (`csrc/cpu/c_api.h`,
-`csrc/cuda/c_api.h`), bound in Python with ctypes (`cpu_lib.py`, `cuda_lib.py`). So one
+`csrc/cuda/c_api.h`), bound in Python with ctypes (`cpu/binding.py`, `cuda/binding.py`). So one
 compiled library serves every torch release, and building one needs a compiler but no
 torch. Two callers build them, both through `compile_library`: `setup.py`, which puts them
 in the platform wheel (`chunk_llama/_native/`), and `jit.py`, on first use where the

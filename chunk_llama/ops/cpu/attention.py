@@ -34,7 +34,7 @@ SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # csrc/cpu/params.h; chunk siz
 
 
 def build() -> CpuLibrary | None:
-    """The CPU kernels' library (`cpu_lib.CpuLibrary`): the wheel's, else built on first use; or None."""
+    """The CPU kernels' library (`binding.CpuLibrary`): the wheel's, else built on first use; or None."""
     return native.load(cpu_build(), CpuLibrary)
 
 

@@ -33,7 +33,7 @@ def _device(device_index: int | None) -> int:
 
 
 def build(device_index: int | None = None) -> CudaLibrary | None:
-    """The CUDA kernels' library for the GPU (`cuda_lib.CudaLibrary`): the wheel's if it runs
+    """The CUDA kernels' library for the GPU (`binding.CudaLibrary`): the wheel's if it runs
     there, else built on first use for its architecture; or None."""
     device = _device(device_index)
     archs = native.prebuilt_cuda_archs()
