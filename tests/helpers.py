@@ -81,6 +81,17 @@ def dense_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     return out[0, :, 0, :]
 
 
+def run_planned(library, kind: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                index: torch.Tensor, layout, scratch: torch.Tensor, scale: float, window: int, isa: str,
+                max_blocks_per_item: int = 0) -> torch.Tensor:
+    """One attention call of the CPU library as a step makes it: the plan (index, layout)
+    made once in a new handle for q's rows and the pool, with `scratch`, then run."""
+    geometry = (q.shape[0], q.shape[1], k_cache.shape[1], q.shape[2], k_cache.shape[2])
+    planned = library.new_plan().make(kind, index, layout, geometry, k_cache.shape[0], lambda floats: scratch, isa,
+                                      max_blocks_per_item=max_blocks_per_item)
+    return planned.run(q, k_cache, v_cache, scale, window)
+
+
 def tiny_llama(*, num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, seed=0, init=0.2, eos=5, num_layers=2,
                max_position_embeddings=512, **overrides):
     """A small random Llama (2 layers by default) whose logits are far from ties (large

@@ -12,7 +12,6 @@ leaves no chunk findable under any adapter."""
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch

@@ -129,7 +129,7 @@ class ChunkLlamaEngine(Delivery, EngineAdapters):
     # ------------------------------------------------------------ online API
     def add_request(self, prompt, generation_config: GenerationConfig | None = None, *, logits_processor=None,
                     stopping_criteria=None, grammar=None, deadline: float | None = None,
-                    adapter: str | None = None) -> int:
+                    skip_special_tokens: bool = True, adapter: str | None = None) -> int:
         """Queue a request (thread-safe); returns its id. It is admitted at the next step.
 
         prompt: a string, a list of chat messages (chat template applied) or token ids.
@@ -140,10 +140,11 @@ class ChunkLlamaEngine(Delivery, EngineAdapters):
         deadline: a `time.perf_counter()` time; a request not finished by then ends at the next
             step with what it generated (`finish_reason="length"`, as `max_time` ends one) and
             leaves the batch or the queue, its chunks freed.
+        skip_special_tokens: leave special tokens out of the text (False keeps them, such as a
+            tool-call marker; the end-of-sequence token is never text).
         adapter: the LoRA adapter it runs under, by name (`adapter_names()`); None: the model as
             it is (a PeftModel's active adapters, else the base).
-        Raises ValueError/TypeError for a bad prompt, config, grammar or adapter; nothing is
-        queued then.
+        Raises ValueError/TypeError for a bad prompt, config, grammar or adapter; nothing is queued then.
         """
         self._check_open()
         if deadline is not None and not isinstance(deadline, (int, float)):
@@ -153,6 +154,7 @@ class ChunkLlamaEngine(Delivery, EngineAdapters):
         try:
             seqs = self.inputs.make_sequences(prompt, generation_config, True, logits_processor=logits_processor,
                                               stopping_criteria=stopping_criteria, grammar=grammar,
+                                              skip_special_tokens=skip_special_tokens,
                                               adapter=self._resolve_adapter(adapter))
             return self._enqueue([seqs], deadline=deadline)[0]
         finally:

@@ -12,21 +12,21 @@ step ended opens it, and `end_step` ends it, committed when the forward complete
 (and, in the engine, its tokens were chosen) or rolled back when anything raised,
 so no later request can ever read K/V that a failed forward left half written.
 Under stock `generate` the patched forward ends its steps; the engine ends its own. Each
-step is a `StepContext` (`step/context.py`), built here once per forward with the
-attention backend chosen and planned for it (`ops/dispatch.py`); the layers store
-their K/V through `update` and attend through `hf/attention.py`, both on that context.
+step is a `StepContext` (`step/context.py`), built complete once per forward by the step
+builder, with the attention backend `CacheBackends` chooses planned for it
+(`ops/dispatch.py`); the layers store their K/V through `update` and attend through
+`hf/attention.py`, both on that context.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import torch
 from transformers.cache_utils import Cache
 
 from chunk_llama.hf.adapters import WeightsKey
-from chunk_llama.hf.cache_answers import CacheAnswers
+from chunk_llama.hf.cache_api import CacheApi
 from chunk_llama.hf.lora.rows import AdapterRows
 from chunk_llama.hf.rows import GenerateRows
 from chunk_llama.hf.support import (
@@ -37,14 +37,13 @@ from chunk_llama.hf.support import (
     resolve_kv_dtype,
 )
 from chunk_llama.kv import ChunkPool, PrefixTree
-from chunk_llama.ops.cpu import linear
-from chunk_llama.ops.dispatch import Geometry, decode_attention, prefill_attention
-from chunk_llama.step import StaticBuffers, StepBuilder, StepContext, current_step
+from chunk_llama.ops.dispatch import CacheBackends, Geometry
+from chunk_llama.step import StaticBuffers, StepBuilder, StepContext
 
 logger = logging.getLogger(__name__)
 
 
-class ChunkCache(GenerateRows, AdapterRows, CacheAnswers, Cache):
+class ChunkCache(GenerateRows, AdapterRows, CacheApi, Cache):
     """Prefix-aware KV cache for a causal LM that `patch_model` accepts.
 
     Args:
@@ -114,13 +113,12 @@ class ChunkCache(GenerateRows, AdapterRows, CacheAnswers, Cache):
                 logger.info("chunk-llama: prefixes are shared by whole chunks on %s (its kernels take whole chunks)",
                             device)
         self.tree = PrefixTree(self.pool, retain_prefixes=retain_prefixes, token_granular=token_granular)
-        self._builder = StepBuilder(self.tree, config.num_attention_heads // num_kv_heads)
         self.geometry = Geometry(self.pool.device, model_dtype, config.num_attention_heads, num_kv_heads,
                                  head_dim, chunk_size, dtype)
-        self._attention: dict = {}  # the backends' objects, made once each and planned per step
-        self._device_buffers: dict[torch.device, StaticBuffers] = {}  # layers on other devices
-        self._device_attention: dict[torch.device, dict] = {}
         self.adapters = adapters
+        buffers = StaticBuffers(self.pool.device)  # the steps' inputs and plans, and the kernels' workspace
+        self._builder = StepBuilder(self.tree, config.num_attention_heads // num_kv_heads,
+                                    CacheBackends(self.geometry, buffers), buffers, lora_rows=self._lora_rows)
         # (PEFT's adapters applied to every row: a change forgets everything; not where the engine
         # assigns adapters per row, whose K/V are keyed by each adapter's identity)
         self._weights_key = WeightsKey(model) if isinstance(model, torch.nn.Module) and not self.rows_managed \
@@ -147,45 +145,10 @@ class ChunkCache(GenerateRows, AdapterRows, CacheAnswers, Cache):
         """The prepared step (what the next forward's layers read), or None."""
         return self._step
 
-    def _prepare(self, step: StepContext) -> StepContext:
-        """Choose the step's attention backend and linear path (the kernel settings are read
-        here, once per forward) and plan it; the step becomes the prepared one."""
-        self._plan_attention(step, self.geometry, self._builder.buffers, self._attention)
-        step.linear = linear.resolve(self.geometry.dtype, self.pool.device)
-        step.q_dtype = self.geometry.dtype
-        if len(set(self.pool.layer_devices)) > 1:
-            step.for_device = self._step_on
-        if step.lora is None and step.decode is not None:
-            step.lora = self._lora_rows([(s, row, 1) for row, s in enumerate(step.decode.seq_ids)],
-                                        len(step.decode.seq_ids))
+    def _begin(self, step: StepContext) -> StepContext:
+        """`step` (built complete: its backend chosen and planned) becomes the prepared one."""
         self._step = step
         return step
-
-    @staticmethod
-    def _plan_attention(step: StepContext, geometry: Geometry, buffers, made: dict) -> None:
-        if step.is_decode:
-            step.attention = decode_attention(geometry, buffers, step.decode.aligned, made)
-            step.attention.plan(step.decode)
-        else:
-            step.attention = prefill_attention(geometry, buffers, made)
-            step.attention.plan(step.prefill)
-
-    def _step_on(self, step: StepContext, device: torch.device) -> StepContext:
-        """`step` for the layers on another device (a model split over GPUs by `device_map`):
-        its write slots and plan copied there once per step, that device's backend planned."""
-        def move(tensor):
-            return None if tensor is None else tensor.to(device, non_blocking=True)
-
-        moved = dataclasses.replace(
-            step, input_ids=None, position_ids=None, write_token_index=move(step.write_token_index),
-            write_chunk=move(step.write_chunk), write_offset=move(step.write_offset),
-            row_order=move(step.row_order), inverse_row_order=move(step.inverse_row_order),
-            decode=step.decode.to(device) if step.decode is not None else None,
-            prefill=step.prefill.to(device) if step.prefill is not None else None, for_device=None, moved={})
-        buffers = self._device_buffers.setdefault(device, StaticBuffers(device))
-        self._plan_attention(moved, dataclasses.replace(self.geometry, device=device), buffers,
-                             self._device_attention.setdefault(device, {}))
-        return moved
 
     @property
     def num_plan_rebuilds(self) -> int:
@@ -243,9 +206,7 @@ class ChunkCache(GenerateRows, AdapterRows, CacheAnswers, Cache):
             ids.extend(tokens[start:])
             positions.extend(range(start, len(tokens)))
             last_of[seq_id] = len(ids) - 1
-        step = self._builder.prefill(segments, len(ids), inputs=(ids, positions))
-        step.lora = self._lora_rows([(s, start, n) for s, start, _, n, _ in segments], len(ids))
-        step = self._prepare(step)
+        step = self._begin(self._builder.prefill(segments, len(ids), inputs=(ids, positions)))
         last_index = torch.tensor([last_of[s] for s in seq_ids], device=self.pool.device)
         return step.input_ids, step.position_ids, last_index
 
@@ -258,7 +219,7 @@ class ChunkCache(GenerateRows, AdapterRows, CacheAnswers, Cache):
         (nothing changed) when a new chunk is needed and none is free.
         """
         self._open_step()
-        return self._prepare(self._builder.decode(tokens_by_seq, positions)).decode.seq_ids
+        return self._begin(self._builder.decode(tokens_by_seq, positions)).decode.seq_ids
 
     def end_step(self, completed: bool) -> None:
         """End the step: commit it if its forward completed, else roll it back, so the
@@ -298,25 +259,3 @@ class ChunkCache(GenerateRows, AdapterRows, CacheAnswers, Cache):
                 self._weights_seen = key
             self.tree.begin_step()
             self._plan_counters_at_open = (self._builder.num_plan_rebuilds, self._builder.num_plan_updates)
-
-    # ------------------------------------------------- transformers Cache API
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Store this step's new K/V of one layer; returns them (the attention function
-        receives them as `key`, `value`).
-
-        key_states, value_states: [batch, num_kv_heads, q_len, head_dim]
-        """
-        step = self._step
-        if step is None or current_step() is not step:
-            raise RuntimeError(
-                "ChunkCache.update outside a prepared step of a patched model's forward: call "
-                "chunk_llama.patch_model(model) before using ChunkCache with the model"
-            )
-        k_layer = self.pool.k[layer_idx]
-        if key_states.device != k_layer.device or key_states.dtype != self.geometry.dtype:
-            raise ValueError(
-                f"the model computes {key_states.dtype} on {key_states.device} but this ChunkCache was made for "
-                f"{self.geometry.dtype} on {k_layer.device}; create the cache (or engine) after moving the model"
-            )
-        step.store(layer_idx, key_states, value_states)
-        return key_states, value_states

@@ -54,12 +54,12 @@ class ServedModels:
                           param="model")
 
     def listing(self) -> dict:
-        base = self.base_names[0]
+        base, context = self.base_names[0], self.engine.max_model_len
         data = [{"id": base, "object": "model", "created": self.created, "owned_by": "chunk-llama", "root": base,
-                 "parent": None}]
+                 "parent": None, "max_model_len": context}]
         for adapter in self.engine.adapters.describe():
             data.append({"id": adapter["name"], "object": "model", "created": self.created, "owned_by": "chunk-llama",
-                         "root": adapter["source"], "parent": base})
+                         "root": adapter["source"], "parent": base, "max_model_len": context})
         return {"object": "list", "data": data}
 
 
