@@ -72,6 +72,8 @@ class EngineArgs:
     max_loras: int | None = option(None, "most LoRA adapters whose weights stay in memory at once (the least "
                                          "recently used one not in use gives its place; default: all)")
     max_lora_rank: int | None = option(None, "largest rank a LoRA adapter may have (default: any)")
+    cuda_graphs: bool = option(True, "on a GPU, replay each decode step from CUDA graphs captured at start-up per "
+                                     "batch size (--no-cuda-graphs: every step eager, as enforce_eager)")
 
     def engine_kwargs(self) -> dict:
         """The keyword arguments of `ChunkLlamaEngine` these settings give."""
@@ -80,7 +82,7 @@ class EngineArgs:
                     max_prefill_tokens=self.max_prefill_tokens,
                     retain_prefixes=self.prefix_caching, max_model_len=self.max_model_len,
                     lora_modules=lora_modules(self.lora_modules), max_loras=self.max_loras,
-                    max_lora_rank=self.max_lora_rank)
+                    max_lora_rank=self.max_lora_rank, enforce_eager=not self.cuda_graphs)
 
     def load(self, announce: bool = True):
         """(model, tokenizer) on the chosen device and dtype (`loading.load_model`), the chat

@@ -6,10 +6,14 @@
 
 Times a whole model forward of one token per sequence (all layers, attention
 included) for: stock transformers with a DynamicCache holding every sequence's
-copy of the context; chunk-llama through the PyTorch reference; chunk-llama
-through the native kernel (and with `--kv-dtype bfloat16`, the same with a bfloat16
-pool); and chunk-llama with an (almost) empty context, the floor that attention cannot
-go below. All in one process, medians of --repeat.
+copy of the context, and with a StaticCache (on CUDA also under
+`torch.compile(mode="reduce-overhead", fullgraph=True)`: CUDA graphs, what an HF user
+would pick; its compile time printed); chunk-llama through the PyTorch reference;
+chunk-llama through the native kernel (and with `--kv-dtype bfloat16`, the same with a
+bfloat16 pool; on CUDA also replayed from the engine's CUDA graphs, `engine/graphs.py`);
+and chunk-llama with an (almost) empty context, the floor that attention cannot go
+below. A chunk-llama step is the engine's: its inputs from the step's buffers, committed
+after the forward. All in one process, medians of --repeat.
 `--geometry` runs random weights of a real model's shapes (scripts/e2e_systems.py).
 """
 
@@ -22,11 +26,13 @@ import time
 
 import torch
 from e2e_systems import GEOMETRIES, random_weight_model
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 import chunk_llama
 from chunk_llama import ChunkCache
+from chunk_llama.engine.graphs import DecodeGraphs
 from chunk_llama.gguf.weights import gguf_blocks
+from chunk_llama.hf.compat import cache_argument
 from chunk_llama.ops import prepare_backend
 
 
@@ -43,22 +49,31 @@ def median_ms(fn, repeat):
 
 
 @torch.no_grad()
-def chunk_step_ms(model, prompts, repeat, force_reference, kv_dtype=None):
+def chunk_step_ms(model, prompts, repeat, force_reference, kv_dtype=None, graphs=False):
+    """A decode step as the engine runs it (inputs from the step's buffers, the step committed);
+    `graphs`: replayed from CUDA graphs captured for this batch (`DecodeGraphs`)."""
     cache = ChunkCache(model, kv_cache_bytes=4 << 30, kv_dtype=kv_dtype)
     starts = [cache.add_sequence(i, p) for i, p in enumerate(prompts)]
     input_ids, position_ids, last = cache.begin_prefill(list(range(len(prompts))), starts)
     model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, logits_to_keep=last)
+    cache.end_step(True)
     lengths = [len(p) for p in prompts]
     if force_reference:
         os.environ["CHUNK_LLAMA_FORCE_REFERENCE"] = "1"
+    replay = None
+    if graphs:
+        replay = DecodeGraphs(model, len(prompts), sizes=[len(prompts)])
+        figures = replay.warm_up()
+        print(f"CUDA graphs captured in {figures['seconds']:.1f} s, {figures['memory_bytes'] / 2**20:.0f} MiB")
 
     def step():
-        order = cache.begin_decode({i: 42 for i in range(len(prompts))})
-        ids = torch.full((len(order), 1), 42, device=model.device)
-        pos = torch.tensor([[lengths[i]] for i in order], device=model.device)
-        for i in order:
+        cache.begin_decode({i: 42 for i in range(len(prompts))}, {i: lengths[i] for i in range(len(prompts))})
+        step = cache.step
+        if replay is None or replay.run(step) is None:
+            model(input_ids=step.input_ids, position_ids=step.position_ids, past_key_values=cache, logits_to_keep=1)
+        cache.end_step(True)
+        for i in range(len(lengths)):
             lengths[i] += 1
-        model(input_ids=ids, position_ids=pos, past_key_values=cache, logits_to_keep=1)
 
     try:
         return median_ms(step, repeat)
@@ -85,6 +100,37 @@ def stock_step_ms(model, prompt, batch, repeat):
     return ms
 
 
+@torch.no_grad()
+def stock_static_step_ms(model, prompt, batch, repeat, compiled):
+    """Stock transformers on a StaticCache (every sequence its own copy of the context); `compiled`:
+    under torch.compile(mode="reduce-overhead", fullgraph=True), CUDA graphs (compile time printed)."""
+    model.set_attn_implementation("sdpa")
+    length, device = len(prompt), model.device
+    cache = StaticCache(config=model.config, max_cache_len=length + repeat + 8)  # (it counts its own positions)
+    cache_kwarg = {cache_argument(model): cache}
+    model(input_ids=torch.tensor([prompt] * batch, device=device), logits_to_keep=1, **cache_kwarg)
+    forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True) if compiled else model.forward
+    position = [length]
+
+    def step():
+        p = position[0]
+        position[0] += 1
+        if compiled:
+            torch.compiler.cudagraph_mark_step_begin()
+        forward(input_ids=torch.full((batch, 1), 42, device=device),
+                position_ids=torch.full((batch, 1), p, device=device), logits_to_keep=1, **cache_kwarg)
+
+    if compiled:
+        start = time.perf_counter()
+        for _ in range(3):  # (compiles, warms up, records)
+            step()
+        torch.cuda.synchronize()
+        print(f"stock StaticCache compiled (reduce-overhead, fullgraph) in {time.perf_counter() - start:.1f} s")
+    ms = median_ms(step, repeat)
+    chunk_llama.patch_model(model)
+    return ms
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=32)
@@ -95,7 +141,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--geometry", choices=sorted(GEOMETRIES), help="random weights of this model's shapes")
     parser.add_argument("--kv-dtype", help="also the native kernel with the pool in this dtype (bfloat16)")
+    parser.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
+                        help="the CUDA-graph rows: stock StaticCache under torch.compile(mode='reduce-overhead') "
+                             "and chunk-llama's captured step (default: on CUDA)")
     args = parser.parse_args()
+    graphs = args.graphs if args.graphs is not None else args.device.startswith("cuda")
+    if graphs and not args.device.startswith("cuda"):
+        parser.error("--graphs needs --device cuda")
     dtype = getattr(torch, args.dtype)
     if args.geometry:
         model = random_weight_model(args.geometry, dtype, args.device, seed=0)
@@ -111,10 +163,21 @@ def main() -> None:
     backend = f"{info['backend']} ({info['isa']})" if info["isa"] else info["backend"]
     rows = {
         "stock DynamicCache, shared context": stock_step_ms(model, prompts[0], args.batch, args.repeat),
+        "stock StaticCache, shared context": stock_static_step_ms(model, prompts[0], args.batch, args.repeat, False),
+    }
+    if graphs:
+        rows["stock StaticCache + CUDA graphs (torch.compile reduce-overhead), shared context"] = \
+            stock_static_step_ms(model, prompts[0], args.batch, args.repeat, True)
+    rows.update({
         "chunk-llama reference, shared context": chunk_step_ms(model, prompts, args.repeat, True),
         f"chunk-llama {backend}, shared context": chunk_step_ms(model, prompts, args.repeat, False),
         f"chunk-llama {backend}, empty context": chunk_step_ms(model, empty, args.repeat, False),
-    }
+    })
+    if graphs:
+        rows[f"chunk-llama {backend} + CUDA graphs, shared context"] = chunk_step_ms(model, prompts, args.repeat,
+                                                                                     False, graphs=True)
+        rows[f"chunk-llama {backend} + CUDA graphs, empty context"] = chunk_step_ms(model, empty, args.repeat, False,
+                                                                                    graphs=True)
     if args.kv_dtype:
         rows[f"chunk-llama {backend}, {args.kv_dtype} K/V, shared context"] = chunk_step_ms(
             model, prompts, args.repeat, False, args.kv_dtype)

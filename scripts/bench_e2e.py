@@ -18,7 +18,9 @@ not depend on the weights' values; parity is still checked on the same weights),
 random token ids: the shared prefix, then 24 unique tokens per request. Systems, all on the same
 model, prompts and greedy settings in this process:
   engine      this library's engine (online API); `engine kv=bfloat16` with `--kv-dtype` (a
-              float32 model's K/V stored in bfloat16)
+              float32 model's K/V stored in bfloat16); on a GPU its decode steps replay CUDA graphs
+  engine_eager  the engine with every decode step eager (`enforce_eager`; on a CPU the same as
+              engine), only when named
   stock       stock `model.generate` on static left-padded batches
   cb_share    transformers continuous batching (`generate_batch`'s manager), block sharing on
   cb_noshare  the same with block sharing off
@@ -58,7 +60,7 @@ from e2e_systems import (
 import chunk_llama
 from chunk_llama.cli import DEFAULT_PROMPTS, DEFAULT_SYSTEM, read_prompts
 
-SYSTEMS = ("engine", "stock", "cb_share", "cb_noshare")
+SYSTEMS = ("engine", "engine_eager", "stock", "cb_share", "cb_noshare")
 def build_prompts(tokenizer, n_shared: int, n_prompt: int | None, num_requests: int) -> list[list[int]]:
     with open(DEFAULT_SYSTEM, encoding="utf-8") as f:
         manual = tokenizer(f.read())["input_ids"]
@@ -115,7 +117,8 @@ def main() -> None:
     parser.add_argument("--prompt-set", help="use a prompt set instead (e.g. toolqa; see chunk-llama eval)")
     parser.add_argument("--limit", type=int, help="with --prompt-set: questions per application")
     parser.add_argument("--rps", type=float, nargs="+", default=[math.inf])
-    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS,
+                        default=[s for s in SYSTEMS if s != "engine_eager"])
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--chunk-size", type=int, default=64, help="the engine's chunk size")
     parser.add_argument("--dtype", default="float32")
@@ -161,6 +164,8 @@ def main() -> None:
     runners = dict(
         **{name: lambda arr, kv=kv: run_engine(engine_model, prompts, arr, config, args.max_batch_size,
                                                args.chunk_size, kv) for name, kv in engines.items()},
+        engine_eager=lambda arr: run_engine(engine_model, prompts, arr, config, args.max_batch_size, args.chunk_size,
+                                            enforce_eager=True),
         stock=lambda arr: run_stock(model, prompts, arr, config, args.max_batch_size),
         cb_share=lambda arr: run_generate_batch(model, prompts, arr, config, block_sharing=True),
         cb_noshare=lambda arr: run_generate_batch(model, prompts, arr, config, block_sharing=False),
@@ -168,6 +173,7 @@ def main() -> None:
     small = greedy_config(model, 2)  # warm-up: first-call costs (allocation, thread start) out of the timings
     warm = dict(**{name: lambda kv=kv: run_engine(engine_model, prompts[:2], [0, 0], small, kv_dtype=kv)
                    for name, kv in engines.items()},
+                engine_eager=lambda: run_engine(engine_model, prompts[:2], [0, 0], small, enforce_eager=True),
                 stock=lambda: run_stock(model, prompts[:2], [0, 0], small),
                 cb_share=lambda: run_generate_batch(model, prompts[:2], [0, 0], small, True),
                 cb_noshare=lambda: run_generate_batch(model, prompts[:2], [0, 0], small, False))

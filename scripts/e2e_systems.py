@@ -60,9 +60,12 @@ def _wait_until(t: float) -> None:
         time.sleep(delay)
 
 
-def run_engine(model, prompts, arrivals, config, max_batch_size=32, chunk_size=64, kv_dtype="auto"):
-    """This engine through its online API: requests join at their arrival time."""
-    engine = ChunkLlamaEngine(model, max_batch_size=max_batch_size, chunk_size=chunk_size, kv_dtype=kv_dtype)
+def run_engine(model, prompts, arrivals, config, max_batch_size=32, chunk_size=64, kv_dtype="auto",
+               enforce_eager=False):
+    """This engine through its online API: requests join at their arrival time (made, and on a GPU
+    its decode steps captured, before the clock starts)."""
+    engine = ChunkLlamaEngine(model, max_batch_size=max_batch_size, chunk_size=chunk_size, kv_dtype=kv_dtype,
+                              enforce_eager=enforce_eager)
     start = time.perf_counter()
     records = [dict(arrival=start + a) for a in arrivals]
     request_of = {}
@@ -83,7 +86,7 @@ def run_engine(model, prompts, arrivals, config, max_batch_size=32, chunk_size=6
                 )
     stats = engine.stats
     return records, dict(peak_kv_bytes=stats["peak_kv_bytes"], peak_batch_size=stats["peak_batch_size"],
-                         attention_backend=stats["attention_backend"])
+                         attention_backend=stats["attention_backend"], decode_graph_steps=stats["decode_graph_steps"])
 
 
 class _FirstCallTimer(LogitsProcessor):

@@ -20,15 +20,15 @@ def test_every_command_takes_the_engine_options(command):
     extra = ["--output", "out"] if command == "eval" else []
     args = build_parser().parse_args([command, "--max-batch-size", "4", "--chunk-size", "32", "--kv-cache-bytes",
                                       "1000000", "--max-prefill-tokens", "256", "--no-prefix-caching", "--dtype",
-                                      "bfloat16", "--device", "cpu", "--kv-dtype", "bfloat16", *extra])
+                                      "bfloat16", "--device", "cpu", "--kv-dtype", "bfloat16", "--no-cuda-graphs", *extra])
     engine = from_namespace(EngineArgs, args)
     assert engine == EngineArgs(device="cpu", dtype="bfloat16", max_batch_size=4, chunk_size=32,
                                 kv_cache_bytes=1000000, max_prefill_tokens=256, prefix_caching=False,
-                                kv_dtype="bfloat16")
+                                kv_dtype="bfloat16", cuda_graphs=False)
     assert engine.engine_kwargs() == dict(max_batch_size=4, chunk_size=32, kv_cache_bytes=1000000,
                                           kv_dtype="bfloat16", max_prefill_tokens=256, retain_prefixes=False,
                                           max_model_len=None, lora_modules=None, max_loras=None,
-                                          max_lora_rank=None)
+                                          max_lora_rank=None, enforce_eager=True)
 
 
 def test_defaults_equal_the_dataclass_and_the_environment_overrides_them(monkeypatch):

@@ -25,6 +25,7 @@ from transformers import GenerationConfig
 from chunk_llama.engine.adapters import EngineAdapters
 from chunk_llama.engine.delivery import Delivery
 from chunk_llama.engine.figures import describe, engine_stats
+from chunk_llama.engine.graphs import DecodeGraphs
 from chunk_llama.engine.inputs import InputProcessor, positive_int
 from chunk_llama.engine.request import RequestDelta, RequestOutput, Sequence
 from chunk_llama.engine.runner import ModelRunner
@@ -69,6 +70,9 @@ class ChunkLlamaEngine(Delivery, EngineAdapters):
         max_loras: most loaded adapters whose weights stay in memory at once (the least recently
             used one not in use gives its place; default: all).
         max_lora_rank: largest rank an adapter may have (default: any).
+        enforce_eager: run every decode step eagerly; by default, on a GPU, decode steps replay
+            CUDA graphs captured here per batch-size bucket (`engine/graphs.py`; the start-up
+            logs the time and memory the capture took).
     """
 
     def __init__(
@@ -86,7 +90,10 @@ class ChunkLlamaEngine(Delivery, EngineAdapters):
         lora_modules: dict[str, str] | None = None,
         max_loras: int | None = None,
         max_lora_rank: int | None = None,
+        enforce_eager: bool = False,
     ):
+        if not isinstance(enforce_eager, bool):
+            raise TypeError(f"enforce_eager must be a bool, got {type(enforce_eager).__name__}")
         positive_int("max_batch_size", max_batch_size)
         max_positions = getattr(model.config, "max_position_embeddings", None)
         if max_model_len is not None:
@@ -122,6 +129,9 @@ class ChunkLlamaEngine(Delivery, EngineAdapters):
         self._load_adapters(lora_modules)
         self.scheduler = Scheduler(self.cache, max_batch_size, max_prefill_tokens, self.adapters)
         self.runner = ModelRunner(model, self.cache, self.scheduler, self.inputs)
+        if not enforce_eager and pool.device.type == "cuda":  # (the CPU's fast path is the fused C stack)
+            self.runner.graphs = DecodeGraphs(model, max_batch_size)
+            self.runner.graphs.warm_up()
         self.max_batch_size = max_batch_size
         self.device = model.device
         self._init_delivery()

@@ -19,7 +19,8 @@ def engine_stats(engine) -> dict[str, Any]:
     "torch", ...; with ", GGUF blocks Q4_1 x210" for layers kept in a GGUF file's blocks).
     `adapters` and `adapters_resident` count the LoRA adapters requests may name and those
     whose weights are in memory (`adapter_bytes_resident`); `retained_chunks_by_adapter` the
-    cached prefixes of each (None: the base)."""
+    cached prefixes of each (None: the base). `decode_graph_steps`: decode steps replayed from
+    CUDA graphs (`graphs.py`; 0 on the CPU or with `enforce_eager`)."""
     pool, tree, dtype = engine.cache.pool, engine.cache.tree, engine.cache.geometry.dtype
     backend = backend_info(pool.device, dtype, pool.head_dim, pool.chunk_size, pool.dtype)
     return dict(
@@ -48,6 +49,7 @@ def engine_stats(engine) -> dict[str, Any]:
         adapters_resident=engine.adapters.num_resident,
         adapter_bytes_resident=engine.adapters.resident_bytes,
         retained_chunks_by_adapter=engine.adapters.names_of_keys(tree.retained_by_key()),
+        decode_graph_steps=engine.runner.graphs.counters["graph_steps"] if engine.runner.graphs is not None else 0,
     )
 
 

@@ -49,6 +49,7 @@ class ModelRunner:
         self.peak_unshared_chunks = 0  # what the live sequences would hold with no sharing
         self.counters = dict(prefill_tokens_computed=0, prefill_tokens_reused=0, decode_steps=0, prefill_steps=0)
         self._advanced: dict[int, Sequence] = {}
+        self.graphs = None  # the decode steps' CUDA graphs (`graphs.DecodeGraphs`), or None: eager
 
     def run_iteration(self) -> None:
         """Admit, then prefill the admitted and decode the running in one forward (a plain
@@ -134,7 +135,9 @@ class ModelRunner:
         seqs = [by_id[i] for i in order]
         try:
             step = self.cache.step  # its inputs in plan order, at the step buffers' fixed addresses
-            logits = self._forward(step.input_ids, step.position_ids, logits_to_keep=1)[:, -1]
+            logits = self.graphs.run(step) if self.graphs is not None else None
+            if logits is None:
+                logits = self._forward(step.input_ids, step.position_ids, logits_to_keep=1)[:, -1]
             tokens, scores = self._select(seqs, logits)
             stopped = self._stopped_by_criteria(seqs, tokens, scores)
         except BaseException:

@@ -29,6 +29,9 @@ def select_tokens(seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int]
     tokens: list[int | None] = [None] * len(seqs)
     scores: list[torch.Tensor | None] = [None] * len(seqs)
     plain = [i for i, s in enumerate(seqs) if not s.do_sample and not s.processors and s.grammar is None]
+    if len(plain) == len(seqs) and not any(s.keep_scores for s in seqs):
+        # (the common case: every row greedy and plain) one argmax on the device, one copy to the host
+        return logits.argmax(dim=-1).tolist(), [None] * len(seqs)
     if plain:  # no processors, no grammar: one batched argmax, no copies
         for i, token in zip(plain, logits[plain].argmax(dim=-1).tolist()):
             tokens[i] = token

@@ -40,6 +40,8 @@ def _plain_weight(module: torch.nn.Linear) -> bool:
 
 
 def _linear_forward(module: torch.nn.Linear, original, x: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # (traced: the layer's own forward, for the compiler to see)
+        return original(x)
     step = current_step()
     if step is not None and step.linear is not None and _plain_weight(module):
         parameters = module._parameters

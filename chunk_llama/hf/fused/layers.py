@@ -62,6 +62,8 @@ def fuse_decoder_layers(model: nn.Module) -> int:
 
 
 def _forward(layer: nn.Module, original, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # (a traced decode forward, `hf/graph_forward.py`: op by op)
+        return original(hidden_states, *args, **kwargs)
     step = current_step()
     if step is not None and getattr(step, "prefill", None) is not None:
         out = _fused(layer, step, hidden_states, kwargs.get("position_embeddings"))
