@@ -6,7 +6,7 @@ arguments: about 20 us a layer, 0.6 ms a step of the default model) is still a t
 the step. Where the model's forward is transformers' plain loop (`STACK_MODELS`: every
 layer of `layers[:num_hidden_layers]` in order, each given the previous one's output and
 the rotary embedding of its layer type, nothing in between), the first layer's call runs
-them all (`chunk_llama_cpu_decoder_stack_decode`: the same C function per layer, in a
+them all (`chunk_llama_cpu_decoder_stack_run`: the same C function per layer, in a
 row) and the others pass its output on. Each later layer checks that what it is given is
 exactly that output (the same tensor object): anything else would mean the loop is not
 the one assumed, and the step fails loudly rather than compute from K/V written for
