@@ -50,6 +50,12 @@ class EngineArgs:
                                        "a bfloat16 or float16 checkpoint's weights stay so the same way), "
                                        "dequantized is transformers' float32 copy, auto the first where it can",
                                choices=("auto", "quantized", "dequantized"))
+    gguf_activations: str = option("auto", "what a .gguf model's quantized blocks multiply their inputs with: "
+                                           "float32 (the dequantized model's numbers, as stock computes them), "
+                                           "int8 (quantized per group of 32 as llama.cpp does: integer dot "
+                                           "products, faster prefill), auto: int8 where its kernel was measured "
+                                           "faster (x86-64 with AVX-512 VNNI or AVX2), else float32",
+                                   choices=("auto", "float32", "int8"))
     max_batch_size: int = option(32, "most sequences decoded at once")
     chunk_size: int = option(64, "tokens per KV chunk")
     kv_cache_bytes: int | None = option(None, "K/V budget of all layers in bytes (default: from free memory)")
@@ -96,7 +102,7 @@ class EngineArgs:
             name = self.model or "the default model (SmolLM2-135M-Instruct)"
             print(f"loading {name} on {device} in {str(dtype).removeprefix('torch.')} ...", file=sys.stderr)
         model, tokenizer = load_model(self.model, device=device, dtype=dtype, gguf_weights=self.gguf_weights,
-                                      **load_kwargs)
+                                      gguf_activations=self.gguf_activations, **load_kwargs)
         if template is not None and tokenizer is not None:
             tokenizer.chat_template = template
         return model, tokenizer

@@ -28,7 +28,7 @@ from chunk_llama.engine.inputs import InputProcessor, positive_int
 from chunk_llama.engine.request import RequestDelta, RequestOutput, Sequence
 from chunk_llama.engine.runner import ModelRunner
 from chunk_llama.engine.scheduler import Scheduler
-from chunk_llama.gguf.weights import gguf_blocks
+from chunk_llama.gguf.weights import gguf_blocks, set_gguf_activations
 from chunk_llama.hf import ChunkCache, is_patched, patch_model
 from chunk_llama.ops import prepare_backend
 from chunk_llama.ops.cpu import linear
@@ -61,6 +61,8 @@ class ChunkLlamaEngine(Delivery):
         retain_prefixes: keep the chunks of finished sequences as a prefix cache.
         max_model_len: most tokens of a request, prompt and new tokens together (default and
             at most: the model's `max_position_embeddings`); `self.max_model_len` is the limit in force.
+        gguf_activations: what a GGUF model's blocks multiply their inputs with: "auto", "float32"
+            or "int8" (`ops/cpu/activations.py`); None keeps the model's (set by `load_model`).
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class ChunkLlamaEngine(Delivery):
         max_prefill_tokens: int = 1024,
         retain_prefixes: bool = True,
         max_model_len: int | None = None,
+        gguf_activations: str | None = None,
     ):
         positive_int("max_batch_size", max_batch_size)
         max_positions = getattr(model.config, "max_position_embeddings", None)
@@ -90,6 +93,8 @@ class ChunkLlamaEngine(Delivery):
         if not is_patched(model):
             patch_model(model, chunk_size=chunk_size or 64)
         self.model = model
+        if gguf_activations is not None:
+            set_gguf_activations(model, gguf_activations)
         self._gguf_blocks = gguf_blocks(model)
         self.tokenizer = tokenizer
         self.cache = ChunkCache(

@@ -26,5 +26,9 @@ void tpp_prefill(const void* q, int q_dtype, const void* k_cache, const void* v_
                  float* scratch, int64_t scratch_numel, double scale, int64_t window, const char* isa,
                  int num_threads);
 int64_t row_bytes_of(const char* op, int type, int64_t in_features);
+// quant_api.cpp: the int8 activations' linear layer (its variant chosen and its scratch given
+// here; the caller checked the weight's size and the type's codes).
+const chunk_attn_cpu::Variant& int8_variant_for(const char* isa);
+void quant_int8_linear(const char* isa, const chunk_attn_cpu::QuantInt8Params& params);
 
 }  // namespace chunk_llama_cpu_internal

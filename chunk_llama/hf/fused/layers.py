@@ -239,7 +239,9 @@ def _describe(layer: nn.Module) -> _Described:
         intermediate_size=rows[4][1] - rows[4][0], activation=ACTIVATIONS[family.activation],
         norm_eps=float(getattr(modules[4], family.eps)), norm_offset=family.norm_offset,
         input_norm=norms[0], attn_out_norm=norms[1], mlp_norm=norms[2], mlp_out_norm=norms[3], q_norm=norms[4],
-        k_norm=norms[5], **dict(zip(_WEIGHT_FIELDS, weights)))
+        k_norm=norms[5], **dict(zip(_WEIGHT_FIELDS, weights)),
+        activations=cpu_lib.ACTIVATIONS["int8" if any(type(module) is GGUFLinear and module.activations == "int8"
+                                                      for module in projections) else "float32"])
     return _Described(modules, None, struct, int(family.window(attn)), widened)
 
 
