@@ -10,10 +10,10 @@ import sys
 import time
 from dataclasses import dataclass
 
-from chunk_llama.eval.cli import add_eval_parser
 from chunk_llama.errors import UsageError
+from chunk_llama.eval.cli import add_eval_parser
 from chunk_llama.extras import MissingExtraError, require
-from chunk_llama.server.options import DeployArgs, ServeArgs
+from chunk_llama.server.options import ChatArgs, DeployArgs, ServeArgs
 from chunk_llama.settings import EngineArgs, HelpFormatter, add_arguments, from_namespace, option, run_command
 from chunk_llama.version import __version__
 
@@ -146,14 +146,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from chunk_llama.server import serve
 
     engine_args, serve_args = from_namespace(EngineArgs, args), from_namespace(ServeArgs, args)
-    deploy = from_namespace(DeployArgs, args)
+    deploy, chat = from_namespace(DeployArgs, args), from_namespace(ChatArgs, args)
     if serve_args.data_parallel > 1 or serve_args.worker_urls:
         require("router", "chunk-llama serve --data-parallel/--worker-urls")
         from chunk_llama.server.replicas import serve_replicas
 
-        serve_replicas(engine_args, serve_args, deploy)
+        serve_replicas(engine_args, serve_args, deploy, chat)
     else:
-        serve(engine_args, serve_args, deploy)
+        serve(engine_args, serve_args, deploy, chat)
     return 0
 
 
@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     add_eval_parser(sub)
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the engine", formatter_class=HelpFormatter)
-    add_arguments(srv, EngineArgs, ServeArgs, DeployArgs)
+    add_arguments(srv, EngineArgs, ServeArgs, DeployArgs, ChatArgs)
     srv.set_defaults(func=cmd_serve)
     return parser
 

@@ -50,12 +50,12 @@ class EngineArgs:
                                        "a bfloat16 or float16 checkpoint's weights stay so the same way), "
                                        "dequantized is transformers' float32 copy, auto the first where it can",
                                choices=("auto", "quantized", "dequantized"))
-    gguf_activations: str = option("auto", "what a .gguf model's quantized blocks multiply their inputs with: "
-                                           "float32 (the dequantized model's numbers, as stock computes them), "
-                                           "int8 (quantized per group of 32 as llama.cpp does: integer dot "
-                                           "products, faster prefill), auto: int8 where its kernel was measured "
-                                           "faster (x86-64 with AVX-512 VNNI or AVX2), else float32",
-                                   choices=("auto", "float32", "int8"))
+    gguf_activations: str | None = option(
+        None, "what a .gguf model's quantized blocks multiply their inputs with: float32 (the dequantized "
+              "model's numbers, as stock computes them), int8 (quantized per group of 32 as llama.cpp does: "
+              "integer dot products, faster prefill), auto: int8 on the CPUs where it was measured faster "
+              "and its error bounded (x86-64 with AVX-512 VNNI or AVX2), else float32 (default: auto)",
+        choices=("auto", "float32", "int8"))
     max_batch_size: int = option(32, "most sequences decoded at once")
     chunk_size: int = option(64, "tokens per KV chunk")
     kv_cache_bytes: int | None = option(None, "K/V budget of all layers in bytes (default: from free memory)")
@@ -72,13 +72,21 @@ class EngineArgs:
     trust_remote_code: bool = option(False, "let transformers run the model repository's own code")
     chat_template: str | None = option(None, "a Jinja chat template, or a file holding one, replacing the "
                                              "tokenizer's")
+    lora_modules: list[str] | None = option(None, "LoRA adapters to serve, each name=folder (a folder PEFT's "
+                                                  "save_pretrained wrote); a request selects one by name "
+                                                  "(the server's `model` field)", metavar="NAME=PATH")
+    max_loras: int | None = option(None, "most LoRA adapters whose weights stay in memory at once (the least "
+                                         "recently used one not in use gives its place; default: all)")
+    max_lora_rank: int | None = option(None, "largest rank a LoRA adapter may have (default: any)")
 
     def engine_kwargs(self) -> dict:
         """The keyword arguments of `ChunkLlamaEngine` these settings give."""
         return dict(max_batch_size=self.max_batch_size, chunk_size=self.chunk_size,
                     kv_cache_bytes=self.kv_cache_bytes, kv_dtype=self.kv_dtype,
                     max_prefill_tokens=self.max_prefill_tokens,
-                    retain_prefixes=self.prefix_caching, max_model_len=self.max_model_len)
+                    retain_prefixes=self.prefix_caching, max_model_len=self.max_model_len,
+                    lora_modules=lora_modules(self.lora_modules), max_loras=self.max_loras,
+                    max_lora_rank=self.max_lora_rank)
 
     def load(self, announce: bool = True):
         """(model, tokenizer) on the chosen device and dtype (`loading.load_model`), the chat
@@ -86,6 +94,7 @@ class EngineArgs:
         the device and dtype were checked)."""
         from chunk_llama.hf.support import resolve_kv_dtype
         from chunk_llama.loading import checkpoint_dtype, load_model, resolve_device, resolve_dtype
+        from chunk_llama.ops.cpu.activations import requested as requested_activations
 
         template = read_chat_template(self.chat_template) if self.chat_template is not None else None
         load_kwargs = dict(revision=self.revision, trust_remote_code=self.trust_remote_code)
@@ -96,6 +105,7 @@ class EngineArgs:
         dtype = resolve_dtype(self.dtype, device, stored)
         try:  # before any weights are read
             resolve_kv_dtype(self.kv_dtype, dtype, device)
+            requested_activations(self.gguf_activations)  # (CHUNK_LLAMA_GGUF_ACTIVATIONS unchecked by argparse)
         except ValueError as error:
             raise UsageError(str(error)) from None
         if announce:
@@ -110,7 +120,25 @@ class EngineArgs:
     def build_engine(self, model, tokenizer):
         from chunk_llama.engine import ChunkLlamaEngine
 
-        return ChunkLlamaEngine(model, tokenizer, **self.engine_kwargs())
+        try:  # (a bad setting or adapter: one line and exit code 2, as a bad flag)
+            return ChunkLlamaEngine(model, tokenizer, **self.engine_kwargs())
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+
+
+def lora_modules(values: list[str] | None) -> dict[str, str] | None:
+    """`--lora-modules name=path ...` as {name: path} (UsageError for a malformed or repeated one)."""
+    if not values:
+        return None
+    out: dict[str, str] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise UsageError(f"--lora-modules {value!r}: give each adapter as NAME=PATH")
+        if name.strip() in out:
+            raise UsageError(f"--lora-modules: the adapter name {name.strip()!r} is given twice")
+        out[name.strip()] = path.strip()
+    return out
 
 
 def read_chat_template(value: str) -> str:

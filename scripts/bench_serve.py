@@ -7,6 +7,8 @@
     python scripts/bench_serve.py --json-schema-ab 3       # constrained decoding's cost (below)
     python scripts/bench_serve.py --workload shared --num-clients 16 --max-new-tokens 32 \
         --ignore-eos --systems generate http llama.cpp      # against llama.cpp on the same GGUF
+    python scripts/bench_serve.py --workload shared --systems generate http --api chat responses \
+        --ignore-eos                                        # the Responses API against chat completions
 
 Workloads (chat requests, greedy):
   shared   `--num-requests` chats whose system prompt is `--n-shared` tokens of the shipped tool
@@ -19,7 +21,10 @@ to the last finish), TTFT p50/p99 (from arrival), inter-token latency p50/p99 (g
 between streamed chunks), greedy outputs equal to `engine.generate`'s.
 
 Systems:
-  http       `chunk-llama serve` in a subprocess (same model, batch size and KV budget)
+  http       `chunk-llama serve` in a subprocess (same model, batch size and KV budget), once per
+             `--api`: `chat` streams `/v1/chat/completions`, `responses` streams `/v1/responses`
+             (the system prompt as `instructions`, the question as `input`: the same prompt);
+             each API gets a fresh server and the same warm-up, and the table adds the ratio
   generate   `engine.generate` on the same chats in this process, all submitted at the
              arrival times (rps inf: one `generate` call; else the online API)
   hf-serve   `transformers serve --continuous-batching` on the same model saved to a local
@@ -174,6 +179,28 @@ def chat_requests(model: str, chats, ignore_eos: bool = False):
     return build
 
 
+def responses_requests(model: str, chats, ignore_eos: bool = False):
+    """Request i as a streamed Responses API request of the same prompt: the chat's system
+    message as `instructions`, the rest as input messages (the chat it becomes is chat i)."""
+
+    def build(i: int, max_new_tokens: int) -> tuple[str, dict]:
+        system = [m["content"] for m in chats[i] if m["role"] == "system"]
+        body = {
+            "model": model,
+            "input": [{"role": m["role"], "content": m["content"]} for m in chats[i] if m["role"] != "system"],
+            "max_output_tokens": max_new_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
+        if system:
+            body["instructions"] = system[0]
+        if ignore_eos:
+            body["ignore_eos"] = True
+        return "/v1/responses", body
+
+    return build
+
+
 def llama_requests(prompt_ids: list[list[int]], ignore_eos: bool):
     """Request i as a streamed llama-server /completion of our chat's token ids, greedy."""
 
@@ -185,8 +212,15 @@ def llama_requests(prompt_ids: list[list[int]], ignore_eos: bool):
 
 
 def _event_delta(event: dict) -> tuple[list[str], dict | None]:
-    """(texts, usage) of one streamed event: OpenAI's chunks, or llama-server's /completion ones
-    (`content` per token; the last, `stop: true`, counts the tokens)."""
+    """(texts, usage) of one streamed event: OpenAI's chunks, the Responses API's events, or
+    llama-server's /completion ones (`content` per token; the last, `stop: true`, counts the tokens)."""
+    kind = event.get("type", "")
+    if kind.startswith("response."):
+        if kind == "response.output_text.delta":
+            return [event["delta"]], None
+        if kind in ("response.completed", "response.incomplete"):
+            return [], {"completion_tokens": event["response"]["usage"]["output_tokens"]}
+        return [], None
     if "choices" in event or "usage" in event:
         texts = [(c.get("delta") or {}).get("content") for c in event.get("choices", [])]
         return [t for t in texts if t], event.get("usage")
@@ -393,6 +427,8 @@ def main() -> None:
     parser.add_argument("--rps", type=float, default=math.inf, help="Poisson arrival rate (inf: all at once)")
     parser.add_argument("--num-clients", type=int, default=16, help="most requests in flight")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--api", nargs="+", choices=("chat", "responses"), default=["chat"],
+                        help="the http system's API(s), each on a fresh server (see above)")
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     parser.add_argument("--dtype", default="float32")
@@ -438,7 +474,7 @@ def main() -> None:
     prompt_ids = [engine.tokenize(c) for c in chats]
     lengths = [len(p) for p in prompt_ids]
     engine.close()
-    if "http" in args.systems:
+    for api in args.api if "http" in args.systems else ():
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         command = [
@@ -456,13 +492,14 @@ def main() -> None:
             str(args.kv_cache_bytes),
         ]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))  # torch's intra-op threads there
-        log_path = os.path.join(logs, "chunk_llama_serve.log")
+        log_path = os.path.join(logs, f"chunk_llama_serve_{api}.log")
         proc = start_server(command, url, args.server_timeout, log_path, env)
         try:
             name = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-            requests = chat_requests(name, chats, args.ignore_eos)
+            build = chat_requests if api == "chat" else responses_requests
+            requests = build(name, chats, args.ignore_eos)
             records = http_run(url, requests, len(chats), arrivals, args, tokenizer)
-            rows.append(summarize("http", records, reference))
+            rows.append(summarize("http" if api == "chat" else f"http {api}", records, reference))
         finally:
             stop_server(proc)
         print(json.dumps(rows[-1]), flush=True)
@@ -482,6 +519,10 @@ def main() -> None:
         f"{args.threads} threads; {peer.cpu_summary()}{'; ' + llama_desc if llama_desc else ''}"
     )
     print("\n" + table(rows, header))
+    by_system = {r["system"]: r for r in rows if "error" not in r}
+    if "http" in by_system and "http responses" in by_system:
+        ratio = by_system["http responses"]["throughput_tok_s"] / by_system["http"]["throughput_tok_s"]
+        print(f"\nResponses API / chat completions throughput: {ratio:.3f}x")
     if best_case is not None:
         print("\n" + best_case_line(best_case))
     if args.json:

@@ -21,8 +21,9 @@ WERROR = ("-Werror", "all-warnings", "-Xcompiler", "-Wall,-Wextra,-Werror")
 
 
 def load_build_module():
-    """chunk_llama/ops/build.py, without importing chunk_llama (and so torch)."""
-    spec = importlib.util.spec_from_file_location("chunk_llama_build", ROOT / "chunk_llama" / "ops" / "build.py")
+    """chunk_llama/ops/build/spec.py, without importing chunk_llama (and so torch)."""
+    path = ROOT / "chunk_llama" / "ops" / "build" / "spec.py"
+    spec = importlib.util.spec_from_file_location("chunk_llama_build", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)

@@ -95,26 +95,32 @@ def score(models: dict, system: list[int], tails: list[list[int]]) -> dict[str, 
     return scores
 
 
+def measure(model: str | None, num_questions: int = 16) -> tuple[dict[str, Scores], int]:
+    """(each system's Scores, the positions scored) for `model` (None: the default model) over
+    the system part and the first `num_questions` shipped questions."""
+    torch.manual_seed(0)
+    blocks, tokenizer = load_model(model, device="cpu", dtype=torch.float32, gguf_activations="float32")
+    dequantized = load_model(model, device="cpu", dtype=torch.float32, gguf_weights="dequantized")[0]
+    system, tails = prompt_parts(tokenizer)
+    tails = tails[:num_questions]
+    int8 = copy.deepcopy(blocks)
+    set_gguf_activations(int8, "int8")
+    models = {"truth": cast(dequantized, torch.float64), "float32": blocks, "int8": int8,
+              "stock bf16": cast(dequantized, torch.bfloat16)}
+    return score(models, system, tails), len(system) + sum(map(len, tails))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a .gguf file or gemma3-270m (default: the default model)")
     parser.add_argument("--questions", type=int, default=16, help="how many of the shipped questions")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    blocks, tokenizer = load_model(args.model, device="cpu", dtype=torch.float32, gguf_activations="float32")
-    dequantized = load_model(args.model, device="cpu", dtype=torch.float32, gguf_weights="dequantized")[0]
-    system, tails = prompt_parts(tokenizer)
-    tails = tails[:args.questions]
-    positions = len(system) + sum(map(len, tails))
-    print(f"# {args.model or 'default model'}: {len(system)} system tokens, {len(tails)} questions, {positions} "
-          f"positions; {isa.describe_host()}, int8 kernel {activations.int8_variant()}")
-    int8 = copy.deepcopy(blocks)
-    set_gguf_activations(int8, "int8")
-    models = {"truth": cast(dequantized, torch.float64), "float32": blocks, "int8": int8,
-              "stock bf16": cast(dequantized, torch.bfloat16)}
+    scores, positions = measure(args.model, args.questions)
+    print(f"# {args.model or 'default model'}: {positions} positions ({args.questions} questions); "
+          f"{isa.describe_host()}, int8 kernel {activations.int8_variant()}")
     print("| system | worst abs error | mean abs error | top-1 = float32's | top-1 = truth's |")
     print("|---|---|---|---|---|")
-    for name, s in score(models, system, tails).items():
+    for name, s in scores.items():
         print(f"| {name} | {s.worst:.4f} | {s.total / s.count:.5f} | {s.same_top / s.count * 100:.2f}% | "
               f"{s.true_top / s.count * 100:.2f}% |", flush=True)
 

@@ -81,6 +81,17 @@ def dense_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     return out[0, :, 0, :]
 
 
+def run_planned(library, kind: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                index: torch.Tensor, layout, scratch: torch.Tensor, scale: float, window: int, isa: str,
+                max_blocks_per_item: int = 0) -> torch.Tensor:
+    """One attention call of the CPU library as a step makes it: the plan (index, layout)
+    made once in a new handle for q's rows and the pool, with `scratch`, then run."""
+    geometry = (q.shape[0], q.shape[1], k_cache.shape[1], q.shape[2], k_cache.shape[2])
+    planned = library.new_plan().make(kind, index, layout, geometry, k_cache.shape[0], lambda floats: scratch, isa,
+                                      max_blocks_per_item=max_blocks_per_item)
+    return planned.run(q, k_cache, v_cache, scale, window)
+
+
 def tiny_llama(*, num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, seed=0, init=0.2, eos=5, num_layers=2,
                max_position_embeddings=512, **overrides):
     """A small random Llama (2 layers by default) whose logits are far from ties (large
@@ -204,7 +215,11 @@ def assert_tree_consistent(tree) -> None:
         else:
             assert node.parent.chunk_id == node.chunk_id and node.parent.end == node.start
         assert node.parent.children[node.key] is node and node in node.parent.by_token[node.tokens[0]]
-    for node in [tree.root, *nodes]:
+    for seq_id in tree.seq_ids:  # a path runs from its key's root
+        path = tree.path(seq_id)
+        assert not path or path[0].parent is tree.roots()[tree.keys().index(tree.key_of(seq_id))]
+    assert all(root.children for root in tree.roots()[1:])  # an emptied key's root goes
+    for node in [*tree.roots(), *nodes]:
         assert sum(len(v) for v in node.by_token.values()) == len(node.children)
         assert sum(child.chunk_id == node.chunk_id for child in node.children.values()) <= 1
     assert tree.num_retained == sum(1 for head in heads.values() if head.num_seqs == 0)
@@ -240,7 +255,8 @@ def tree_snapshot(tree) -> dict:
     with its slots, tokens and count, LRU order, counters."""
     pool = tree.pool
     return dict(
-        seqs={s: (tree.segments(s), tree.tokens(s)) for s in tree.seq_ids},
+        seqs={s: (tree.segments(s), tree.tokens(s), tree.key_of(s)) for s in tree.seq_ids},
+        keys=tree.keys(),
         nodes=sorted((n.key, n.parent.key, tuple(n.tokens), n.num_seqs) for n in tree.nodes()),
         retained=tree.retained_ids(),
         free=sorted(c for c in range(pool.capacity) if pool.is_free(c)),

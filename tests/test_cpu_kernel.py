@@ -5,10 +5,11 @@ import random
 
 import pytest
 import torch
-from helpers import assert_decode_matches, check_native_kernel, make_tree, random_token_lists
+from helpers import assert_decode_matches, check_native_kernel, make_tree, random_token_lists, run_planned
 from tolerances import assert_kernel_close
 
 from chunk_llama.ops.cpu import isa
+from chunk_llama.ops.cpu.structs import DECODE_PLAN
 from chunk_llama.step import build_decode_plan
 
 
@@ -139,6 +140,9 @@ def test_queries_in_another_dtype_than_the_pool(variant, head_dim, group):
 
 
 def test_glue_rejects_bad_tensors():
+    """Bad input is a ValueError or TypeError naming it, when the step's plan is made (the plan
+    tensor, its layout, its arrays against the pool) or at a layer's call (q, the pool, the
+    window, the scratch)."""
     from chunk_llama.ops.cpu.attention import build
     from chunk_llama.step.decode_plan import DECODE_ARRAYS
 
@@ -149,18 +153,18 @@ def test_glue_rejects_bad_tensors():
     scratch = torch.empty(10**5)
 
     def run(q, index=plan.index, layout=plan.layout, k=pool.k[0], scratch=scratch, chunks=1, window=0, isa="generic"):
-        return module.tpp_decode(q, k, pool.v[0], index, layout, scratch, 0.125, window, chunks, isa)
+        return run_planned(module, DECODE_PLAN, q, k, pool.v[0], index, layout, scratch, 0.125, window, isa, chunks)
 
     run(torch.randn(2, 1, 64))
     with pytest.raises(TypeError, match="q must be float32 or bfloat16"):
         run(torch.randn(2, 1, 64, dtype=torch.float16))
-    with pytest.raises(ValueError, match="head_dim"):
+    with pytest.raises(ValueError, match=r"pool \[9, 1, 16, 64\] is not the pool the plan was checked against \[9, 1, 16, 32\]"):
         run(torch.randn(2, 1, 32))
     with pytest.raises(ValueError, match="max_blocks_per_item"):
         run(torch.randn(2, 1, 64), chunks=-1)
     with pytest.raises(ValueError, match="'sse9' is not in this build"):
         run(torch.randn(2, 1, 64), isa="sse9")
-    with pytest.raises(TypeError, match="decode plan must be an int64"):
+    with pytest.raises(TypeError, match="plan tensor must be a contiguous int64 CPU tensor"):
         run(torch.randn(2, 1, 64), index=plan.index.int())
     with pytest.raises(ValueError, match="layout has 16 entries"):
         run(torch.randn(2, 1, 64), layout=plan.layout[:-1])
@@ -186,18 +190,41 @@ def test_glue_rejects_bad_tensors():
         run(torch.randn(2, 1, 64), scratch=torch.empty(3))
 
 
-@pytest.mark.skipif("avx512" in isa.host_variants() or isa.host_arch() != "x86_64",
-                    reason="needs an x86 CPU without AVX-512")
-def test_glue_refuses_a_variant_the_cpu_cannot_run():
-    """The kernel's own CPU check, behind the Python one: no illegal instruction."""
-    from chunk_llama.ops.cpu.attention import build
+def test_a_stale_plan_is_refused_not_read():
+    """A step's calls name the generation of the handle they were made with: once the handle
+    is planned again (the next step), or its planning failed, they are refused; a pool other
+    than the one the plan was checked against is refused; and the plan's arrays are copied
+    when it is made, so writing the plan tensor afterwards cannot reach the kernel."""
+    from chunk_llama.ops.cpu.attention import CpuDecode
+    from chunk_llama.step import StaticBuffers
 
-    pool, tree = make_tree([[1] * 50], chunk_size=16, num_kv_heads=1, head_dim=64)
+    pool, tree = make_tree([[1] * 50, [1] * 50 + [2]], chunk_size=16, num_kv_heads=1, head_dim=64)
     plan = build_decode_plan(tree, tree.seq_ids)
-    assert build().host_runs("avx512") is False
-    with pytest.raises(ValueError, match="'avx512' needs instructions this CPU does not have"):
-        build().tpp_decode(torch.randn(1, 1, 64), pool.k[0], pool.v[0], plan.index, plan.layout, torch.empty(10**5),
-                           0.125, 0, 1, "avx512")
+    decode = CpuDecode(StaticBuffers("cpu"), 2, 1, 64, 16, variant="generic")
+    q = torch.randn(2, 2, 64)
+    first = decode.plan(plan, pool.capacity)
+    expected = first.run(q, pool.k[0], pool.v[0], 0.125)
+    plan.index.fill_(-(1 << 40))  # the caller's tensor, written after planning: not what the kernel reads
+    assert torch.equal(first.run(q, pool.k[0], pool.v[0], 0.125), expected)
+    plan.index.copy_(build_decode_plan(tree, tree.seq_ids).index)
+
+    second = decode.plan(plan, pool.capacity)  # the next step, on the same handle
+    assert second.generation == first.generation + 1
+    with pytest.raises(ValueError, match="plan is stale .generation 1; its handle holds 2"):
+        first.run(q, pool.k[0], pool.v[0], 0.125)
+    assert torch.equal(second.run(q, pool.k[0], pool.v[0], 0.125), expected)
+    with pytest.raises(ValueError, match="layout has 16 entries"):
+        decode._handle.make(DECODE_PLAN, plan.index, plan.layout[:-1], (2, 2, 1, 64, 16), pool.capacity,
+                            decode.workspace.scratch, "generic")
+    with pytest.raises(ValueError, match="stale .generation 2; its handle holds 3, not planned"):
+        second.run(q, pool.k[0], pool.v[0], 0.125)  # (a failed planning leaves nothing to run)
+
+    third = decode.plan(plan, pool.capacity)
+    smaller, _ = make_tree([[1] * 20], chunk_size=16, num_kv_heads=1, head_dim=64)
+    with pytest.raises(ValueError, match=rf"pool \[{smaller.capacity}, 1, 16, 64\] is not the pool the plan was "
+                                         rf"checked against \[{pool.capacity}, 1, 16, 64\]"):
+        third.run(q, smaller.k[0], smaller.v[0], 0.125)
+    assert torch.equal(third.run(q, pool.k[0], pool.v[0], 0.125), expected)
 
 
 @pytest.mark.parametrize("window", [0, 300])

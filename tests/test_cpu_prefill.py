@@ -7,15 +7,17 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import make_tree, random_token_lists
+from helpers import make_tree, random_token_lists, run_planned
 from test_cpu_kernel import _variant_params, widened_pool
 from tolerances import assert_kernel_close
 
 from chunk_llama import ops
 from chunk_llama.logs import forget_logged
 from chunk_llama.ops import reference
+from chunk_llama.ops.cpu.structs import PREFILL_PLAN
+from chunk_llama.ops.dispatch import CacheBackends, Geometry
 from chunk_llama.ops.reference import gather_dense
-from chunk_llama.step import build_prefill_plan
+from chunk_llama.step import StaticBuffers, build_prefill_plan
 
 
 @pytest.fixture(params=_variant_params())
@@ -244,7 +246,8 @@ def test_glue_rejects_bad_plans():
         counts = [len(values["token_start"]), arrays.layout[1], q.shape[0], len(values["tiles"]) // 3,
                   len(values["ctx_items"]) // 7, len(values["ctx_levels"]) - 1, num_partial_rows]
         bad = PackedArrays(values, counts, {}, torch.device("cpu"), None, "")
-        return module.tpp_prefill(q, pool.k[0], pool.v[0], bad.index, bad.layout, scratch, 0.125, window, "generic")
+        return run_planned(module, PREFILL_PLAN, q, pool.k[0], pool.v[0], bad.index, bad.layout, scratch, 0.125,
+                           window, "generic")
 
     run()
     with pytest.raises(ValueError, match="at most 128 rows"):
@@ -281,22 +284,26 @@ def test_glue_rejects_bad_plans():
     with pytest.raises(ValueError, match="must have one context state"):
         run(ctx_end=torch.tensor([128, 0]))
     # the plan tensor itself: its type, its layout, and arrays past its end
-    with pytest.raises(TypeError, match="prefill plan must be an int64 CPU tensor"):
-        module.tpp_prefill(q, pool.k[0], pool.v[0], arrays.index.int(), arrays.layout, scratch, 0.125, 0, "generic")
+    def run_plan(index, layout, scratch=scratch):
+        return run_planned(module, PREFILL_PLAN, q, pool.k[0], pool.v[0], index, layout, scratch, 0.125, 0, "generic")
+
+    with pytest.raises(TypeError, match="plan tensor must be a contiguous int64 CPU tensor"):
+        run_plan(arrays.index.int(), arrays.layout)
     with pytest.raises(ValueError, match="layout has 20 entries"):
-        module.tpp_prefill(q, pool.k[0], pool.v[0], arrays.index, arrays.layout[:-1], scratch, 0.125, 0, "generic")
+        run_plan(arrays.index, arrays.layout[:-1])
     with pytest.raises(ValueError, match="plan array seq_ctx_offset .* is not inside the plan"):
-        module.tpp_prefill(q, pool.k[0], pool.v[0], arrays.index[:-1], arrays.layout, scratch, 0.125, 0, "generic")
+        run_plan(arrays.index[:-1], arrays.layout)
     with pytest.raises(ValueError, match="scratch"):
-        module.tpp_prefill(q, pool.k[0], pool.v[0], arrays.index, arrays.layout, torch.empty(3), 0.125, 0,
-                           "generic")
+        run_plan(arrays.index, arrays.layout, torch.empty(3))
 
 
 def test_step_builder_makes_one_plan_per_forward():
     from chunk_llama.step import StepBuilder
 
     pool, tree = make_tree([[1] * 50, [1] * 40 + [2] * 10], chunk_size=16, num_kv_heads=1, head_dim=64)
-    step = StepBuilder(tree, group=3).prefill([(0, 0, 10, 40, 50), (1, 40, 32, 18, 50)], 58)
+    buffers = StaticBuffers("cpu")
+    backends = CacheBackends(Geometry(torch.device("cpu"), torch.float32, 3, 1, 64, 16, torch.float32), buffers)
+    step = StepBuilder(tree, 3, backends, buffers).prefill([(0, 0, 10, 40, 50), (1, 40, 32, 18, 50)], 58)
     plan = step.prefill
     assert plan.segments == [(0, 10, 40), (40, 32, 18)]
     arrays = cpu_arrays(plan)

@@ -11,9 +11,9 @@ from test_fused_layers import GREEDY, STACKED, engine_outputs, gguf_model, promp
 
 from chunk_llama import ChunkLlamaEngine
 from chunk_llama.hf.fused import decode_forward
-from chunk_llama.ops.cpu import binding as cpu_lib
 from chunk_llama.ops.cpu import isa
 from chunk_llama.ops.cpu.attention import build
+from chunk_llama.ops.cpu.planned import CpuPlanned
 
 pytestmark = pytest.mark.skipif(build() is None or isa.host_arch() != "x86_64",
                                 reason="the fused layers run with the CPU kernels' linear path (x86-64)")
@@ -85,8 +85,8 @@ def test_the_stack_sees_a_change_in_any_layer_between_steps(monkeypatch):
     engine = ChunkLlamaEngine(copy.deepcopy(model), max_batch_size=1, chunk_size=16, kv_cache_bytes=1 << 23)
     layer = engine.model.model.layers[1]
     stack_calls = []
-    stack_call = cpu_lib.AttentionCall.decoder_stack
-    monkeypatch.setattr(cpu_lib.AttentionCall, "decoder_stack",
+    stack_call = CpuPlanned.decoder_stack
+    monkeypatch.setattr(CpuPlanned, "decoder_stack",
                         lambda self, *args: stack_calls.append(1) or stack_call(self, *args))
     config = copy.deepcopy(GREEDY)
     config.max_new_tokens = 12

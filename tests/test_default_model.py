@@ -61,7 +61,7 @@ def test_shared_system_prompt_greedy_equals_stock_and_kv_is_deduplicated(default
 
 
 def test_cli_generate_writes_jsonl_and_summary(default_model, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(chunk_llama, "load_model", lambda *a, **k: default_model)
+    monkeypatch.setattr(chunk_llama.loading, "load_model", lambda *a, **k: default_model)  # loaded once per module
     questions = tmp_path / "questions.txt"
     questions.write_text("How many flights left BOS?\nWhat is the elevation of DEN?\n")
     output = tmp_path / "out.jsonl"
@@ -73,9 +73,10 @@ def test_cli_generate_writes_jsonl_and_summary(default_model, tmp_path, monkeypa
     assert os.path.exists(DEFAULT_SYSTEM)
 
 
-def test_cli_generate_samples_reproducibly_with_a_seed(tmp_path):
+def test_cli_generate_samples_reproducibly_with_a_seed(default_model, tmp_path, monkeypatch):
     """--temperature samples; --seed S makes request i draw as stock generate after
     torch.manual_seed(S + i): two runs write the same answers."""
+    monkeypatch.setattr(chunk_llama.loading, "load_model", lambda *a, **k: default_model)
     questions = tmp_path / "questions.txt"
     questions.write_text("Name a city.\nName a river.\n")
     runs = []

@@ -7,25 +7,28 @@ adapter, a replaced weight, autograd) runs op by op, and bad input to the C func
 ValueError naming it."""
 
 import copy
-import ctypes
 import logging
 import random
 
 import pytest
 import torch
 from families import FUSED_MODELS, tiny_model
+from helpers import make_tree
 from test_quant_linear import gguf_py_decoded, random_blocks
 from tolerances import assert_no_worse_than_stock
 from transformers import GenerationConfig
 
 from chunk_llama import ChunkCache, ChunkLlamaEngine, patch_model
-from chunk_llama.gguf.weights import GGUFLinear
+from chunk_llama.gguf.weights import GGUFLinear, set_gguf_activations
 from chunk_llama.hf.fused import layers as fused_layers
+from chunk_llama.hf.fused import per_step
 from chunk_llama.hf.fused import stack as fused_stack
 from chunk_llama.logs import forget_logged
-from chunk_llama.ops.cpu import binding as cpu_lib
 from chunk_llama.ops.cpu import isa
-from chunk_llama.ops.cpu.attention import build
+from chunk_llama.ops.cpu.attention import CpuDecode, build
+from chunk_llama.ops.cpu.planned import CpuPlanned, DecoderStack
+from chunk_llama.ops.cpu.structs import DecoderLayer, Weight
+from chunk_llama.step import StaticBuffers, build_decode_plan
 
 pytestmark = pytest.mark.skipif(build() is None or isa.host_arch() != "x86_64",
                                 reason="the fused layer runs with the CPU kernels' linear path (x86-64)")
@@ -61,21 +64,21 @@ def fused_calls(monkeypatch):
     """Spies on the C calls: [(rows, whether the plan reorders them, the layer's K pool address)] per
     fused layer, whether it ran in its own call or in its stack's (`stack_calls` counts those)."""
     calls = []
-    layer_call, stack_call = cpu_lib.AttentionCall.decoder_layer, cpu_lib.AttentionCall.decoder_stack
+    layer_call, stack_call = CpuPlanned.decoder_layer, CpuPlanned.decoder_stack
 
-    def spy(self, layer, hidden, cos, sin, writes, row_order, k_cache, v_cache):
-        calls.append((hidden.shape[0], row_order is not None, k_cache.data_ptr()))
-        return layer_call(self, layer, hidden, cos, sin, writes, row_order, k_cache, v_cache)
+    def spy(self, layer, hidden, cos, sin, k_cache, v_cache, scale, window):
+        calls.append((hidden.shape[0], self.reordered, k_cache.data_ptr()))
+        return layer_call(self, layer, hidden, cos, sin, k_cache, v_cache, scale, window)
 
-    def stack_spy(self, stack, hidden, cos, sin, writes, row_order):
-        calls.extend((hidden.shape[0], row_order is not None, k) for k in stack.k_pointers)
-        stack_calls.append(len(stack.k_pointers))
-        return stack_call(self, stack, hidden, cos, sin, writes, row_order)
+    def stack_spy(self, stack, hidden, cos, sin):
+        calls.extend((hidden.shape[0], self.reordered, kv.k_cache.data_ptr()) for kv in stack.kvs)
+        stack_calls.append(stack.num_layers)
+        return stack_call(self, stack, hidden, cos, sin)
 
     stack_calls = []
-    monkeypatch.setattr(cpu_lib.AttentionCall, "decoder_layer", spy)
-    monkeypatch.setattr(cpu_lib.AttentionCall, "decoder_stack", stack_spy)
-    monkeypatch.setattr(cpu_lib.AttentionCall, "stack_calls", stack_calls, raising=False)
+    monkeypatch.setattr(CpuPlanned, "decoder_layer", spy)
+    monkeypatch.setattr(CpuPlanned, "decoder_stack", stack_spy)
+    monkeypatch.setattr(CpuPlanned, "stack_calls", stack_calls, raising=False)
     return calls
 
 
@@ -175,6 +178,18 @@ def test_gguf_block_layers_fuse(family, monkeypatch, fused_calls):
                                  f"{family} GGUF blocks")
 
 
+@pytest.mark.parametrize("family", list(GGUF_FORMATS))
+def test_gguf_block_layers_fuse_on_int8_activations(family, monkeypatch, fused_calls):
+    """--gguf-activations int8: the fused layer multiplies with the same int8 kernel as the op-by-op
+    GGUFLinear (`layer.cpp`'s int8 branch), so the two paths agree as closely as in float32."""
+    if build().int8_variant(isa.selected_variant()) is None:
+        pytest.skip("no int8 kernel")
+    model, truth_model = gguf_model(family)
+    assert set_gguf_activations(model, "int8") == "int8"
+    check_fused_against_op_by_op(model, truth_model, prompts(seed=3), monkeypatch, fused_calls,
+                                 f"{family} GGUF blocks, int8 activations")
+
+
 def test_where_float32_layers_run_f_linear_they_stay_op_by_op(monkeypatch, fused_calls):
     """CHUNK_LLAMA_LINEAR=torch (as on CPUs other than x86-64): float32 projections keep
     F.linear, GGUF blocks (the same kernel either way) still fuse."""
@@ -258,7 +273,8 @@ def test_a_layer_it_does_not_describe_runs_op_by_op(monkeypatch, fused_calls, ca
     fused_calls.clear()
     with caplog.at_level(logging.WARNING, logger=fused_layers.__name__):
         outputs = engine_lora.generate(batch, GREEDY)
-    assert not fused_calls and caplog.text.count("q_proj: a Linear (adapters") == 1, caplog.text
+    # (the engine adds the PeftModel's active adapter per row: every step has rows under it)
+    assert not fused_calls and caplog.text.count("the step has rows under LoRA adapters") == 1, caplog.text
     for prompt, out in zip(batch, outputs):
         with torch.no_grad():
             want = stock_lora.generate(input_ids=torch.tensor([prompt]), generation_config=GREEDY,
@@ -305,60 +321,55 @@ def test_weights_moved_in_place_are_read_where_they_are_now(fused_calls):
 
 
 def test_bad_input_to_the_c_function_is_a_value_error():
-    """Weights whose sizes do not fit the layer, and a write outside the pool, are named
-    before any pointer is made from them."""
-    lib = build()
-    hidden, heads, head_dim, inter, capacity, chunk = 64, 2, 32, 96, 4, 16
+    """Weights whose sizes do not fit the layer, a layer of other heads than the plan's, and a
+    write outside the pool are named before any pointer is made from them (the write when the
+    step's plan is made, the layer at its call)."""
+    hidden, heads, head_dim, inter, chunk = 64, 2, 32, 96, 16
     weights = {name: torch.zeros(out, inp) for name, out, inp in (
         ("q", heads * head_dim, hidden), ("k", head_dim, hidden), ("v", head_dim, hidden),
         ("o", hidden, heads * head_dim), ("gate", inter, hidden), ("up", inter, hidden), ("down", hidden, inter))}
     norm = torch.ones(hidden)
 
-    def layer(**changed):
-        described = {name: cpu_lib.Weight(w.data_ptr(), None, 0, w.shape[0], w.shape[1], w.numel() * 4)
+    def layer(num_heads=heads, **changed):
+        described = {name: Weight(w.data_ptr(), None, 0, w.shape[0], w.shape[1], w.numel() * 4)
                      for name, w in weights.items()}
         described.update(changed)
-        return cpu_lib.DecoderLayer(hidden_size=hidden, num_heads=heads, num_kv_heads=1, head_dim=head_dim,
-                                    intermediate_size=inter, input_norm=norm.data_ptr(), mlp_norm=norm.data_ptr(),
-                                    norm_eps=1e-6, **described)
+        return DecoderLayer(hidden_size=hidden, num_heads=num_heads, num_kv_heads=1, head_dim=head_dim,
+                            intermediate_size=inter, input_norm=norm.data_ptr(), mlp_norm=norm.data_ptr(),
+                            norm_eps=1e-6, **described)
 
-    pool = torch.zeros(capacity + 1, 1, chunk, head_dim)  # a guard chunk behind the last
-    x, out, cos = torch.zeros(1, hidden), torch.zeros(1, hidden), torch.ones(1, head_dim)
-    writes = [torch.tensor([0]), torch.tensor([capacity]), torch.tensor([0])]  # chunk `capacity` is the guard
+    pool, tree = make_tree([[1] * 20], chunk_size=chunk, num_kv_heads=1, head_dim=head_dim)
+    plan = build_decode_plan(tree, tree.seq_ids)
+    decode = CpuDecode(StaticBuffers("cpu"), heads, 1, head_dim, chunk)
+    slot = (torch.tensor([0]), torch.tensor([1]), torch.tensor([4]))  # token 0 to slot 4 of chunk 1
+    planned = decode.plan(plan, pool.capacity, slot)
+    x, cos = torch.zeros(1, hidden), torch.ones(1, head_dim)
 
-    def call(described, write_chunk):
-        code = lib.decoder_layer_decode(
-            ctypes.byref(described), x.data_ptr(), out.data_ptr(), 1, cos.data_ptr(), cos.data_ptr(),
-            writes[0].data_ptr(), write_chunk.data_ptr(), writes[2].data_ptr(), 1, None, pool.data_ptr(),
-            pool.data_ptr(), capacity, 1, chunk, head_dim, pool.numel(), pool.numel(), 0, None, 0, None, 0, None, 0,
-            1.0, 0, 1, isa.selected_variant().encode(), 1)
+    def call(described):
         with pytest.raises(ValueError) as error:
-            lib.raise_error(code)
+            planned.decoder_layer(described, x, cos, cos, pool.k[0], pool.v[0], 1.0, 0)
         return str(error.value)
 
     wrong = weights["up"][:-1]
-    message = call(layer(up=cpu_lib.Weight(wrong.data_ptr(), None, 0, inter - 1, hidden, wrong.numel() * 4)),
-                   torch.tensor([0]))
-    assert "up_proj is [95, 64], the layer needs [96, 64]" in message
-    message = call(layer(q=cpu_lib.Weight(weights["q"].data_ptr(), None, 3, heads * head_dim, hidden, 100)),
-                   torch.tensor([0]))
-    assert "q_proj holds 100 bytes" in message
-    assert "is not inside 1 rows and the pool of 4 chunks" in call(layer(), writes[1])
+    assert "up_proj is [95, 64], the layer needs [96, 64]" in call(
+        layer(up=Weight(wrong.data_ptr(), None, 0, inter - 1, hidden, wrong.numel() * 4)))
+    assert "q_proj holds 100 bytes" in call(layer(q=Weight(weights["q"].data_ptr(), None, 3, heads * head_dim,
+                                                             hidden, 100)))
+    assert "are not the plan's 2, 1 of 32" in call(layer(num_heads=4))
+    with pytest.raises(ValueError, match="is not inside 1 rows and the pool of 3 chunks"):
+        decode.plan(plan, pool.capacity, (slot[0], torch.tensor([pool.capacity]), slot[2]))  # the guard chunk
+    with pytest.raises(ValueError, match="is not inside 1 rows"):
+        decode.plan(plan, pool.capacity, (torch.tensor([1]), slot[1], slot[2]))  # a token of no row
 
-    # the stack: a window per layer, checked (as its rotary and pools) before any layer runs
-    with pytest.raises(ValueError, match="a window per layer, got 2 layers, 2 and 2 pools, 1 windows"):
-        cpu_lib.DecoderStack([layer(), layer()], [pool, pool], [pool, pool], [0])
-    stack = cpu_lib.DecoderStack([layer(), layer()], [pool, pool], [pool, pool], [0, -3])
-    tables = (ctypes.c_void_p * 2)(cos.data_ptr(), cos.data_ptr())
-    x.fill_(1.0)
-    before = out.clone()
-    code = lib.decoder_stack_decode(
-        stack.layers, stack.k_pointers, stack.v_pointers, 2, x.data_ptr(), out.data_ptr(), 1, tables, tables,
-        writes[0].data_ptr(), torch.tensor([0]).data_ptr(), writes[2].data_ptr(), 1, None, *stack.geometry, None, 0,
-        None, 0, None, 0, 1.0, stack.windows, 1, isa.selected_variant().encode(), 1)
-    with pytest.raises(ValueError, match="decoder stack: layer 1 .* window -3"):
-        lib.raise_error(code)
-    assert torch.equal(out, before)  # (nothing written: no layer ran)
+    # the stack: each layer's pool and window checked before any layer runs
+    good, bad = (decode._kvs.get(pool.k[0], pool.v[0], 1.0, window) for window in (0, -3))
+    with pytest.raises(ValueError, match="one pool per layer, got 2 layers and 1 pools"):
+        DecoderStack([layer(), layer()], [good])
+    planned = decode.plan(plan, pool.capacity, slot)
+    k_before = pool.k.clone()
+    with pytest.raises(ValueError, match="window must be 0 .none. or a positive int32, got -3"):
+        planned.decoder_stack(DecoderStack([layer(), layer()], [good, bad]), x, [cos, cos], [cos, cos])
+    assert torch.equal(pool.k.nan_to_num(), k_before.nan_to_num())  # (nothing written: no layer ran)
 
 
 # fused_stack.STACK_MODELS' families (Gemma 3: a rotary embedding and a window per layer type;
@@ -375,10 +386,10 @@ def test_a_stack_in_one_call_computes_what_its_layers_do(family, monkeypatch, fu
     outputs = {}
     for stacked in ("0", "1"):
         monkeypatch.setenv(fused_stack.ENV, stacked)
-        cpu_lib.AttentionCall.stack_calls.clear()
+        CpuPlanned.stack_calls.clear()
         outputs[stacked] = engine_outputs(copy.deepcopy(model), batch, monkeypatch, fused=True)
         expected = stacked == "1"
-        calls = cpu_lib.AttentionCall.stack_calls
+        calls = CpuPlanned.stack_calls
         assert bool(calls) is expected and all(n == model.config.num_hidden_layers for n in calls), calls
     for ours, theirs in zip(outputs["1"], outputs["0"]):
         assert ours.token_ids == theirs.token_ids and torch.equal(ours.logits, theirs.logits), family
@@ -393,7 +404,7 @@ def test_a_hooked_layer_keeps_a_call_per_layer(monkeypatch, fused_calls):
     engine = ChunkLlamaEngine(model, max_batch_size=3, chunk_size=16, kv_cache_bytes=1 << 23)
     outputs = engine.generate(prompts(seed=2)[:2], GREEDY)
     engine.close()
-    assert not cpu_lib.AttentionCall.stack_calls and fused_calls
+    assert not CpuPlanned.stack_calls and fused_calls
     assert len(seen) >= GREEDY.max_new_tokens
     monkeypatch.setenv(fused_stack.ENV, "0")
     engine = ChunkLlamaEngine(tiny("llama"), max_batch_size=3, chunk_size=16, kv_cache_bytes=1 << 23)
@@ -410,12 +421,14 @@ def test_a_layer_given_another_input_than_the_stacks_output_fails_the_step():
     assert index == 1 and stack.layers() == list(model.model.layers)
 
     class Step:  # what _forward reads of a decode step whose stack ran
-        decode, fused_stack = object(), (stack, torch.zeros(1, 1, 96))
+        decode = object()
 
+    output = torch.zeros(1, 1, 96)
+    per_step.of(Step).stack_output = (stack, output)
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setattr(fused_layers, "current_step", lambda: Step)
     try:
-        assert layer(Step.fused_stack[1]) is Step.fused_stack[1]
+        assert layer(output) is output
         with pytest.raises(RuntimeError, match="another input than the fused stack"):
             layer(torch.zeros(1, 1, 96))
     finally:

@@ -89,7 +89,7 @@ def test_load_model_falls_back_to_from_pretrained_with_the_reason(tmp_path, monk
     def load(**kwargs):
         return loading._gguf_model_tensor_by_tensor(path, config, torch.float32, torch.device("cpu"), False, kwargs)
 
-    with caplog.at_level(logging.INFO, logger="chunk_llama.models"):
+    with caplog.at_level(logging.INFO, logger="chunk_llama.loading"):
         assert load(low_cpu_mem_usage=True) is None
         monkeypatch.setattr(gguf_load, "_plain_processors", lambda: ())
         assert load() is None

@@ -10,9 +10,9 @@ import torch
 from test_fused_layers import GREEDY, fresh_logs, fused_calls, prompts, tiny  # noqa: F401
 
 from chunk_llama import ChunkLlamaEngine
-from chunk_llama.ops.cpu import binding as cpu_lib
 from chunk_llama.ops.cpu import isa
 from chunk_llama.ops.cpu.attention import build
+from chunk_llama.ops.cpu.planned import CpuPlanned
 
 pytestmark = pytest.mark.skipif(build() is None or isa.host_arch() != "x86_64",
                                 reason="the fused layers run with the CPU kernels' linear path (x86-64)")
@@ -37,10 +37,10 @@ def test_a_copy_of_a_model_that_ran_is_a_model_of_its_own(family, fused_calls):
     first = generate(model, batch)
     twin = copy.deepcopy(model)
     fused_calls.clear()
-    cpu_lib.AttentionCall.stack_calls.clear()
+    CpuPlanned.stack_calls.clear()
     assert same(generate(twin, batch), first)
     assert fused_calls  # the copy's layers fused, described from its own tensors,
-    assert cpu_lib.AttentionCall.stack_calls  # and its decode steps ran its own stack in one call
+    assert CpuPlanned.stack_calls  # and its decode steps ran its own stack in one call
     ids = torch.tensor([batch[0]])
     config = dict(attention_mask=torch.ones_like(ids), generation_config=GREEDY, return_dict_in_generate=True)
     assert torch.equal(twin.generate(ids, **config).sequences, model.generate(ids, **config).sequences)

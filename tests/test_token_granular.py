@@ -12,7 +12,7 @@ from helpers import assert_tree_consistent, tiny_llama, token_granular_chunks
 from transformers import GenerationConfig
 
 from chunk_llama import ChunkLlamaEngine
-from chunk_llama.step import context as step_module
+from chunk_llama.step import builder as step_module
 
 CHUNK = 16
 CONFIG = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True)

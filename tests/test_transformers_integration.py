@@ -149,14 +149,15 @@ def test_kv_of_each_layer_sits_on_that_layers_device(saved):
     assert layer_devices(model, 2) == [torch.device("cpu"), torch.device("meta")]
     cache = ChunkCache(model, kv_cache_bytes=1 << 22)
     assert [k.device.type for k in cache.pool.k] == ["cpu", "meta"] and cache.pool.v[1].device.type == "meta"
-    # a step's tensors and plan for the other device: made once per step and device
+    # a step's tensors, plan and backend for the other device: made once, when the step is built
     cache.add_sequence(0, list(range(6, 40)))
     cache.begin_prefill([0], [0])
     step = cache.step
-    assert step.for_device is not None
+    assert list(step.devices) == [torch.device("meta")]
     there = step.on(torch.device("meta"))
-    assert there is step.on(torch.device("meta")) and there.write_chunk.device.type == "meta"
+    assert there is step.on(torch.device("meta")) and there.writes.chunk.device.type == "meta"
     assert there.prefill.device.type == "meta" and there.prefill.segments == step.prefill.segments
+    assert there.attention.backend == "reference" and not there.devices
     cache.end_step(completed=False)
 
 

@@ -227,3 +227,28 @@ def test_pair_index_from_depth_and_csr():
     for p, (s, row) in enumerate(zip(plan.pair_shared.tolist(), plan.pair_seq.tolist())):
         assert p == ptr[row] + depth[s]
     assert ptr[-1] == plan.pair_seq.numel()
+
+
+def test_a_key_matches_only_its_own_nodes_and_holds_a_prefix_once():
+    """K/V computed under one key (the base, an adapter) are never matched under another; under
+    one key a prefix is held once; retention and eviction go per key, LRU across keys."""
+    pool, tree = make(capacity=9, retain_prefixes=True)
+    prompt = list(range(10))  # 3 chunks of 4
+    assert tree.insert(0, prompt) == 0
+    assert tree.insert(1, prompt, key="a") == 0  # the base's chunks are not a's
+    assert tree.insert(2, prompt + [20], key="a") == 10  # a's are (in place, behind its last node)
+    assert tree.match_len(prompt, key="b") == 0 and tree.match_len(prompt) == tree.match_len(prompt, key="a") == 10
+    assert pool.num_used == 6 and tree.keys() == [None, "a"] and tree.key_of(2) == "a"
+    assert not set(tree.chunk_ids(0)) & set(tree.chunk_ids(1))
+    assert_tree_consistent(tree)
+    for seq_id in (1, 2, 0):  # a's chunks retained first: the least recently used
+        tree.remove(seq_id)
+    assert tree.retained_by_key() == {None: 3, "a": 3}
+    # 6 chunks under "b" need 3 evicted: a's, the oldest, whatever key they are of
+    tree.insert(3, list(range(50, 74)), key="b")
+    assert tree.retained_by_key() == {None: 3} and tree.keys() == [None, "b"]
+    assert tree.match_len(prompt) == 10 and tree.match_len(prompt, key="a") == 0
+    tree.remove(3)
+    assert tree.evict_key(None) == 3 and tree.retained_by_key() == {"b": 6}
+    assert tree.forget_key("b") == 6 and tree.keys() == [None] and pool.num_free == pool.capacity
+    assert_tree_consistent(tree)

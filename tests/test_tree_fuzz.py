@@ -1,5 +1,7 @@
 """Property-based tests of the pool and tree: random insert (sharing prefixes that end
-anywhere inside a node, which splits it), append, extend, remove, retain and evict,
+anywhere inside a node, which splits it; under one of three keys, the weights that compute
+the K/V, so the same tokens under another key share nothing), append, extend, remove,
+retain and evict (all, or one key's),
 token-granular or by whole chunks, inside and outside steps that commit or roll back;
 every invariant checked after every operation.
 
@@ -40,6 +42,7 @@ class TreeMachine(RuleBasedStateMachine):
                               dtype=torch.float32)
         self.tree = PrefixTree(self.pool, retain_prefixes=retain, token_granular=token_granular)
         self.expected: dict[int, list[int]] = {}
+        self.key_of: dict[int, str | None] = {}
         self.next_id = 0
         self.at_begin = None  # (sequences, their segments) when the open step began
 
@@ -71,8 +74,9 @@ class TreeMachine(RuleBasedStateMachine):
         self.expected = {s: list(t) for s, t in seqs.items()}
         assert {s: self.tree.segments(s) for s in self.expected} == segments
 
-    @rule(tokens=tokens_strategy, cut=st.integers(0, 14), data=st.data())
-    def insert(self, tokens, cut, data):
+    @rule(tokens=tokens_strategy, cut=st.integers(0, 14), key=st.sampled_from([None, None, "a", "b"]),
+          data=st.data())
+    def insert(self, tokens, cut, key, data):
         self._count()
         # half the time, start from a live sequence's tokens: a shared prefix
         if self.expected and data.draw(st.booleans()):
@@ -80,12 +84,14 @@ class TreeMachine(RuleBasedStateMachine):
             tokens = self.expected[base][:cut] + tokens
         free_before = self.pool.num_free
         try:
-            matched = self.tree.insert(self.next_id, tokens, max_match=data.draw(st.none() | st.integers(0, 20)))
+            matched = self.tree.insert(self.next_id, tokens, max_match=data.draw(st.none() | st.integers(0, 20)),
+                                       key=key)
         except KVCacheFull:
             assert self.pool.num_free == free_before and self.next_id not in self.tree
             return
         assert 0 <= matched <= len(tokens)
         self.expected[self.next_id] = list(tokens)
+        self.key_of[self.next_id] = key
         self.next_id += 1
 
     @precondition(lambda self: self.expected)
@@ -129,6 +135,13 @@ class TreeMachine(RuleBasedStateMachine):
         if self.tree.in_step:  # nothing changed yet in this step: as if removed before it
             del self.at_begin[0][seq_id], self.at_begin[1][seq_id]
 
+    @rule(key=st.sampled_from([None, "a", "b"]))
+    def evict_key(self, key):
+        self._count()
+        self.tree.evict_key(key)
+        heads = set(self.tree.retained_ids())
+        assert not any(n.start == 0 and n.chunk_id in heads for n in self.tree.nodes_under(key))
+
     @rule()
     def evict_all(self):
         self._count()
@@ -143,6 +156,8 @@ class TreeMachine(RuleBasedStateMachine):
     def sequences_under_every_node_are_contiguous(self):
         order = depth_first_order(self.tree, sorted(self.expected))
         rows: dict[int, list[int]] = {}
+        keys = [self.tree.key_of(s) for s in order]  # each key's sequences together too
+        assert all(keys.index(k) == i or keys[i - 1] == k for i, k in enumerate(keys))
         for row, seq_id in enumerate(order):
             for node in self.tree.path(seq_id):
                 rows.setdefault(id(node), []).append(row)
@@ -160,12 +175,13 @@ class TreeMachine(RuleBasedStateMachine):
     @invariant()
     def a_slot_holds_one_prefix(self):
         """Two sequences read a position from the same slot only when their tokens up to it
-        are the same: nothing one writes is read as another's."""
-        seen: dict[tuple[int, int], tuple[int, ...]] = {}
+        and their keys are the same: nothing one writes is read as another's."""
+        seen: dict[tuple[int, int], tuple] = {}
         for seq_id, tokens in self.expected.items():
+            assert self.tree.key_of(seq_id) == self.key_of[seq_id]
             chunks, slots = self.tree.slots(seq_id, 0, len(tokens))
             for position, slot in enumerate(zip(chunks, slots)):
-                prefix = tuple(tokens[: position + 1])
+                prefix = (self.key_of[seq_id], *tokens[: position + 1])
                 assert seen.setdefault(slot, prefix) == prefix
                 assert not self.pool.is_free(slot[0])
 
@@ -181,6 +197,7 @@ class TreeMachine(RuleBasedStateMachine):
             self.tree.remove(seq_id)
         self.tree.evict_all()
         assert self.pool.num_free == self.pool.capacity and self.tree.nodes() == []
+        assert self.tree.keys() == [None]
 
 
 def test_tree_invariants_under_random_operations():

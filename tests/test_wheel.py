@@ -54,7 +54,7 @@ def _assert_wheel_carries_sources(wheel: Path) -> None:
         names = set(archive.namelist())
         stale = [n for n, data in _sources().items() if n not in names or archive.read(n) != data]
     assert stale == [], f"{wheel.name} lacks or has stale kernel sources: {stale}"
-    assert {"chunk_llama/py.typed", "chunk_llama/ops/jit.py", "chunk_llama/data/toolqa/systems.jsonl"} <= names
+    assert {"chunk_llama/py.typed", "chunk_llama/ops/build/jit.py", "chunk_llama/data/toolqa/systems.jsonl"} <= names
 
 
 def _needed(library: Path) -> list[str]:
@@ -194,8 +194,8 @@ def test_aarch64_cpu_library_cross_compiles(tmp_path, monkeypatch):
 
     monkeypatch.setenv("CXX", "aarch64-linux-gnu-g++")
     spec = build.cpu_build("aarch64")
-    assert spec.sources == ("cpu/c_api.cpp", "cpu/layer.cpp", "cpu/quant_api.cpp", "cpu/kernel_neon.cpp",
-                            "cpu/kernel_generic.cpp")
+    assert spec.sources == ("cpu/c_api.cpp", "cpu/plan_checks.cpp", "cpu/planned.cpp", "cpu/layer.cpp",
+                            "cpu/quant_api.cpp", "cpu/kernel_neon.cpp", "cpu/kernel_generic.cpp")
     library = build.compile_library(spec, tmp_path)
     with library.open("rb") as file:
         assert ELFFile(file)["e_machine"] == "EM_AARCH64"

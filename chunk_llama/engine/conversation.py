@@ -33,6 +33,7 @@ attended to when it wrote the reply; stock `generate` on
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import OrderedDict
@@ -59,13 +60,24 @@ class ConversationHistory:
         self._replies: OrderedDict[tuple[int, ...], list[list[int]]] = OrderedDict()
         self.num_continued = 0  # prompts built from an earlier turn's ids
 
-    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None,
+                   chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+                   continue_final_message: bool = False) -> list[int]:
         """The token ids of `messages` with the generation prompt (see the module docstring);
-        `tools` go to the chat template (its `tools` variable)."""
-        render = self._render if tools is None else lambda m: self._render(m, tools)
+        `tools` and `chat_template_kwargs` go to the chat template (its `tools` variable and
+        its own ones, e.g. `enable_thinking`); `continue_final_message`: the last message (the
+        assistant's) stays open, to be continued, instead of a generation prompt."""
+        options = dict(chat_template_kwargs or {}, tools=tools)
+
+        def render(m, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message):
+            return self._render(m, add_generation_prompt=add_generation_prompt,
+                                continue_final_message=continue_final_message, **options)
+
         with self.tokenizer_lock:
             text = render(messages)
-        ids = self._continue(messages, text, render)
+        # an earlier turn was rendered with a generation prompt, whatever this one asks
+        ids = self._continue(messages, text, functools.partial(render, add_generation_prompt=True,
+                                                               continue_final_message=False))
         if ids is None:
             with self.tokenizer_lock:
                 ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -88,18 +100,18 @@ class ConversationHistory:
         while len(table) > self.max_entries:
             table.popitem(last=False)
 
-    def _render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        return self.tokenizer.apply_chat_template(list(messages), tools=tools, add_generation_prompt=True,
-                                                  tokenize=False)
+    def _render(self, messages: list[dict], **options) -> str:
+        return self.tokenizer.apply_chat_template(list(messages), tokenize=False, **options)
 
-    def _continue(self, messages: list[dict], text: str, render) -> list[int] | None:
-        """Earlier ids + generated ids + the rest, or None for the plain rendering."""
+    def _continue(self, messages: list[dict], text: str, render_earlier) -> list[int] | None:
+        """Earlier ids + generated ids + the rest, or None for the plain rendering
+        (`render_earlier`: the earlier messages to the earlier prompt's text)."""
         last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
         if not last or not isinstance(messages[last].get("content"), str):
             return None
         with self.tokenizer_lock:
             try:
-                earlier_text = render(messages[:last])
+                earlier_text = render_earlier(messages[:last])
             except Exception:  # a template that refuses a conversation ending before an assistant turn
                 return None
         with self._lock:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
+from chunk_llama.engine.adapters import EngineAdapters
 from chunk_llama.engine.delivery import Delivery
 from chunk_llama.engine.figures import describe, engine_stats
 from chunk_llama.engine.inputs import InputProcessor, positive_int
@@ -30,11 +31,12 @@ from chunk_llama.engine.runner import ModelRunner
 from chunk_llama.engine.scheduler import Scheduler
 from chunk_llama.gguf.weights import gguf_blocks, set_gguf_activations
 from chunk_llama.hf import ChunkCache, is_patched, patch_model
+from chunk_llama.hf.lora.registry import AdapterRegistry
 from chunk_llama.ops import prepare_backend
 from chunk_llama.ops.cpu import linear
 
 
-class ChunkLlamaEngine(Delivery):
+class ChunkLlamaEngine(Delivery, EngineAdapters):
     """Serve many prompts on one model, sharing the KV cache of common prefixes.
 
     Each step admits waiting requests in arrival order (batch and memory
@@ -61,6 +63,12 @@ class ChunkLlamaEngine(Delivery):
         retain_prefixes: keep the chunks of finished sequences as a prefix cache.
         max_model_len: most tokens of a request, prompt and new tokens together (default and
             at most: the model's `max_position_embeddings`); `self.max_model_len` is the limit in force.
+        lora_modules: LoRA adapters to load, {name: folder PEFT saved} (more with `load_adapter`);
+            a PEFT `PeftModel`'s own adapters are known by their PEFT names. A request names
+            one with `adapter=` (`engine/adapters.py`).
+        max_loras: most loaded adapters whose weights stay in memory at once (the least recently
+            used one not in use gives its place; default: all).
+        max_lora_rank: largest rank an adapter may have (default: any).
         gguf_activations: what a GGUF model's blocks multiply their inputs with: "auto", "float32"
             or "int8" (`ops/cpu/activations.py`); None keeps the model's (set by `load_model`).
     """
@@ -77,6 +85,9 @@ class ChunkLlamaEngine(Delivery):
         max_prefill_tokens: int = 1024,
         retain_prefixes: bool = True,
         max_model_len: int | None = None,
+        lora_modules: dict[str, str] | None = None,
+        max_loras: int | None = None,
+        max_lora_rank: int | None = None,
         gguf_activations: str | None = None,
     ):
         positive_int("max_batch_size", max_batch_size)
@@ -97,12 +108,14 @@ class ChunkLlamaEngine(Delivery):
             set_gguf_activations(model, gguf_activations)
         self._gguf_blocks = gguf_blocks(model)
         self.tokenizer = tokenizer
+        self.adapters = AdapterRegistry(model, max_loras=max_loras, max_lora_rank=max_lora_rank)
         self.cache = ChunkCache(
             model,
             chunk_size=chunk_size or model.chunk_llama_chunk_size,
             kv_cache_bytes=kv_cache_bytes,
             kv_dtype=kv_dtype,
             retain_prefixes=retain_prefixes,
+            adapters=self.adapters,
         )
         pool, dtype = self.cache.pool, self.cache.geometry.dtype
         # The native kernel is built now (first use only, announced on stderr), not in
@@ -111,7 +124,8 @@ class ChunkLlamaEngine(Delivery):
         linear.backend(dtype, pool.device)  # its one-time check, and why not, logged now
         self.inputs = InputProcessor(model, tokenizer, self.cache.chunk_size, pool.capacity, max_batch_size,
                                      max_model_len)
-        self.scheduler = Scheduler(self.cache, max_batch_size, max_prefill_tokens)
+        self._load_adapters(lora_modules)
+        self.scheduler = Scheduler(self.cache, max_batch_size, max_prefill_tokens, self.adapters)
         self.runner = ModelRunner(model, self.cache, self.scheduler, self.inputs)
         self.max_batch_size = max_batch_size
         self.device = model.device
@@ -119,7 +133,8 @@ class ChunkLlamaEngine(Delivery):
 
     # ------------------------------------------------------------ online API
     def add_request(self, prompt, generation_config: GenerationConfig | None = None, *, logits_processor=None,
-                    stopping_criteria=None, grammar=None, deadline: float | None = None) -> int:
+                    stopping_criteria=None, grammar=None, deadline: float | None = None,
+                    skip_special_tokens: bool = True, adapter: str | None = None) -> int:
         """Queue a request (thread-safe); returns its id. It is admitted at the next step.
 
         prompt: a string, a list of chat messages (chat template applied) or token ids.
@@ -130,7 +145,11 @@ class ChunkLlamaEngine(Delivery):
         deadline: a `time.perf_counter()` time; a request not finished by then ends at the next
             step with what it generated (`finish_reason="length"`, as `max_time` ends one) and
             leaves the batch or the queue, its chunks freed.
-        Raises ValueError/TypeError for a bad prompt, config or grammar; nothing is queued then.
+        skip_special_tokens: leave special tokens out of the text (False keeps them, such as a
+            tool-call marker; the end-of-sequence token is never text).
+        adapter: the LoRA adapter it runs under, by name (`adapter_names()`); None: the model as
+            it is (a PeftModel's active adapters, else the base).
+        Raises ValueError/TypeError for a bad prompt, config, grammar or adapter; nothing is queued then.
         """
         self._check_open()
         if deadline is not None and not isinstance(deadline, (int, float)):
@@ -139,7 +158,9 @@ class ChunkLlamaEngine(Delivery):
             self._num_submitting += 1
         try:
             seqs = self.inputs.make_sequences(prompt, generation_config, True, logits_processor=logits_processor,
-                                              stopping_criteria=stopping_criteria, grammar=grammar)
+                                              stopping_criteria=stopping_criteria, grammar=grammar,
+                                              skip_special_tokens=skip_special_tokens,
+                                              adapter=self._resolve_adapter(adapter))
             return self._enqueue([seqs], deadline=deadline)[0]
         finally:
             with self._lock:
@@ -172,8 +193,9 @@ class ChunkLlamaEngine(Delivery):
         return deltas
 
     def stream(self, prompt, generation_config: GenerationConfig | None = None, *, logits_processor=None,
-               stopping_criteria=None, grammar=None) -> Iterator[str]:
-        """Generate for one prompt, yielding its text as it is produced (`grammar` as in `add_request`).
+               stopping_criteria=None, grammar=None, adapter: str | None = None) -> Iterator[str]:
+        """Generate for one prompt, yielding its text as it is produced (`grammar`, `adapter` as
+        in `add_request`).
 
         The request is validated now and queued when iteration starts; leaving the
         loop early aborts it. For `num_return_sequences > 1` use `add_request` and
@@ -181,7 +203,8 @@ class ChunkLlamaEngine(Delivery):
         """
         self._check_open()
         seqs = self.inputs.make_sequences(prompt, generation_config, True, logits_processor=logits_processor,
-                                          stopping_criteria=stopping_criteria, grammar=grammar)
+                                          stopping_criteria=stopping_criteria, grammar=grammar,
+                                          adapter=self._resolve_adapter(adapter))
         if len(seqs) > 1:
             raise ValueError(f"stream() yields one text; num_return_sequences={len(seqs)} needs add_request and "
                              "step(), whose deltas carry each sample's index")
@@ -205,14 +228,15 @@ class ChunkLlamaEngine(Delivery):
     # ----------------------------------------------------------- offline API
     def generate(self, prompts: list, generation_config: GenerationConfig | list | None = None, *,
                  progress: bool = False, logits_processor=None, stopping_criteria=None,
-                 grammar=None) -> list[RequestOutput]:
+                 grammar=None, adapter: str | list | None = None) -> list[RequestOutput]:
         """Generate for every prompt; results in input order, the samples of a
         prompt together (like `generate` with `num_return_sequences`).
 
         prompts: strings (tokenized as given), chat message lists (chat template with
         the generation prompt) or lists of token ids. All are validated before any runs.
         generation_config: one for every prompt, or a list of one per prompt (its own
-        seed, length...). grammar: as in `add_request`, for every prompt.
+        seed, length...). grammar: as in `add_request`, for every prompt. adapter: as in
+        `add_request`, one for every prompt or a list of one per prompt (None: the model as it is).
         """
         self._check_open()
         if not isinstance(prompts, (list, tuple)):
@@ -222,10 +246,14 @@ class ChunkLlamaEngine(Delivery):
             configs = [generation_config] * len(prompts)
         if len(configs) != len(prompts):
             raise ValueError(f"generation_config: {len(configs)} configs for {len(prompts)} prompts")
+        names = adapter if isinstance(adapter, (list, tuple)) else [adapter] * len(prompts)
+        if len(names) != len(prompts):
+            raise ValueError(f"adapter: {len(names)} adapters for {len(prompts)} prompts")
+        resolved = {name: self._resolve_adapter(name) for name in dict.fromkeys(names)}
         batches = [
             self.inputs.make_sequences(p, config, False, logits_processor=logits_processor,
-                                       stopping_criteria=stopping_criteria, grammar=grammar)
-            for p, config in zip(prompts, configs)
+                                       stopping_criteria=stopping_criteria, grammar=grammar, adapter=resolved[name])
+            for p, config, name in zip(prompts, configs, names)
         ]
         channel: deque[RequestDelta] = deque()
         request_ids = self._enqueue(batches, channel)

@@ -18,7 +18,10 @@ def engine_stats(engine) -> dict[str, Any]:
     ...) and `attention_fallback_reason` why the reference runs, if it does;
     `linear_backend` what the model's linear layers run on ("small_linear:avx512 + onednn",
     "torch", ...; with ", GGUF blocks Q4_1 x210 on int8 activations" for layers kept in a GGUF
-    file's blocks); `weight_bytes` what the model's weights hold (each storage once)."""
+    file's blocks); `weight_bytes` what the model's weights hold (each storage once).
+    `adapters` and `adapters_resident` count the LoRA adapters requests may name and those
+    whose weights are in memory (`adapter_bytes_resident`); `retained_chunks_by_adapter` the
+    cached prefixes of each (None: the base)."""
     pool, tree, dtype = engine.cache.pool, engine.cache.tree, engine.cache.geometry.dtype
     backend = backend_info(pool.device, dtype, pool.head_dim, pool.chunk_size, pool.dtype)
     return dict(
@@ -44,6 +47,10 @@ def engine_stats(engine) -> dict[str, Any]:
             ", GGUF blocks " + ", ".join(f"{t} x{n}" for t, n in sorted(engine._gguf_blocks.items()))
             + f" on {gguf_activations(engine.model)} activations" if engine._gguf_blocks else ""),
         weight_bytes=weight_bytes(engine.model),
+        adapters=len(engine.adapters.names()),
+        adapters_resident=engine.adapters.num_resident,
+        adapter_bytes_resident=engine.adapters.resident_bytes,
+        retained_chunks_by_adapter=engine.adapters.names_of_keys(tree.retained_by_key()),
     )
 
 
@@ -61,6 +68,7 @@ def gguf_activations(model) -> str:
     """What the model's GGUF blocks multiply ("int8", "float32", or both where formats differ)."""
     kinds = sorted({m.activations for m in model.modules() if isinstance(m, GGUFLinear)})
     return " and ".join(kinds) or "float32"
+
 
 def describe(engine) -> str:
     """One line for a start-up log: device, dtype, kernels and the KV pool."""

@@ -47,8 +47,9 @@ class InputProcessor:
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, _eos_ids(model, tokenizer))
 
     def tokenize(self, prompt) -> list[int]:
-        """Token ids of a prompt: a string, a chat message list, `{"messages": [...], "tools":
-        [...]}` (a chat whose template renders the tools) or a list of token ids."""
+        """Token ids of a prompt: a string, a chat message list, a chat as a dict (`is_chat`:
+        its messages, the tools its template renders, the template's options) or a list of
+        token ids."""
         if isinstance(prompt, str) or is_chat(prompt):
             if self.tokenizer is None:
                 raise ValueError("text and chat prompts need a tokenizer; pass one to ChunkLlamaEngine")
@@ -56,7 +57,8 @@ class InputProcessor:
                 with self.tokenizer_lock:
                     return list(self.tokenizer(prompt)["input_ids"])
             if isinstance(prompt, dict):
-                return self.conversations.prompt_ids(list(prompt["messages"]), tools=prompt.get("tools"))
+                options = {k: v for k, v in prompt.items() if k != "messages"}
+                return self.conversations.prompt_ids(list(prompt["messages"]), **options)
             return self.conversations.prompt_ids(list(prompt))
         if isinstance(prompt, (list, tuple)) or (isinstance(prompt, torch.Tensor) and prompt.ndim == 1):
             ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
@@ -75,11 +77,16 @@ class InputProcessor:
 
     def make_sequences(
         self, prompt, config: GenerationConfig | None, track_text: bool, *, logits_processor=None,
-        stopping_criteria=None, grammar=None,
+        stopping_criteria=None, grammar=None, skip_special_tokens: bool = True,
+        adapter=None,
     ) -> list[Sequence]:
         """One sequence per returned sample; all share the prompt (and its chunks). The
         engine numbers them (`request_id`, `seq_id`) when it queues them. `grammar`: a
-        `Grammar` or OpenAI `response_format` dict constraining every sample's output."""
+        `Grammar` or OpenAI `response_format` dict constraining every sample's output;
+        `skip_special_tokens`: leave special tokens out of the text (`text.py`);
+        `adapter`: what they run under (`AdapterRegistry.resolve`'s result)."""
+        if not isinstance(skip_special_tokens, bool):
+            raise TypeError(f"skip_special_tokens must be a bool, got {type(skip_special_tokens).__name__}")
         generation.check_config(config)
         grammar = as_grammar(grammar)
         if config is not None and config.max_new_tokens is not None:
@@ -139,19 +146,27 @@ class InputProcessor:
                 keep_scores=bool(settings.config.output_scores),
                 stop_strings=settings.stop_strings,
                 track_text=(track_text and self.tokenizer is not None) or bool(settings.stop_strings),
+                skip_special_tokens=skip_special_tokens,
                 arrival_time=arrival,
                 grammar=states[index],
+                adapter=adapter,
             )
             for index in range(num_samples)
         ]
 
 
+CHAT_OPTIONS = ("tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+
+
 def is_chat(prompt) -> bool:
-    """Whether `prompt` is a chat: a list of message dicts, or `{"messages": [...], "tools": [...]}`."""
+    """Whether `prompt` is a chat: a list of message dicts, or a dict of `"messages"` (that
+    list) and optionally the chat template's `CHAT_OPTIONS`: the `tools` it renders, its own
+    variables (`chat_template_kwargs`, e.g. `enable_thinking`), `add_generation_prompt`
+    (default true) and `continue_final_message` (the last, assistant message left open)."""
     if isinstance(prompt, dict):
-        if set(prompt) - {"messages", "tools"} or not is_chat(prompt.get("messages")):
+        if set(prompt) - {"messages", *CHAT_OPTIONS} or not is_chat(prompt.get("messages")):
             raise TypeError('a chat prompt given as a dict has "messages" (a list of message dicts) and '
-                            'optionally "tools"')
+                            f"optionally {', '.join(CHAT_OPTIONS)}")
         return True
     return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
 

@@ -8,7 +8,7 @@ import torch
 
 from chunk_llama.engine.inputs import InputProcessor
 from chunk_llama.engine.request import RequestDelta, RequestOutput, Sequence
-from chunk_llama.engine.text import advance_text
+from chunk_llama.engine.text import advance_text, output_text
 
 
 def make_delta(seq: Sequence, inputs: InputProcessor) -> RequestDelta:
@@ -31,7 +31,7 @@ def make_output(seq: Sequence, inputs: InputProcessor) -> RequestOutput:
         prompt=seq.prompt,
         prompt_token_ids=seq.prompt_ids,
         token_ids=list(seq.output_ids),
-        text=inputs.decode(seq.output_ids),
+        text=None if inputs.tokenizer is None else _locked(inputs, output_text, seq),
         finish_reason=seq.finish_reason,
         logits=torch.stack(seq.logits) if seq.keep_logits and seq.logits else None,
         scores=torch.stack(seq.scores) if seq.keep_scores and seq.scores else None,
@@ -41,3 +41,8 @@ def make_output(seq: Sequence, inputs: InputProcessor) -> RequestOutput:
         finish_time=seq.finish_time,
         num_cached_tokens=seq.num_cached_tokens or 0,
     )
+
+
+def _locked(inputs: InputProcessor, function, seq: Sequence):
+    with inputs.tokenizer_lock:
+        return function(seq, inputs.tokenizer)

@@ -90,7 +90,10 @@ class Sequence:
     keep_scores: bool = False
     stop_strings: tuple[str, ...] = ()
     track_text: bool = False  # decode text as tokens arrive (streaming, stop strings)
+    skip_special_tokens: bool = True  # special tokens are not text (but see text.py for EOS)
     grammar: Any = None  # GrammarState when the output is constrained (grammar.py)
+    adapter: Any = None  # what the request runs under, as resolved when submitted (`hf/lora/registry.py`)
+    lora: Any = None  # its weights (a LoraAdapter) once admitted; None: the base
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None

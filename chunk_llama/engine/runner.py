@@ -55,6 +55,9 @@ class ModelRunner:
         decode step when nothing is admitted)."""
         try:
             admitted = self.scheduler.admit()
+            for seq in self.scheduler.take_failed():  # (their adapter could not be read)
+                seq.finish_time = time.perf_counter()
+                self._advanced[seq.seq_id] = seq
             self.peak_batch_size = max(self.peak_batch_size, len(self.scheduler.running))
             if admitted:
                 fresh = {id(w.seq) for w in admitted}

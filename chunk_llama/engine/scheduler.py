@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 
 from chunk_llama.engine.request import Sequence
 from chunk_llama.hf.cache import ChunkCache
+from chunk_llama.hf.lora.registry import AdapterUnavailable
 from chunk_llama.kv import KVCacheFull
+
+logger = logging.getLogger(__name__)
 
 
 def arrival_order(seq: Sequence) -> tuple[int, int]:
@@ -44,6 +48,13 @@ class Scheduler:
     (`partial`; one group at a time, and nothing is admitted behind it); its other
     samples join at the last piece and share its chunks.
 
+    Adapters: a request under an adapter is admitted with its weights (`AdapterRegistry.acquire`:
+    read again from their folder if they were evicted); where `max_loras` adapters are
+    resident and every one is in use by a running request, the head waits like one that
+    does not fit the pool. A request whose adapter no longer reads finishes at once with
+    `finish_reason="abort"` (`take_failed`). Its sequences are inserted under the adapter's
+    identity: only K/V the same weights computed are matched.
+
     When a decode step still runs out of chunks, the request that arrived last among
     the running (and the partial) is preempted: its sequences leave the tree (their
     full chunks stay cached as a retained prefix) and go back to the queue in arrival
@@ -51,8 +62,10 @@ class Scheduler:
     again, mostly from the cache.
     """
 
-    def __init__(self, cache: ChunkCache, max_batch_size: int, max_prefill_tokens: int):
+    def __init__(self, cache: ChunkCache, max_batch_size: int, max_prefill_tokens: int, adapters=None):
         self.cache = cache
+        self.adapters = adapters  # AdapterRegistry, or None (every request runs the model as it is)
+        self.failed: list[Sequence] = []  # requests whose adapter could not be read (`take_failed`)
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Sequence] = deque()
@@ -81,7 +94,12 @@ class Scheduler:
                 if len(self.running) + len(group) > self.max_batch_size:
                     break
                 mark = self.cache.savepoint()
-                placed = self._place(group, budget, can_wait=bool(self.running or work))
+                try:
+                    placed = self._place(group, budget, can_wait=bool(self.running or work))
+                except AdapterUnavailable as error:
+                    self.cache.rollback_to(mark)
+                    self._fail(group, error)
+                    continue
                 if placed is None:
                     self.cache.rollback_to(mark)
                     break
@@ -102,7 +120,9 @@ class Scheduler:
         this step's `admit` (the cache has rolled the step back)."""
         if self._before_admission is not None:
             running, waiting, partial = self._before_admission
-            self.running, self.waiting, self.partial = running, waiting, partial
+            # (requests that failed admission stay finished)
+            self.running, self.partial = running, partial
+            self.waiting = deque(seq for seq in waiting if not seq.is_finished)
             self._before_admission = None
 
     def _continue_partial(self, work: list[PrefillWork]) -> int:
@@ -121,7 +141,7 @@ class Scheduler:
         budget = self.max_prefill_tokens - (end - done)
         if end == len(ids):
             for seq in self.partial[1:]:
-                cached = self.cache.add_sequence(seq.seq_id, seq.all_ids)
+                cached = self.cache.add_sequence(seq.seq_id, seq.all_ids, seq.lora)
                 work.append(PrefillWork(seq, cached, cached))
                 budget -= len(seq.all_ids) - cached
             self.running.extend(self.partial)
@@ -142,18 +162,21 @@ class Scheduler:
         partial insert back). A prompt with more uncached tokens than `budget` starts in
         pieces: only its first sample goes in, with `budget` tokens to compute."""
         tree = self.cache.tree
+        if not self._acquire(group):
+            return None
+        key = self.cache.key_of(group[0].lora)
         placed: list[PrefillWork] = []
         for seq in group:
             ids = seq.all_ids
             reserve = len(self.running) + len(placed) + 1
-            if can_wait and tree.chunks_needed(ids, len(ids) - 1) + reserve > tree.num_available():
+            if can_wait and tree.chunks_needed(ids, len(ids) - 1, key) + reserve > tree.num_available():
                 return None
-            cached = tree.match_len(ids, len(ids) - 1)
+            cached = tree.match_len(ids, len(ids) - 1, key)
             if not placed and len(ids) - cached > budget:
                 ids = ids[: cached + budget]
                 self.partial = group
             try:
-                cached = self.cache.add_sequence(seq.seq_id, ids)
+                cached = self.cache.add_sequence(seq.seq_id, ids, seq.lora)
             except KVCacheFull:
                 if can_wait or placed:
                     if self.partial is group:
@@ -165,6 +188,30 @@ class Scheduler:
                 break
             can_wait = True
         return placed
+
+    def _acquire(self, group: list[Sequence]) -> bool:
+        """Give a group its adapter's weights (`seq.lora`); False: every resident place is in use."""
+        if self.adapters is None or group[0].adapter is None:
+            return True
+        busy = {seq.adapter for seq in self.running + self.partial}
+        lora = self.adapters.acquire(group[0].adapter, busy)
+        if lora is None:
+            return False
+        for seq in group:
+            seq.lora = lora
+        return True
+
+    def _fail(self, group: list[Sequence], error: Exception) -> None:
+        logger.error("chunk-llama: request %d ends unanswered: %s", group[0].request_id, error)
+        for seq in group:
+            self.waiting.popleft()
+            seq.finish_reason = "abort"
+        self.failed += group
+
+    def take_failed(self) -> list[Sequence]:
+        """Requests that finished in admission (their adapter could not be read) since the last call."""
+        failed, self.failed = self.failed, []
+        return failed
 
     def can_preempt(self) -> bool:
         """Whether another request than the one a preemption would spare holds chunks."""

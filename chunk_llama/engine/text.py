@@ -5,6 +5,11 @@ time in constant work and holds back bytes of a UTF-8 character split across
 tokens. When the sample finishes, the rest of `tokenizer.decode(output_ids)` is
 flushed, so the deltas add up to the output text. A tokenizer without a
 `tokenizers` backend decodes the whole output each time instead (logged once).
+
+Special tokens are left out of the text unless the request asks for them
+(`skip_special_tokens=False`: a tool-call or reasoning marker that is a special token);
+even then the end-of-sequence token that ended the sample is not text (it is in
+`token_ids`), as in vLLM.
 """
 
 from __future__ import annotations
@@ -19,8 +24,21 @@ from chunk_llama.logs import log_once
 logger = logging.getLogger(__name__)
 
 
-def decode(tokenizer, token_ids: list[int]) -> str:
-    return tokenizer.decode(token_ids, skip_special_tokens=True)
+def decode(tokenizer, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+    return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
+def text_ids(seq: Sequence, token_ids: list[int]) -> list[int]:
+    """The ids of `token_ids` (the sample's) that are text: all of them, less the end-of-sequence
+    ids where special tokens are kept (those are never text)."""
+    if seq.skip_special_tokens or not seq.eos_token_ids:
+        return token_ids
+    return [t for t in token_ids if t not in seq.eos_token_ids]
+
+
+def output_text(seq: Sequence, tokenizer) -> str:
+    """The whole output's text, as the request asked it decoded."""
+    return decode(tokenizer, text_ids(seq, seq.output_ids), seq.skip_special_tokens)
 
 
 def advance_text(seq: Sequence, tokenizer, flush: bool = False) -> str:
@@ -29,20 +47,20 @@ def advance_text(seq: Sequence, tokenizer, flush: bool = False) -> str:
     flush: the sample finished: also append what the stream held back.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    new_ids = seq.output_ids[seq.num_decoded :]
+    new_ids = text_ids(seq, seq.output_ids[seq.num_decoded :])
     seq.num_decoded = len(seq.output_ids)
     if backend is None:
         log_once(logger, f"{type(tokenizer).__name__} has no `tokenizers` backend: streamed text "
                    "re-decodes the whole output every step")
-        full = decode(tokenizer, seq.output_ids)
+        full = output_text(seq, tokenizer)
         delta = full[len(seq.text) :] if full.startswith(seq.text) and not full.endswith("\ufffd") else ""
     else:
         if seq.decoder is None:
-            seq.decoder = DecodeStream(skip_special_tokens=True)
+            seq.decoder = DecodeStream(skip_special_tokens=seq.skip_special_tokens)
         pieces = [seq.decoder.step(backend, token) for token in new_ids]
         delta = "".join(piece for piece in pieces if piece)
     if flush:
-        full = decode(tokenizer, seq.output_ids)
+        full = output_text(seq, tokenizer)
         so_far = seq.text + delta
         if full.startswith(so_far):
             delta += full[len(so_far) :]

@@ -43,21 +43,21 @@ class GGUFLinear(nn.Module):
     """`nn.Linear` whose weight stays in GGML blocks: `blocks` [out_features, row_bytes]
     uint8 of format `ggml_type` (gguf-py's name); x [..., in_features] -> [..., out_features].
     `weight` decodes a float32 copy on each access (for code that reads it; not the forward's
-    path). `activations` ("float32" or "int8", `ops/cpu/activations.py`; `set_activations`
-    changes it): what the blocks multiply x with (a format without integer codes: float32)."""
+    path). `activations`: what the blocks multiply x with, "float32" or "int8" once resolved
+    (`ops/cpu/activations.py`: "auto", or None for `CHUNK_LLAMA_GGUF_ACTIVATIONS`, else auto;
+    `set_activations` changes it); a format without integer codes keeps float32."""
 
     def __init__(self, blocks: torch.Tensor, ggml_type: str, in_features: int, bias: torch.Tensor | None = None,
-                 activations: str = "float32"):
+                 activations: str | None = None):
         super().__init__()
         self.in_features, self.out_features, self.ggml_type = in_features, blocks.shape[0], ggml_type
         self.register_buffer("blocks", blocks)
         self.bias = bias
         self.set_activations(activations)
 
-    def set_activations(self, activations: str) -> None:
-        if activations not in ("float32", "int8"):
-            raise ValueError(f"activations must be float32 or int8, got {activations!r}")
-        self.activations = activations if self.ggml_type in INT8_TYPES else "float32"
+    def set_activations(self, activations: str | None) -> None:
+        resolved = resolve_activations(activations)  # (ValueError naming a bad choice)
+        self.activations = resolved if self.ggml_type in INT8_TYPES else "float32"
         self._op = ops.QuantLinear(ops.GGML_TYPES[self.ggml_type], self.in_features, self.activations)
         # a new view of the same blocks: a fused layer described with the other activations
         # sees its buffers change (hf/fused/snapshot.py compares them by identity) and describes

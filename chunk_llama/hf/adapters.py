@@ -1,11 +1,17 @@
-"""What changes a model's K/V besides its tokens: PEFT adapters.
+"""What changes a model's K/V besides its tokens: PEFT adapters applied to every row.
 
-The prefix cache is keyed by token ids; K/V computed under one adapter are wrong under
-another. `WeightsKey(model)()` is a value that changes whenever the layers' adapters do:
-which adapters are active, whether they are disabled or merged, their scalings, and
-the version counters of their weights (torch bumps a tensor's `_version` on every
-in-place write, so training steps and `load_state_dict` count). `ChunkCache` reads it
-once per step and, when it changed, forgets every prefix it holds (`PrefixTree.forget_prefixes`):
+The prefix cache is keyed by token ids (and, where the engine assigns adapters per request,
+by the adapter's identity: `hf/lora/`); K/V computed under one adapter state are wrong
+under another. Where PEFT's own forward applies its active adapters to every row (stock
+`generate` on a patched PeftModel, or an engine on a model whose tuner layers it cannot add
+per row), `WeightsKey(model)()` is a value that changes whenever the layers' adapters do:
+which adapters are active, whether they are disabled or merged, their scalings, which
+tensors hold their weights and the version counters of those (torch bumps a tensor's
+`_version` on every in-place write, so training steps and `load_state_dict` count; an
+adapter deleted and loaded again under its name has new tensors whose counters start
+again, so the tensors themselves are compared: the key holds them, so none can be freed
+and another made at its address while it is compared). `ChunkCache` reads it once per step
+and, when it changed, forgets every prefix it holds (`PrefixTree.forget_prefixes`):
 retained chunks are freed and no later request matches K/V of the old weights.
 
 A model without PEFT layers has a constant key and pays one attribute check per step.
@@ -37,6 +43,7 @@ class WeightsKey:
         self.model = model
         self._configs = None
         self._layers: list[torch.nn.Module] = []
+        self._held: tuple = ()  # the adapter tensors the last key was read from
 
     def __call__(self):
         configs = getattr(self.model, "peft_config", None)
@@ -45,9 +52,12 @@ class WeightsKey:
             self._configs, self._layers = marker, _adapter_layers(self.model)
         if not self._layers:
             return None
-        return tuple(
+        held = tuple(tuple(layer.parameters()) for layer in self._layers)
+        key = tuple(
             (tuple(layer.active_adapters), bool(layer.disable_adapters), bool(layer.merged),
              tuple(sorted(getattr(layer, "scaling", {}).items())),
-             sum(p._version for p in layer.parameters()))
-            for layer in self._layers
+             tuple(map(id, params)), sum(p._version for p in params))
+            for layer, params in zip(self._layers, held)
         )
+        self._held = held  # (released at the next call, after the next key was read)
+        return key

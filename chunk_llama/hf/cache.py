@@ -12,20 +12,22 @@ step ended opens it, and `end_step` ends it, committed when the forward complete
 (and, in the engine, its tokens were chosen) or rolled back when anything raised,
 so no later request can ever read K/V that a failed forward left half written.
 Under stock `generate` the patched forward ends its steps; the engine ends its own. Each
-step is a `StepContext` (`step/context.py`), built here once per forward with the
-attention backend chosen and planned for it (`ops/dispatch.py`); the layers store
-their K/V through `update` and attend through `hf/attention.py`, both on that context.
+step is a `StepContext` (`step/context.py`), built complete once per forward by the step
+builder, with the attention backend `CacheBackends` chooses planned for it
+(`ops/dispatch.py`); the layers store their K/V through `update` and attend through
+`hf/attention.py`, both on that context.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import torch
 from transformers.cache_utils import Cache
 
 from chunk_llama.hf.adapters import WeightsKey
+from chunk_llama.hf.cache_api import CacheApi
+from chunk_llama.hf.lora.rows import AdapterRows
 from chunk_llama.hf.rows import GenerateRows
 from chunk_llama.hf.support import (
     check_supported,
@@ -35,14 +37,13 @@ from chunk_llama.hf.support import (
     resolve_kv_dtype,
 )
 from chunk_llama.kv import ChunkPool, PrefixTree
-from chunk_llama.ops.cpu import linear
-from chunk_llama.ops.dispatch import Geometry, decode_attention, prefill_attention
-from chunk_llama.step import StaticBuffers, StepBuilder, StepContext, current_step
+from chunk_llama.ops.dispatch import CacheBackends, Geometry
+from chunk_llama.step import StaticBuffers, StepBuilder, StepContext
 
 logger = logging.getLogger(__name__)
 
 
-class ChunkCache(GenerateRows, Cache):
+class ChunkCache(GenerateRows, AdapterRows, CacheApi, Cache):
     """Prefix-aware KV cache for a causal LM that `patch_model` accepts.
 
     Args:
@@ -55,6 +56,8 @@ class ChunkCache(GenerateRows, Cache):
         retain_prefixes: keep finished sequences' chunks as an LRU prefix cache.
         token_granular: share a common prefix to the token, also where it ends inside a
             chunk (default: yes, but on CUDA, whose kernels take whole chunks only).
+        adapters: the engine's `AdapterRegistry` (`hf/lora/`): its sequences run under
+            adapters of their own, each keyed by its identity (None: the model as it is).
     """
 
     def __init__(
@@ -67,6 +70,7 @@ class ChunkCache(GenerateRows, Cache):
         device: torch.device | str | None = None,
         retain_prefixes: bool = False,
         token_granular: bool | None = None,
+        adapters=None,
     ):
         config = getattr(model, "config", model)
         check_supported(config)
@@ -109,14 +113,18 @@ class ChunkCache(GenerateRows, Cache):
                 logger.info("chunk-llama: prefixes are shared by whole chunks on %s (its kernels take whole chunks)",
                             device)
         self.tree = PrefixTree(self.pool, retain_prefixes=retain_prefixes, token_granular=token_granular)
-        self._builder = StepBuilder(self.tree, config.num_attention_heads // num_kv_heads)
         self.geometry = Geometry(self.pool.device, model_dtype, config.num_attention_heads, num_kv_heads,
                                  head_dim, chunk_size, dtype)
-        self._attention: dict = {}  # the backends' objects, made once each and planned per step
-        self._device_buffers: dict[torch.device, StaticBuffers] = {}  # layers on other devices
-        self._device_attention: dict[torch.device, dict] = {}
-        self._weights_key = WeightsKey(model) if isinstance(model, torch.nn.Module) else None
+        self.adapters = adapters
+        buffers = StaticBuffers(self.pool.device)  # the steps' inputs and plans, and the kernels' workspace
+        self._builder = StepBuilder(self.tree, config.num_attention_heads // num_kv_heads,
+                                    CacheBackends(self.geometry, buffers), buffers, lora_rows=self._lora_rows)
+        # (PEFT's adapters applied to every row: a change forgets everything; not where the engine
+        # assigns adapters per row, whose K/V are keyed by each adapter's identity)
+        self._weights_key = WeightsKey(model) if isinstance(model, torch.nn.Module) and not self.rows_managed \
+            else None
         self._weights_seen = self._weights_key() if self._weights_key is not None else None
+        self._lora_of: dict = {}  # sequence -> its adapter, where the engine assigns them (`lora/rows.py`)
         self._plan_counters_at_open = (0, 0)
         self._step: StepContext | None = None
         self._row_seq_ids: list[int] = []  # generate mode: sequence of each batch row
@@ -137,42 +145,10 @@ class ChunkCache(GenerateRows, Cache):
         """The prepared step (what the next forward's layers read), or None."""
         return self._step
 
-    def _prepare(self, step: StepContext) -> StepContext:
-        """Choose the step's attention backend and linear path (the kernel settings are read
-        here, once per forward) and plan it; the step becomes the prepared one."""
-        self._plan_attention(step, self.geometry, self._builder.buffers, self._attention)
-        step.linear = linear.resolve(self.geometry.dtype, self.pool.device)
-        step.q_dtype = self.geometry.dtype
-        if len(set(self.pool.layer_devices)) > 1:
-            step.for_device = self._step_on
+    def _begin(self, step: StepContext) -> StepContext:
+        """`step` (built complete: its backend chosen and planned) becomes the prepared one."""
         self._step = step
         return step
-
-    @staticmethod
-    def _plan_attention(step: StepContext, geometry: Geometry, buffers, made: dict) -> None:
-        if step.is_decode:
-            step.attention = decode_attention(geometry, buffers, step.decode.aligned, made)
-            step.attention.plan(step.decode)
-        else:
-            step.attention = prefill_attention(geometry, buffers, made)
-            step.attention.plan(step.prefill)
-
-    def _step_on(self, step: StepContext, device: torch.device) -> StepContext:
-        """`step` for the layers on another device (a model split over GPUs by `device_map`):
-        its write slots and plan copied there once per step, that device's backend planned."""
-        def move(tensor):
-            return None if tensor is None else tensor.to(device, non_blocking=True)
-
-        moved = dataclasses.replace(
-            step, input_ids=None, position_ids=None, write_token_index=move(step.write_token_index),
-            write_chunk=move(step.write_chunk), write_offset=move(step.write_offset),
-            row_order=move(step.row_order), inverse_row_order=move(step.inverse_row_order),
-            decode=step.decode.to(device) if step.decode is not None else None,
-            prefill=step.prefill.to(device) if step.prefill is not None else None, for_device=None, moved={})
-        buffers = self._device_buffers.setdefault(device, StaticBuffers(device))
-        self._plan_attention(moved, dataclasses.replace(self.geometry, device=device), buffers,
-                             self._device_attention.setdefault(device, {}))
-        return moved
 
     @property
     def num_plan_rebuilds(self) -> int:
@@ -182,14 +158,18 @@ class ChunkCache(GenerateRows, Cache):
     def num_plan_updates(self) -> int:
         return self._builder.num_plan_updates
 
-    def add_sequence(self, seq_id: int, tokens: list[int]) -> int:
-        """Insert a new sequence; returns how many leading tokens need no compute.
+    def add_sequence(self, seq_id: int, tokens: list[int], adapter=None) -> int:
+        """Insert a new sequence, computed under `adapter` (a `LoraAdapter` of the engine's
+        registry; None: the base); returns how many leading tokens need no compute (K/V the
+        same adapter computed for the same prefix).
 
         The last token is always computed so that the forward yields its logits.
         Raises `KVCacheFull` (nothing changed) when the pool cannot hold it.
         """
         self._open_step()
-        return self.tree.insert(seq_id, tokens, max_match=len(tokens) - 1)
+        cached = self.tree.insert(seq_id, tokens, max_match=len(tokens) - 1, key=self.key_of(adapter))
+        self._note_adapter(seq_id, adapter)
+        return cached
 
     def extend_sequence(self, seq_id: int, tokens: list[int]) -> None:
         """Add the next piece of a sequence's prompt (chunked prefill), to be computed by
@@ -206,6 +186,7 @@ class ChunkCache(GenerateRows, Cache):
 
     def remove_sequence(self, seq_id: int) -> None:
         self.tree.remove(seq_id)
+        self._forget_adapter(seq_id)
 
     def begin_prefill(self, seq_ids: list[int], starts: list[int]):
         """Prepare a packed prefill of tokens `[start, len)` of each sequence.
@@ -217,14 +198,15 @@ class ChunkCache(GenerateRows, Cache):
         ids, positions, last_of, segments = [], [], {}, []
         tokens_of = {s: self.tree.tokens(s) for s in seq_ids}
         start_of = dict(zip(seq_ids, starts))
-        # packed in token order: sequences with a common prefix are neighbours and read it together
-        for seq_id in sorted(seq_ids, key=tokens_of.__getitem__):
+        # packed by key, then in token order: sequences with a common prefix are neighbours and read
+        # it together, and each adapter's rows are one run
+        for seq_id in self._packing_order(seq_ids, tokens_of):
             tokens, start = tokens_of[seq_id], start_of[seq_id]
             segments.append((seq_id, len(ids), start, len(tokens) - start, start))
             ids.extend(tokens[start:])
             positions.extend(range(start, len(tokens)))
             last_of[seq_id] = len(ids) - 1
-        step = self._prepare(self._builder.prefill(segments, len(ids), inputs=(ids, positions)))
+        step = self._begin(self._builder.prefill(segments, len(ids), inputs=(ids, positions)))
         last_index = torch.tensor([last_of[s] for s in seq_ids], device=self.pool.device)
         return step.input_ids, step.position_ids, last_index
 
@@ -237,7 +219,7 @@ class ChunkCache(GenerateRows, Cache):
         (nothing changed) when a new chunk is needed and none is free.
         """
         self._open_step()
-        return self._prepare(self._builder.decode(tokens_by_seq, positions)).decode.seq_ids
+        return self._begin(self._builder.decode(tokens_by_seq, positions)).decode.seq_ids
 
     def end_step(self, completed: bool) -> None:
         """End the step: commit it if its forward completed, else roll it back, so the
@@ -268,6 +250,7 @@ class ChunkCache(GenerateRows, Cache):
 
     def _open_step(self) -> None:
         if not self.tree.in_step:
+            self._forget_changed_weights()
             key = self._weights_key() if self._weights_key is not None else None
             if key != self._weights_seen:  # adapters changed: no K/V of the old weights is served again
                 freed = self.tree.forget_prefixes()
@@ -276,76 +259,3 @@ class ChunkCache(GenerateRows, Cache):
                 self._weights_seen = key
             self.tree.begin_step()
             self._plan_counters_at_open = (self._builder.num_plan_rebuilds, self._builder.num_plan_updates)
-
-    # ------------------------------------------------- transformers Cache API
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Store this step's new K/V of one layer; returns them (the attention function
-        receives them as `key`, `value`).
-
-        key_states, value_states: [batch, num_kv_heads, q_len, head_dim]
-        """
-        step = self._step
-        if step is None or current_step() is not step:
-            raise RuntimeError(
-                "ChunkCache.update outside a prepared step of a patched model's forward: call "
-                "chunk_llama.patch_model(model) before using ChunkCache with the model"
-            )
-        k_layer = self.pool.k[layer_idx]
-        if key_states.device != k_layer.device or key_states.dtype != self.geometry.dtype:
-            raise ValueError(
-                f"the model computes {key_states.dtype} on {key_states.device} but this ChunkCache was made for "
-                f"{self.geometry.dtype} on {k_layer.device}; create the cache (or engine) after moving the model"
-            )
-        step.store(layer_idx, key_states, value_states)
-        return key_states, value_states
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Tokens before the current step: under stock generate, the batch's columns so far
-        (left padding included, as transformers counts them)."""
-        if self._step is not None:
-            return self._step.past_len
-        return self._columns
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self.get_seq_length()
-
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
-    @property
-    def is_initialized(self) -> bool:
-        return True
-
-    @property
-    def is_sliding(self) -> list[bool]:
-        return [False] * self.num_layers
-
-    @property
-    def is_linear(self) -> list[bool]:
-        return [False] * self.num_layers
-
-    @property
-    def is_dummy(self) -> list[bool]:
-        return [False] * self.num_layers
-
-    def __len__(self) -> int:
-        return self.num_layers
-
-    @property
-    def is_croppable(self) -> bool:
-        return False
-
-    def _unsupported(self, *args, **kwargs):
-        raise NotImplementedError(
-            "ChunkCache does not support beam search, cache cropping or reordering "
-            "(use greedy or sampling with num_return_sequences instead)"
-        )
-
-    reorder_cache = crop = batch_repeat_interleave = batch_select_indices = _unsupported

@@ -30,7 +30,7 @@ class PrivateApi:
 _GEN = "transformers.generation.utils:GenerationMixin"
 _CACHE = "transformers.cache_utils:Cache"
 _RESOLVE = "hf/generation.py (resolve: generate's settings for one prompt)"
-_CACHE_USE = "hf/cache.py (ChunkCache overrides what the masks and generate ask a cache)"
+_CACHE_USE = "hf/cache_api.py (ChunkCache overrides what the masks and generate ask a cache)"
 
 PRIVATE_APIS = (
     PrivateApi(f"{_GEN}._prepare_generation_config", "hf/generation.py (resolve, unsupported_on_chunk_cache)",

@@ -73,7 +73,7 @@ class GenerateRows:
             matched = self._insert_rows([row[pad:] for row, pad in zip(rows, pads)])
             segments = [(s, r * q_len + pad, 0, q_len - pad, m)
                         for r, (s, pad, m) in enumerate(zip(self._row_seq_ids, pads, matched))]
-            self._prepare(self._builder.prefill(segments, batch * q_len)).columns = q_len
+            self._begin(self._builder.prefill(segments, batch * q_len, columns=q_len))
             return
         if batch != len(self._row_seq_ids):
             raise ValueError(
@@ -83,22 +83,16 @@ class GenerateRows:
         if any(pads):
             raise ValueError("padding in a continuation of the rows (only the first forward may be left-padded)")
         past = self._columns
-        if q_len == 1:
-            order = self.begin_decode(dict(zip(self._row_seq_ids, (r[0] for r in rows))))
-            row_of = {s: r for r, s in enumerate(self._row_seq_ids)}
-            row_order = torch.tensor([row_of[s] for s in order], device=self.pool.device)
-            step = self._step
-            if not torch.equal(row_order, torch.arange(batch, device=row_order.device)):
-                step.row_order = row_order
-                step.inverse_row_order = torch.argsort(row_order)
-                step.write_token_index = row_order
-            step.past_len, step.columns = past, past + 1
+        if q_len == 1:  # each row's sequence keeps its batch row: the plan's rows are reordered
+            rows_of = {s: r for r, s in enumerate(self._row_seq_ids)}
+            self._begin(self._builder.decode(dict(zip(self._row_seq_ids, (r[0] for r in rows))), batch_rows=rows_of,
+                                             past_len=past, columns=past + 1))
             return
         starts = [self.tree.seq_len(s) for s in self._row_seq_ids]  # rows differ where the first was padded
         for seq_id, row in zip(self._row_seq_ids, rows):
             self.tree.extend(seq_id, row)
         segments = [(s, r * q_len, start, q_len, start) for r, (s, start) in enumerate(zip(self._row_seq_ids, starts))]
-        self._prepare(self._builder.prefill(segments, batch * q_len, past_len=past)).columns = past + q_len
+        self._begin(self._builder.prefill(segments, batch * q_len, past_len=past, columns=past + q_len))
 
     def _insert_rows(self, rows: list[list[int]]) -> list[int]:
         try:

@@ -13,8 +13,8 @@ class ChunkNode:
     one in-place child of each node (a child in the same chunk, starting where its
     parent ends), and so on. Such a chain appears where requests diverge inside a
     chunk: the node is split at the token where they part, the shared part keeps the
-    slots it had, and the rest stays in place as its child. The root is virtual
-    (`chunk_id == -1`, no tokens).
+    slots it had, and the rest stays in place as its child. A root is virtual
+    (`chunk_id == -1`, no tokens, no parent): one per key of the tree.
     """
 
     __slots__ = ("chunk_id", "start", "tokens", "parent", "children", "by_token", "num_seqs", "stale")
@@ -66,13 +66,15 @@ class ChunkNode:
 
 
 class SeqPath:
-    """A live sequence: the last node of its path, and how many tokens the path holds."""
+    """A live sequence: the last node of its path, how many tokens the path holds, and the
+    key it was inserted under (what computes its K/V)."""
 
-    __slots__ = ("leaf", "length")
+    __slots__ = ("leaf", "length", "key")
 
-    def __init__(self, leaf: ChunkNode, length: int) -> None:
+    def __init__(self, leaf: ChunkNode, length: int, key=None) -> None:
         self.leaf = leaf
         self.length = length
+        self.key = key
 
 
 @dataclass

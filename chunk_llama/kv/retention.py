@@ -16,7 +16,7 @@ exactly their old places.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 
 from chunk_llama.kv.node import ChunkNode
 from chunk_llama.kv.pool import KVCacheFull
@@ -88,8 +88,9 @@ def _is_leaf_chunk(head: ChunkNode) -> bool:
 
 
 class Eviction:
-    """Mixin of `PrefixTree`: which retained chunks may go, making room by evicting them,
-    and releasing nodes (with the retained chunks under them) back to the pool."""
+    """Mixin of `PrefixTree`: which retained chunks may go, making room by evicting them
+    (all, one key's, or as an allocation needs), releasing nodes (with the retained chunks
+    under them) back to the pool, and forgetting what other weights computed."""
 
     _retained: RetainedChunks
 
@@ -103,11 +104,52 @@ class Eviction:
         self._make_room(self.pool.num_free + len(self._retained), set())
         return before - len(self._retained)
 
+    def forget_prefixes(self) -> int:
+        """Make everything the tree holds unmatchable (the weights that computed its K/V
+        changed): retained chunks are freed, live sequences keep their nodes to themselves
+        and release them when they leave; later sequences start their own. Returns the
+        chunks freed. Not inside a step (nothing here is journaled)."""
+        if self._journal is not None:
+            raise RuntimeError("forget_prefixes inside a step")
+        freed = self.evict_all()
+        for node in self.nodes():
+            node.stale = True
+        self.structure_version += 1
+        return freed
+
+    def forget_key(self, key: Hashable) -> int:
+        """`forget_prefixes` for one key (the weights it names were written in place): its
+        retained chunks are freed and its live nodes never matched again. Returns the chunks
+        freed. Not inside a step."""
+        if self._journal is not None:
+            raise RuntimeError("forget_key inside a step")
+        freed = self.evict_key(key)
+        for node in self.nodes_under(key):
+            node.stale = True
+        self.structure_version += 1
+        return freed
+
+    def evict_key(self, key: Hashable) -> int:
+        """Free the retained chunks of one key (an adapter unloaded: its cached prefixes
+        go now rather than when the LRU reaches them); live sequences keep theirs. Returns
+        the chunks freed."""
+        before = len(self._retained)
+        while True:
+            heads = {n.chunk_id for n in self.nodes_under(key) if n.start == 0 and n.chunk_id in self._retained}
+            others = set(self._retained.ids()) - heads
+            leaves = list(self._retained.evictable(others))
+            if not leaves:
+                return before - len(self._retained)
+            for head in leaves:
+                self._retained.pop(head.chunk_id)
+                self.num_evicted += 1
+                self._release(head)
+
     def _blocked(self, node: ChunkNode | None) -> set[int]:
         """Retained chunks on the path to `node` (root excluded): an insert that shares
         them must not evict them to make room."""
         blocked: set[int] = set()
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:  # (roots hold no chunk)
             if node.chunk_id in self._retained:
                 blocked.add(node.chunk_id)
             node = node.parent
@@ -143,6 +185,9 @@ class Eviction:
             if child.start == 0 and self._retained.pop(child.chunk_id) is not None:
                 self.num_evicted += 1
             self._release(child)
-        node.parent.remove_child(node)
+        parent = node.parent
+        parent.remove_child(node)
         if node.start == 0:
             self.pool.free(node.chunk_id)
+        if parent.parent is None and not parent.children and parent is not self.root:  # a key's emptied root
+            self._roots = {key: root for key, root in self._roots.items() if root is not parent}

@@ -24,12 +24,22 @@ leaves, the node stays in the tree with no owner (`retention.py`), so a later re
 with the same prefix finds it (the next turn of a conversation computes only its new
 tokens). A chunk whose nodes are all unowned is a retained chunk: evicted least
 recently used, leaves first, only when an allocation finds no free chunk.
+
+Keys: K/V depend on the weights that computed them, not only on the tokens. Each
+sequence is inserted under a key (None: the base weights; an adapter's identity, a hash
+of its weights and config, otherwise) and matches only nodes inserted under the same key:
+each key has a forest of its own under a virtual root (`paths.py`). Retained chunks of
+every key are one LRU, so eviction takes the least recently used across keys;
+`forget_key` frees one key's retained chunks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 from chunk_llama.kv.journal import StepJournal
 from chunk_llama.kv.node import ChunkNode, GrowRecord, InsertRecord, SeqPath, SplitRecord
+from chunk_llama.kv.paths import PathQueries
 from chunk_llama.kv.pool import ChunkPool, KVCacheFull
 from chunk_llama.kv.retention import Eviction, RetainedChunks
 
@@ -48,15 +58,16 @@ class _Match:
         return self.length + self.partial_len
 
 
-class PrefixTree(StepJournal, Eviction):
-    """The forest of the paths of all live sequences, under one virtual root."""
+class PrefixTree(PathQueries, StepJournal, Eviction):
+    """The forests of the paths of all live sequences, one under a virtual root per key."""
 
     def __init__(self, pool: ChunkPool, *, retain_prefixes: bool = False, token_granular: bool = True):
         self.pool = pool
         self.chunk_size = pool.chunk_size
         self.retain_prefixes = retain_prefixes
         self.token_granular = token_granular
-        self.root = ChunkNode(-1, 0, None)
+        self.root = ChunkNode(-1, 0, None)  # the base weights' (key None)
+        self._roots: dict[Hashable, ChunkNode] = {None: self.root}
         self._seqs: dict[int, SeqPath] = {}
         self._retained = RetainedChunks()
         self._journal: list[InsertRecord | GrowRecord | SplitRecord] | None = None  # None: no step open
@@ -71,108 +82,27 @@ class PrefixTree(StepJournal, Eviction):
         self.peak_live_chunks = 0  # chunks held by live sequences, at most at once
 
     # ----------------------------------------------------------------- queries
-    def __contains__(self, seq_id: int) -> bool:
-        return seq_id in self._seqs
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self._seqs)
-
-    @property
-    def seq_ids(self) -> list[int]:
-        return list(self._seqs)
-
-    @property
-    def num_retained(self) -> int:
-        return len(self._retained)
-
-    @property
-    def num_live_chunks(self) -> int:
-        return self.pool.num_used - len(self._retained)
-
-    @property
-    def in_step(self) -> bool:
-        return self._journal is not None
-
-    def is_retained(self, chunk_id: int) -> bool:
-        return chunk_id in self._retained
-
-    def retained_ids(self) -> list[int]:
-        """Retained chunk ids, least recently used first."""
-        return self._retained.ids()
-
-    def nodes(self) -> list[ChunkNode]:
-        """Every node under the root, parents before children."""
-        out, stack = [], list(reversed(self.root.children.values()))
-        while stack:
-            node = stack.pop()
-            out.append(node)
-            stack.extend(reversed(node.children.values()))
-        return out
-
-    def seq_len(self, seq_id: int) -> int:
-        return self._seqs[seq_id].length
-
-    def path(self, seq_id: int) -> list[ChunkNode]:
-        """The nodes of a sequence, root first."""
-        nodes, node = [], self._seqs[seq_id].leaf
-        while node is not self.root:
-            nodes.append(node)
-            node = node.parent
-        nodes.reverse()
-        return nodes
-
-    def tokens(self, seq_id: int) -> list[int]:
-        """The token ids of a sequence, read back from its nodes."""
-        return [token for node in self.path(seq_id) for token in node.tokens]
-
-    def segments(self, seq_id: int) -> list[tuple[int, int, int]]:
-        """(chunk id, first slot, number of tokens) of the sequence's runs of K/V, in order
-        (a chunk's chain of nodes on the path is one run)."""
-        out: list[tuple[int, int, int]] = []
-        for node in self.path(seq_id):
-            if out and out[-1][0] == node.chunk_id:
-                chunk, start, count = out[-1]
-                out[-1] = (chunk, start, count + len(node.tokens))
-            else:
-                out.append((node.chunk_id, node.start, len(node.tokens)))
-        return out
-
-    def chunk_ids(self, seq_id: int) -> list[int]:
-        """The chunks a sequence's K/V are in, in order."""
-        return [chunk for chunk, _, _ in self.segments(seq_id)]
-
-    def slots(self, seq_id: int, start: int, end: int) -> tuple[list[int], list[int]]:
-        """(chunk id, slot in chunk) of each position in `[start, end)` of a sequence."""
-        chunks, offsets = [], []
-        position = 0
-        for chunk, first, count in self.segments(seq_id):
-            lo, hi = max(start, position), min(end, position + count)
-            chunks += [chunk] * max(0, hi - lo)
-            offsets += range(first + lo - position, first + hi - position)
-            position += count
-        return chunks, offsets
-
     def take_node_events(self) -> list[tuple[int, ChunkNode, int]]:
         """(seq_id, node, position of its first token) of nodes `append` started since the last call."""
         events, self._node_events = self._node_events, []
         return events
 
-    def match_len(self, tokens: list[int], max_match: int | None = None) -> int:
-        """How many leading tokens `insert(_, tokens, max_match)` would find cached."""
-        return self._match(tokens, self._clamp_match(tokens, max_match)).num_cached
+    def match_len(self, tokens: list[int], max_match: int | None = None, key: Hashable = None) -> int:
+        """How many leading tokens `insert(_, tokens, max_match, key)` would find cached."""
+        return self._match(tokens, self._clamp_match(tokens, max_match), key).num_cached
 
-    def chunks_needed(self, tokens: list[int], max_match: int | None = None) -> int:
-        """Available chunks (free or evictable) `insert(seq_id, tokens, max_match)` would take:
-        its new chunks plus the retained chunks it would revive."""
-        match = self._match(tokens, self._clamp_match(tokens, max_match))
+    def chunks_needed(self, tokens: list[int], max_match: int | None = None, key: Hashable = None) -> int:
+        """Available chunks (free or evictable) `insert(seq_id, tokens, max_match, key)` would
+        take: its new chunks plus the retained chunks it would revive."""
+        match = self._match(tokens, self._clamp_match(tokens, max_match), key)
         return self._new_chunks(match, len(tokens)) + len(self._retained_on(match))
 
     # -------------------------------------------------------------- mutations
-    def insert(self, seq_id: int, tokens: list[int], max_match: int | None = None) -> int:
-        """Add a sequence and return how many leading tokens already have K/V.
+    def insert(self, seq_id: int, tokens: list[int], max_match: int | None = None, key: Hashable = None) -> int:
+        """Add a sequence under `key` (what computes its K/V; None: the base weights) and
+        return how many leading tokens already have K/V.
 
-        Matching nodes (live or retained, whole or up to the token where the sequence
+        Matching nodes of the same key (live or retained, whole or up to the token where the sequence
         parts from them) are shared. Slots after the returned length must be written by
         the caller. At most `max_match` tokens are matched (e.g. `len(tokens) - 1` so
         that the last prompt token is computed and yields logits). Raises `KVCacheFull`
@@ -182,7 +112,7 @@ class PrefixTree(StepJournal, Eviction):
             raise ValueError(f"sequence {seq_id} is already in the tree")
         if not tokens:
             raise ValueError("cannot insert an empty sequence")
-        match = self._match(tokens, self._clamp_match(tokens, max_match))
+        match = self._match(tokens, self._clamp_match(tokens, max_match), key)
         num_new_chunks = self._new_chunks(match, len(tokens))
         blocked = self._retained_on(match)
         available = self.pool.num_free + len(self._retained) - len(blocked)
@@ -201,8 +131,9 @@ class PrefixTree(StepJournal, Eviction):
                     self.num_revived += 1
             node.num_seqs += 1
         self.peak_live_chunks = max(self.peak_live_chunks, self.num_live_chunks)
-        seq = self._seqs[seq_id] = SeqPath(shared[-1] if shared else self.root, match.num_cached)
-        self._make_room(num_new_chunks, blocked)
+        self._make_room(num_new_chunks, blocked)  # (may drop an emptied root: looked up after it)
+        leaf = shared[-1] if shared else self._root(key)
+        seq = self._seqs[seq_id] = SeqPath(leaf, match.num_cached, key)
         self._grow(seq, tokens[match.num_cached :])
         self.structure_version += 1
         return match.num_cached
@@ -255,29 +186,25 @@ class PrefixTree(StepJournal, Eviction):
                 self._retained.add(node)
         self.structure_version += 1
 
-    def forget_prefixes(self) -> int:
-        """Make everything the tree holds unmatchable (the weights that computed its K/V
-        changed): retained chunks are freed, live sequences keep their nodes to themselves
-        and release them when they leave; later sequences start their own. Returns the
-        chunks freed. Not inside a step (nothing here is journaled)."""
-        if self._journal is not None:
-            raise RuntimeError("forget_prefixes inside a step")
-        freed = self.evict_all()
-        for node in self.nodes():
-            node.stale = True
-        self.structure_version += 1
-        return freed
-
     # ---------------------------------------------------------------- helpers
+    def _root(self, key: Hashable) -> ChunkNode:
+        """`key`'s virtual root, made on its first sequence (an emptied one goes: `_release`)."""
+        root = self._roots.get(key)
+        if root is None:
+            root = self._roots[key] = ChunkNode(-1, 0, None)
+        return root
+
     @staticmethod
     def _clamp_match(tokens: list[int], max_match: int | None) -> int:
         return len(tokens) if max_match is None else max(0, min(max_match, len(tokens)))
 
-    def _match(self, tokens: list[int], max_match: int) -> _Match:
-        """Walk the tree along tokens[:max_match]: at each node, the child sharing the
+    def _match(self, tokens: list[int], max_match: int, key: Hashable) -> _Match:
+        """Walk `key`'s forest along tokens[:max_match]: at each node, the child sharing the
         longest run with what is left (children are found by their first token). Not
         token-granular: whole chunks only, matched whole."""
-        node, matched, nodes = self.root, 0, []
+        node, matched, nodes = self._roots.get(key), 0, []
+        if node is None:
+            return _Match(nodes, 0, None, 0)
         c = self.chunk_size
         while matched < max_match:
             best, best_len = None, 0
@@ -307,7 +234,7 @@ class PrefixTree(StepJournal, Eviction):
 
     def _room_after(self, node: ChunkNode) -> int:
         """Unclaimed slots behind a node in its chunk, where a new child can go in place."""
-        if node is self.root or node.in_place_child() is not None:
+        if node.parent is None or node.in_place_child() is not None:  # (a root holds no slots)
             return 0
         return self.chunk_size - node.end
 
@@ -329,7 +256,7 @@ class PrefixTree(StepJournal, Eviction):
     def _extends_in_place(self, node: ChunkNode) -> bool:
         """Whether a sequence ending at `node` may add its tokens to the node itself: no one
         else uses it and nothing hangs below it (a node others share or reach is immutable)."""
-        return node is not self.root and node.num_seqs == 1 and not node.children and node.end < self.chunk_size
+        return node.parent is not None and node.num_seqs == 1 and not node.children and node.end < self.chunk_size
 
     def _retained_on(self, match: _Match) -> set[int]:
         """Retained chunks on the path of a match: an insert revives them, so they may not

@@ -1,8 +1,9 @@
 """Attention kernels over the chunk pool.
 
-The engine's forwards choose a backend once per step (`dispatch.py`) and call it per
-layer. The functions here are the same thing for one call, on tensors: what tests,
-benchmarks and other callers use, and what `backend_info` reports.
+The engine's forwards choose a backend once per step (`dispatch.py`), plan it (which
+returns the step's calls) and run those per layer. The functions here are the same thing
+for one call, on tensors: what tests, benchmarks and other callers use, and what
+`backend_info` reports.
 """
 
 from __future__ import annotations
@@ -68,8 +69,7 @@ def tpp_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     returns [num_seqs, num_heads, head_dim]
     """
     attention = decode_attention(_geometry(q, k_cache), StaticBuffers(q.device), plan.aligned)
-    attention.plan(plan)
-    return attention.run(q, k_cache, v_cache, scale, check_window(window))
+    return attention.plan(plan, k_cache.shape[0]).run(q, k_cache, v_cache, scale, check_window(window))
 
 
 def packed_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan,
@@ -85,8 +85,7 @@ def packed_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     returns [num_q_tokens, num_heads, head_dim] (rows of no sequence uninitialised)
     """
     attention = prefill_attention(_geometry(q, k_cache), StaticBuffers(q.device))
-    attention.plan(plan)
-    return attention.run(q, k_cache, v_cache, scale, check_window(window), new_kv)
+    return attention.plan(plan, k_cache.shape[0]).run(q, k_cache, v_cache, scale, check_window(window), new_kv)
 
 
 __all__ = ["DecodePlan", "Geometry", "PrefillPlan", "backend_info", "check_window", "decode_backend",

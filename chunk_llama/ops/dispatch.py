@@ -1,17 +1,20 @@
 """Which attention backend a step runs, chosen once per step.
 
 Every backend answers one convention (FlashInfer's plan/run): an object made for the
-cache's geometry, `plan(step_plan)` once per step (builds or uploads what its kernel
-reads, sizes the cache's workspace), then `run(q, k_cache, v_cache, scale, window,
-new_kv)` per layer. The native kernel of the tensors' device runs when it is built
-and supports them (`cpu.py`: C++/OpenMP in the variant `CHUNK_LLAMA_CPU_ISA` selects;
-`cuda.py`, `cuda_prefill.py`), else the PyTorch reference (`reference.py`), which is
-also the oracle the native kernels are tested against. Every fallback to the reference
-is logged once per reason (logger `chunk_llama.ops`, WARNING): none is silent.
+cache's geometry, `plan(step_plan, capacity, writes, row_order)` once per step (checks and
+uploads what its kernel reads, sizes the cache's workspace) returning the step's calls,
+whose `run(q, k_cache, v_cache, scale, window, new_kv)` runs per layer (a step's calls are
+refused once the backend planned another step). The native kernel of the tensors' device
+runs when it is built and supports them (`cpu/attention.py`: C++/OpenMP in the variant
+`CHUNK_LLAMA_CPU_ISA` selects; `cuda/decode.py`, `cuda/prefill.py`), else the PyTorch
+reference (`reference.py`), which is also the oracle the native kernels are tested against.
+Every fallback to the reference is logged once per reason (logger `chunk_llama.ops`,
+WARNING): none is silent.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -20,9 +23,10 @@ import torch
 
 from chunk_llama.logs import log_once
 from chunk_llama.ops.build.jit import force_reference
-from chunk_llama.ops.cpu import isa
+from chunk_llama.ops.cpu import isa, linear
 from chunk_llama.ops.reference import ReferenceDecode, ReferencePrefill
 from chunk_llama.step.buffers import StaticBuffers
+from chunk_llama.step.decode_plan import DecodePlan
 
 logger = logging.getLogger("chunk_llama.ops")
 
@@ -118,14 +122,14 @@ def decode_attention(geometry: Geometry, workspace: StaticBuffers, aligned: bool
     if info["backend"] == "cuda":
         from chunk_llama.ops.cuda.decode import CudaDecode
 
-        return _made(made, ("decode", "cuda"), lambda: CudaDecode(workspace, *geometry.heads))
+        return _made(made, ("decode", "cuda"), lambda: CudaDecode(workspace, *geometry.heads, geometry.kv_dtype))
     log_once(logger, "chunk-llama: decode attention runs the PyTorch reference: %s", info["reason"])
     return _made(made, ("decode", "reference"), ReferenceDecode)
 
 
 def prefill_attention(geometry: Geometry, workspace: StaticBuffers, made: dict | None = None):
     """The prefill backend for this geometry: the CPU kernel has the decode kernel's support
-    set; on CUDA it is PyTorch's FlashAttention-2 varlen (`cuda_prefill.py`)."""
+    set; on CUDA it is PyTorch's FlashAttention-2 varlen (`cuda/prefill.py`)."""
     device = geometry.device
     if device.type == "cuda" and not force_reference():
         from chunk_llama.ops.cuda import prefill as cuda_prefill
@@ -143,3 +147,34 @@ def prefill_attention(geometry: Geometry, workspace: StaticBuffers, made: dict |
         reason = info["reason"] or f"there is no native prefill kernel for {device.type} tensors"
     log_once(logger, "chunk-llama: prefill attention runs the PyTorch reference: %s", reason)
     return _made(made, ("prefill", "reference"), ReferencePrefill)
+
+
+class CacheBackends:
+    """What a cache's steps run (`step.StepBackends`), chosen per step: the attention backend
+    for the step's plan on each device (made once per device and kind, with that device's
+    workspace, then planned per step) and the linear path (the settings read once per step).
+
+    geometry: the cache's (its device, the model's dtype, heads, the pool's dtype);
+    buffers: the workspace on the cache's device (the step builder's buffers)."""
+
+    def __init__(self, geometry: Geometry, buffers: StaticBuffers):
+        self.geometry = geometry
+        self.q_dtype = geometry.dtype
+        self._buffers = {geometry.device: buffers}
+        self._made: dict[torch.device, dict] = {}
+
+    def attention(self, plan, device: torch.device, capacity: int, writes, row_order):
+        """The backend for `plan` on `device`, planned with the step's writes (the fused
+        layers' slots) and row order: the step's calls."""
+        geometry = self.geometry if device == self.geometry.device else dataclasses.replace(self.geometry,
+                                                                                            device=device)
+        buffers = self._buffers.setdefault(device, StaticBuffers(device))
+        made = self._made.setdefault(device, {})
+        if isinstance(plan, DecodePlan):
+            backend = decode_attention(geometry, buffers, plan.aligned, made)
+        else:
+            backend = prefill_attention(geometry, buffers, made)
+        return backend.plan(plan, capacity, writes.slots, row_order)
+
+    def linear(self):
+        return linear.resolve(self.geometry.dtype, self.geometry.device)

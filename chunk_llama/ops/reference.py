@@ -227,26 +227,35 @@ def packed_prefill_attention(
     return out
 
 
+class ReferencePlanned:
+    """A reference backend's step: `run(q, k_cache, v_cache, scale, window, new_kv)` per layer
+    calls `attention` on the step's plan."""
+
+    backend = "reference"
+    has_writes = False  # (no fused layer runs on the reference)
+
+    def __init__(self, attention, plan):
+        self._attention, self._plan = attention, plan
+
+    def run(self, q, k_cache, v_cache, scale: float, window: int = 0, new_kv=None) -> torch.Tensor:
+        return self._attention(q, k_cache, v_cache, self._plan, scale, window)
+
+
 class ReferenceDecode:
-    """`tpp_decode_attention` as a plan-once, run-per-layer object (the backends' convention)."""
+    """`tpp_decode_attention` as a backend (the convention: `plan` once per step returns the
+    step's calls, run per layer)."""
 
     backend = "reference"
 
-    def plan(self, plan: DecodePlan) -> None:
-        self._plan = plan
-
-    def run(self, q, k_cache, v_cache, scale: float, window: int = 0, new_kv=None) -> torch.Tensor:
-        return tpp_decode_attention(q, k_cache, v_cache, self._plan, scale, window)
+    def plan(self, plan: DecodePlan, capacity: int = 0, writes=None, row_order=None) -> ReferencePlanned:
+        return ReferencePlanned(tpp_decode_attention, plan)
 
 
 class ReferencePrefill:
-    """`packed_prefill_attention` as a plan-once, run-per-layer object."""
+    """`packed_prefill_attention` as a backend."""
 
     backend = "reference"
 
-    def plan(self, plan: PrefillPlan) -> None:
-        self._plan = plan
-        plan.tables()
-
-    def run(self, q, k_cache, v_cache, scale: float, window: int = 0, new_kv=None) -> torch.Tensor:
-        return packed_prefill_attention(q, k_cache, v_cache, self._plan, scale, window)
+    def plan(self, plan: PrefillPlan, capacity: int = 0, writes=None, row_order=None) -> ReferencePlanned:
+        plan.tables()  # (built once per step, read by every layer)
+        return ReferencePlanned(packed_prefill_attention, plan)

@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 
-from chunk_llama.server.options import DeployArgs, ServeArgs
+from chunk_llama.server.options import ChatArgs, DeployArgs, ServeArgs
 from chunk_llama.settings import EngineArgs
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -63,10 +63,12 @@ def warn_if_exposed(host: str, keys: list[str]) -> None:
                        "--api-key or --api-key-file, or bind to 127.0.0.1 behind a proxy that authenticates", host)
 
 
-def serve(engine_args: EngineArgs | None = None, serve_args=None, deploy: DeployArgs | None = None) -> None:
+def serve(engine_args: EngineArgs | None = None, serve_args=None, deploy: DeployArgs | None = None,
+          chat: ChatArgs | None = None) -> None:
     """Load the model `engine_args` name (None: the default model, its defaults) and serve it
-    as `serve_args` (`options.ServeArgs`: host, port, names and logging) and `deploy`
-    (keys, limits, timeouts, drain) say, until a signal drains it (module doc)."""
+    as `serve_args` (`options.ServeArgs`: host, port, names and logging), `deploy` (keys,
+    limits, timeouts, drain) and `chat` (reasoning and tool-call formats, template defaults, the
+    Responses store) say, until a signal drains it (module doc)."""
     import uvicorn
 
     from chunk_llama.server.app import create_app
@@ -89,7 +91,7 @@ def serve(engine_args: EngineArgs | None = None, serve_args=None, deploy: Deploy
             logger.warning("response_format and forced tool calls will be refused: %s", error)
     aliases = tuple(dict.fromkeys([*names[1:], *([model] if model is not None and model not in names else [])]))
     app = create_app(engine, names[0], aliases=aliases, loop_thread=False, allowed_origins=args.allowed_origins,
-                     stats_interval=args.stats_interval, worker_id=args.worker_id, deploy=deploy)
+                     stats_interval=args.stats_interval, worker_id=args.worker_id, deploy=deploy, chat=chat)
     logger.info(engine.describe())
     print(f"serving {names[0]!r} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     # The engine steps in this thread, which made the model's OpenMP teams (see

@@ -2,10 +2,16 @@
 `ServeArgs`, where to listen, under which names and how to log; `DeployArgs`, the
 server's guards, also the `create_app` argument `deploy`: who may call it (API keys), how
 much one request may ask, how it sheds load (a bounded queue, deadlines), how long a slow
-client may hold a connection, and how it stops (drain)."""
+client may hold a connection, and how it stops (drain); `ChatArgs`, how chat text is read
+and written: the reasoning and tool-call formats, the chat template's default variables, the
+Responses API's store.
+
+The parser names are those of `reasoning.py` and `tool_formats.py` (a test checks they agree;
+they are repeated here so that reading the flags imports no model code)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from chunk_llama.errors import UsageError
@@ -79,3 +85,42 @@ class ServeArgs:
     worker_start_timeout: float = option(300.0, "seconds a worker may take to load and answer /health")
     worker_id: str | None = option(None, "this server's name behind a router (the launcher sets it): in the "
                                          "X-Chunk-Llama-Worker header and every metric's worker label")
+
+
+REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3", "glm45", "mistral")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+
+
+@dataclass
+class ChatArgs:
+    """How chat text is read and written: reasoning and tool-call formats, template defaults."""
+
+    reasoning_parser: str = option("auto", "where a thinking model's reasoning is, apart from its answer "
+                                           "(reasoning_content; Responses reasoning items): auto finds the tags "
+                                           "in the chat template, none leaves them in the content",
+                                   choices=REASONING_PARSERS)
+    tool_call_parser: str = option("auto", "the model's tool-call format (parsed from its output, and written "
+                                           "by forced calls); auto: the one the chat template writes, else hermes",
+                                   choices=TOOL_CALL_PARSERS)
+    default_chat_template_kwargs: str | None = option(None, "a JSON object of chat template variables for "
+                                                            "every request (e.g. '{\"enable_thinking\": false}'); "
+                                                            "a request's chat_template_kwargs override them")
+    max_stored_responses: int = option(1024, "most Responses API responses kept for previous_response_id "
+                                             "(in memory; the least recently used go first)")
+
+    def __post_init__(self):
+        self.template_kwargs()
+        if not isinstance(self.max_stored_responses, int) or self.max_stored_responses < 0:
+            raise UsageError(f"max_stored_responses must be an int >= 0, got {self.max_stored_responses!r}")
+
+    def template_kwargs(self) -> dict:
+        """`default_chat_template_kwargs` as a dict (raises `UsageError` unless a JSON object)."""
+        if not self.default_chat_template_kwargs:
+            return {}
+        try:
+            value = json.loads(self.default_chat_template_kwargs)
+        except json.JSONDecodeError as error:
+            raise UsageError(f"--default-chat-template-kwargs is not JSON: {error}") from None
+        if not isinstance(value, dict):
+            raise UsageError("--default-chat-template-kwargs must be a JSON object")
+        return value

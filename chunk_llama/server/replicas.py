@@ -33,7 +33,7 @@ import httpx
 
 from chunk_llama.errors import UsageError
 from chunk_llama.extras import missing
-from chunk_llama.server.options import DeployArgs
+from chunk_llama.server.options import ChatArgs, DeployArgs
 from chunk_llama.settings import EngineArgs, to_argv
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,8 @@ def router_installed() -> bool:
     return not missing("router")
 
 
-def serve_replicas(engine_args: EngineArgs, serve_args, deploy: DeployArgs | None = None) -> None:
+def serve_replicas(engine_args: EngineArgs, serve_args, deploy: DeployArgs | None = None,
+                   chat: ChatArgs | None = None) -> None:
     """Start the workers and the router, and stop them all on SIGTERM/SIGINT (see the module doc).
     `deploy` (`server.options.DeployArgs`: keys, limits, timeouts, drain) goes to every local
     worker, which applies it as a single server does: the router forwards each request with its
@@ -132,7 +133,7 @@ def serve_replicas(engine_args: EngineArgs, serve_args, deploy: DeployArgs | Non
             url = f"http://127.0.0.1:{port}"
             argv = [sys.executable, "-m", "chunk_llama.cli", "serve", *to_argv(engine_args),
                     *to_argv(dataclasses.replace(worker_args, port=port, worker_id=f"{socket.gethostname()}:{port}")),
-                    *to_argv(dataclasses.replace(deploy, api_key=None))]
+                    *to_argv(dataclasses.replace(deploy, api_key=None)), *to_argv(chat or ChatArgs())]
             env = worker_environment(index, num_local, engine_args.device, cores)
             env.pop("CHUNK_LLAMA_API_KEY", None)
             if deploy.api_key:

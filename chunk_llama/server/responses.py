@@ -15,8 +15,6 @@ import uuid
 
 import torch
 
-from chunk_llama.server.tools import split_tool_calls
-
 
 def new_id(prefix: str) -> str:
     """A response id such as `chatcmpl-...`."""
@@ -28,17 +26,25 @@ def now() -> int:
     return int(time.time())
 
 
-def cut_at_stop(text: str, stops: list[str]) -> str:
-    """`text` up to (without) the first stop string in it."""
-    positions = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return text[: min(positions)] if positions else text
+def cut_at_stop(text: str, stops: list[str], keep_stop: bool = False) -> str:
+    """`text` up to (without; with `keep_stop`, with) the first stop string in it."""
+    end = _stop_end(text, stops, keep_stop)
+    return text if end is None else text[:end]
+
+
+def _stop_end(text: str, stops: list[str], keep_stop: bool) -> int | None:
+    """Where `text` ends at its first stop string (None: it holds none)."""
+    positions = [(i, i + len(s) if keep_stop else i) for i, s in ((text.find(s), s) for s in stops) if i >= 0]
+    return min(positions)[1] if positions else None
 
 
 class StopCutter:
-    """A sample's streamed text with OpenAI's stop-string semantics (see module doc)."""
+    """A sample's streamed text with OpenAI's stop-string semantics (see module doc);
+    `keep_stop`: the text keeps the stop string (vLLM's `include_stop_str_in_output`)."""
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], keep_stop: bool = False):
         self.stops = stops
+        self.keep_stop = keep_stop
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.buffer = ""
         self.done = False
@@ -49,10 +55,10 @@ class StopCutter:
             return ""
         self.buffer += text or ""
         if self.stops:
-            cut = cut_at_stop(self.buffer, self.stops)
-            if len(cut) < len(self.buffer):
-                self.done, self.buffer = True, ""
-                return cut
+            end = _stop_end(self.buffer, self.stops, self.keep_stop)
+            if end is not None:
+                out, self.done, self.buffer = self.buffer[:end], True, ""
+                return out
         if finished:
             out, self.buffer = self.buffer, ""
             return out
@@ -113,16 +119,18 @@ def completion_logprobs(output, top: int, token_text) -> dict:
     }
 
 
-def chat_choice(index: int, text: str, reason: str | None, logprobs: dict | None,
-                tool_parsing: bool = False) -> dict:
-    """One choice of a chat completion; with `tool_parsing`, the tool calls in `text` become
-    `message.tool_calls` (and the finish reason `tool_calls` when the model stopped after them)."""
-    message = {"role": "assistant", "content": text}
-    if tool_parsing:
-        content, calls = split_tool_calls(text)
-        if calls:
-            message = {"role": "assistant", "content": content, "tool_calls": calls}
-            reason = tool_finish_reason(reason, True)
+def chat_choice(index: int, read: tuple, reason: str | None, logprobs: dict | None) -> dict:
+    """One choice of a chat completion from its text as read (`SampleReader.read_whole`:
+    content, reasoning, tool calls); a reply that called tools and stopped by itself finishes
+    with `tool_calls`."""
+    content, reasoning, calls = read
+    message = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = [{"id": c["id"], "type": "function",
+                                  "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+        reason = tool_finish_reason(reason, True)
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
 

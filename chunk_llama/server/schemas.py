@@ -1,13 +1,18 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic).
 
-What the engine honours is accepted, and the fields clients send that change
-nothing here (`user`, `metadata`, `store`, `service_tier`) are accepted and
-ignored; any other unknown field is a 400 naming it, rather than a setting silently
-ignored. Field bounds follow OpenAI's API; what needs the model (the model name,
-prompt length, `n` against the batch size) is checked later, in `convert.py` and by
-the engine. `top_k`, `min_p`, `repetition_penalty` and `ignore_eos` are transformers' (and
-vLLM's) extensions; what sglang-router adds to every request it forwards is accepted at
-its defaults.
+A field of OpenAI's API or vLLM's extensions that the engine honours is validated here,
+and a malformed value of it is a 400 naming the field. A field unknown here is accepted
+and ignored, as vLLM does (`extra="allow"`): clients such as LangChain, LiteLLM and the
+OpenAI SDK's `extra_body` send fields of other servers (`fields.py` logs each name once and
+lists them in the `X-Chunk-Llama-Ignored-Fields` response header). Fields clients send
+that change nothing here (`user`, `metadata`, `store`, `service_tier`) are known and
+ignored. Field bounds follow OpenAI's API; what needs the model (the model name, prompt
+length, `n` against the batch size) is checked later, in `convert.py` and by the engine.
+`top_k`, `min_p` and `repetition_penalty` are transformers' (and vLLM's) processors;
+`ignore_eos`, `min_tokens`, `stop_token_ids`, `skip_special_tokens`,
+`include_stop_str_in_output`, `chat_template_kwargs`, `add_generation_prompt` and
+`continue_final_message` are vLLM's fields, as vLLM defines them; what sglang-router adds
+to every request it forwards is accepted at its defaults.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A part of a request body: its fields validated, unknown ones kept aside (`model_extra`)."""
+
+    model_config = ConfigDict(extra="allow")
 
 
 class TextPart(_Strict):
@@ -52,6 +59,7 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an earlier reply's reasoning, for templates that render it
 
     def text(self) -> str:
         """The content as one string."""
@@ -135,11 +143,15 @@ class _Sampling(_Strict):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    # vLLM's and SGLang's extensions, which sglang-router writes into every request it
-    # forwards (with these defaults): what chunk-llama does is accepted, the rest refused
+    # vLLM's extensions
     ignore_eos: bool = False
-    skip_special_tokens: Literal[True] = True
-    no_stop_trim: Literal[False] = False
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # SGLang's, which sglang-router writes into every request it forwards (with these
+    # defaults): no_stop_trim is SGLang's include_stop_str_in_output
+    no_stop_trim: bool = False
     return_hidden_states: Literal[False] = False
 
     @field_validator("logit_bias")
@@ -156,6 +168,11 @@ class _Sampling(_Strict):
         if stops is not None and (len(stops) > 16 or not all(stops)):
             raise ValueError("stop must be a non-empty string or a list of at most 16 non-empty strings")
         return value
+
+    @property
+    def keep_stop_string(self) -> bool:
+        """Whether the text keeps the stop string that ended it."""
+        return self.include_stop_str_in_output or self.no_stop_trim
 
     def stop_list(self) -> list[str]:
         """`stop` as a list (empty when unset)."""
@@ -176,8 +193,12 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    continue_final_message: Literal[False] = False
-    # SGLang's reasoning parser: none here, the text stays in `content` (accepted and ignored)
+    # the chat template: its own variables (e.g. enable_thinking), over the server's defaults
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is continued, not answered
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None  # to the template
+    # SGLang's: separate_reasoning false leaves the reasoning in `content`
     separate_reasoning: bool = True
     stream_reasoning: bool = True
 

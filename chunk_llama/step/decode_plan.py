@@ -14,7 +14,7 @@ inside a chunk where requests part (token-granular sharing).
 Every array lives in one int64 tensor (`index`, at a fixed address between rebuilds
 when the builder passes its `StaticBuffers`); `layout` is what the CPU kernel takes
 with it (`csrc/cpu/plan_layout.h`). A chunk-aligned plan on a GPU also holds the CUDA
-kernels' int32 arrays (`cuda_index`, `cuda_layout`, `chunk_attn/params.h`).
+kernels' int32 arrays (`cuda_index`, `cuda_layout`: `cuda_plan.py`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch
 from chunk_llama.kv.node import ChunkNode
 from chunk_llama.kv.tree import PrefixTree
 from chunk_llama.step.buffers import StaticBuffers, pack, to_device
+from chunk_llama.step.cuda_plan import CUDA_COUNTS, add_cuda_index
 
-PARTIAL_ROW_ALIGN = 16  # the CUDA chunk-first kernel writes 16-row tiles
 NO_POSITION = 1 << 62  # private_pos past a sequence's last segment (csrc: kNoPosition)
 
 # The arrays the CPU decode op reads, in the order of csrc/cpu/plan_layout.h (DecodeLayout).
@@ -36,9 +36,6 @@ DECODE_ARRAYS = ("shared_chunk_ids", "shared_start", "shared_len", "shared_pos",
                  "seq_lens", "seq_pair_ptr")
 # The reference's arrays besides them: every (shared segment, sequence under it) pair.
 PAIR_ARRAYS = ("pair_shared", "pair_row", "pair_seq")
-# The CUDA decode op's int32 arrays, in the order of chunk_attn/params.h (CudaDecodeLayout).
-CUDA_DECODE_ARRAYS = ("shared_chunk_ids", "shared_begin", "shared_end", "shared_row_offset", "shared_depth",
-                      "private_chunk_ids", "num_shared_tokens", "seq_lens", "seq_partial_ptr", "seq_partial_rows")
 PRIVATE_TABLES = ("private_chunk_ids", "private_start", "private_pos")
 
 
@@ -123,7 +120,7 @@ class DecodePlan:
                           device=device, group=self.group, aligned=self.aligned,
                           max_private_tokens=self.max_private_tokens)
         if device.type == "cuda" and plan.aligned:
-            _add_cuda_index(plan)
+            add_cuda_index(plan)
         return plan
 
     def advance(self) -> None:
@@ -175,17 +172,13 @@ class DecodePlan:
         self.width = width
         self._pack()
         if self.cuda_index is not None:
-            _add_cuda_index(self)
+            add_cuda_index(self)
 
 
 def depth_first_order(tree: PrefixTree, seq_ids: list[int]) -> list[int]:
-    """Sort sequences by their paths' preorder positions (a prefix sorts first)."""
-    preorder: dict[int, int] = {}
-    stack = list(reversed(tree.root.children.values()))
-    while stack:
-        node = stack.pop()
-        preorder[id(node)] = len(preorder)
-        stack.extend(reversed(node.children.values()))
+    """Sort sequences by their paths' preorder positions (a prefix sorts first; the keys'
+    forests one after another, so the sequences of one key are one range of rows too)."""
+    preorder = tree.preorder()
     return sorted(seq_ids, key=lambda s: [preorder[id(n)] for n in tree.path(s)])
 
 
@@ -269,34 +262,5 @@ def build_decode_plan(tree: PrefixTree, seq_ids: list[int], device: torch.device
         max_private_tokens=max((n - k for n, k in zip(a["seq_lens"], a["num_shared_tokens"])), default=0),
     )
     if device.type == "cuda" and aligned:
-        _add_cuda_index(plan)
+        add_cuda_index(plan)
     return plan
-
-
-# cuda_layout (chunk_attn/params.h CudaDecodeLayout): these counts, then the offset of each
-# CUDA_DECODE_ARRAYS array in cuda_index
-CUDA_COUNTS = ("num_seqs", "num_shared", "width", "max_rows_per_shared", "max_pairs_per_seq", "num_partial_rows",
-               "max_private_tokens")
-
-
-def _add_cuda_index(plan: DecodePlan) -> None:
-    """The CUDA kernels' int32 arrays of an aligned plan (shared chunk s holds positions
-    shared_depth[s] * chunk_size ..): partial rows per KV head, each shared chunk's rows
-    padded to 16, and a CSR list of each sequence's partial rows."""
-    a, group = plan.arrays, plan.group
-    row_offset, total = [], 0
-    for b, e in zip(a["shared_begin"], a["shared_end"]):
-        row_offset.append(total)
-        total += -(-(e - b) * group // PARTIAL_ROW_ALIGN) * PARTIAL_ROW_ALIGN
-    partial_rows = [row_offset[s] + r * group for s, r in zip(a["pair_shared"], a["pair_row"])]
-    lengths = [n + plan.num_advances for n in a["seq_lens"]]
-    values = dict(shared_chunk_ids=a["shared_chunk_ids"], shared_begin=a["shared_begin"],
-                  shared_end=a["shared_end"], shared_row_offset=row_offset, shared_depth=a["shared_depth"],
-                  private_chunk_ids=a["private_chunk_ids"], num_shared_tokens=a["num_shared_tokens"],
-                  seq_lens=lengths, seq_partial_ptr=a["seq_pair_ptr"], seq_partial_rows=partial_rows)
-    plan.cuda_index, offsets = pack(values, torch.int32, plan.device, plan.buffers, "decode_plan_cuda")
-    plan.cuda_arrays = {name: plan.cuda_index[offsets[name]: offsets[name] + len(v)] for name, v in values.items()}
-    ptr = a["seq_pair_ptr"]
-    max_pairs = max((ptr[i + 1] - ptr[i] for i in range(plan.num_seqs)), default=0)
-    plan.cuda_layout = [plan.num_seqs, plan.num_shared, plan.width, plan.max_rows_per_shared, max_pairs, total,
-                        plan.max_private_tokens] + [offsets[name] for name in CUDA_DECODE_ARRAYS]

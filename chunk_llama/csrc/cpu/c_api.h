@@ -1,12 +1,16 @@
 /* The C interface of the CPU kernel library (libchunk_llama_cpu): plain C types, no torch,
  * so one compiled library serves every torch release and any caller that can pass raw
- * pointers (chunk_llama/ops/cpu_lib.py binds it with ctypes; keep its argument lists the
- * same as these). One entry point per op. Each takes raw pointers and the sizes the
- * caller read off its tensors, checks everything that could make it read or write out of
- * bounds (shapes, the plan's arrays against the pool, the scratch's size), then runs the
- * variant named by `isa`. The caller checks what only it can see: devices, dtypes being
- * the same, contiguity. 0 is success; otherwise the error's kind (CHUNK_LLAMA_VALUE_ERROR,
- * CHUNK_LLAMA_TYPE_ERROR) and chunk_llama_cpu_last_error() its message (per thread). */
+ * pointers (chunk_llama/ops/cpu/binding.py binds it with ctypes; keep its structs and
+ * argument lists the same as these). What is fixed for a step or a layer crosses as a struct
+ * made once (the plan, a layer's weights, its pool); a call passes that and the tensors that
+ * change per call. Every entry point checks what could make it read or write out of bounds
+ * (shapes, the plan's arrays against the pool, the scratch's size) before it makes a pointer
+ * from it; the caller checks what only it can see: devices, dtypes being the same,
+ * contiguity. 0 is success; otherwise the error's kind (CHUNK_LLAMA_VALUE_ERROR,
+ * CHUNK_LLAMA_TYPE_ERROR) and chunk_llama_cpu_last_error() its message (per thread). The
+ * files behind it: c_api.cpp (this surface), plan_checks.cpp (what a plan is checked for),
+ * planned.cpp (a checked plan made into the kernels' parameters, and run), layer.cpp (the
+ * fused decoder layer). */
 #ifndef CHUNK_LLAMA_CPU_C_API_H
 #define CHUNK_LLAMA_CPU_C_API_H
 
@@ -24,7 +28,7 @@ extern "C" {
 
 /* Bumped whenever an entry point's arguments change: a loader refuses a library whose
  * version differs from the one its binding was written for. */
-#define CHUNK_LLAMA_CPU_ABI_VERSION 8
+#define CHUNK_LLAMA_CPU_ABI_VERSION 9
 
 enum { CHUNK_LLAMA_OK = 0, CHUNK_LLAMA_VALUE_ERROR = 1, CHUNK_LLAMA_TYPE_ERROR = 2 };
 /* Element types of q and the pool (params.h DType). */
@@ -41,38 +45,86 @@ CHUNK_LLAMA_API int chunk_llama_cpu_host_runs(const char* isa);
 CHUNK_LLAMA_API const char* chunk_llama_cpu_decode_layout(void);
 CHUNK_LLAMA_API const char* chunk_llama_cpu_prefill_layout(void);
 
-/* Floats of scratch one call needs (decode: for this plan, as chunk_llama_cpu_tpp_decode
- * takes it, any window); -1 (and an error) for a bad geometry or plan. */
-CHUNK_LLAMA_API int64_t chunk_llama_cpu_decode_scratch_floats(int64_t q_rows, int64_t num_heads, int64_t head_dim,
-                                                              int64_t num_kv_heads, int64_t chunk_size,
-                                                              const int64_t* plan, int64_t plan_numel,
-                                                              const int64_t* layout, int64_t layout_size,
-                                                              int64_t num_threads);
-CHUNK_LLAMA_API int64_t chunk_llama_cpu_prefill_scratch_floats(int64_t num_partial_rows, int64_t num_heads,
-                                                               int64_t head_dim, int64_t num_threads);
+/* ---- Attention: a step's plan is made once (checked, copied, scheduled), then run per layer.
+ *
+ * FlashInfer's convention: a plan handle (chunk_llama_cpu_plan, opaque) is made once per
+ * cache and device and re-planned in place every step (its memory reused); planning checks
+ * every array of the step's plan against the plan tensor and every segment against the pool
+ * geometry, copies what it read (a later write to the caller's tensor cannot reach the
+ * kernels), builds the decode schedule and says how much scratch a call needs. Each layer's
+ * call then only runs it: O(1) checks of the layer's pool against the planned geometry and
+ * of the generation. The caller owns the scratch (kept across steps: fresh pages every step
+ * cost a page fault per 4 KiB, more than the attention itself). */
 
-/* Both attention ops take: q [q_rows, num_heads, head_dim]; the layer's K and V pools
- * [capacity, num_kv_heads, chunk_size, kv_head_dim] with, for each, the elements its
- * memory holds from its first element on (the guard chunk behind the last must be there);
- * out, shaped like q and in q's dtype (q_dtype, which need not be the pool's dtype: float32
- * activations over a bfloat16 pool); the step's plan (plan_numel int64s) and its layout
- * (layout_size host integers, plan_layout.h); the caller's float32 scratch; then the scalars
- * (max_blocks_per_item: the most shared blocks of keys one work item of decode's first
- * phase takes, 0: chosen for the threads). Both compute each query's attention in the same
- * blocks of keys and order (blocks.h): a query's output does not depend on the batch. */
-CHUNK_LLAMA_API int chunk_llama_cpu_tpp_decode(
-    const void* q, int64_t q_rows, int64_t num_heads, int64_t head_dim, int q_dtype, const void* k_cache,
-    const void* v_cache, int64_t capacity, int64_t num_kv_heads, int64_t chunk_size, int64_t kv_head_dim,
-    int64_t k_extent, int64_t v_extent, int dtype, void* out, const int64_t* plan, int64_t plan_numel,
-    const int64_t* layout, int64_t layout_size, float* scratch, int64_t scratch_numel, double scale, int64_t window,
-    int64_t max_blocks_per_item, const char* isa, int num_threads);
+typedef struct chunk_llama_cpu_plan chunk_llama_cpu_plan;
 
-CHUNK_LLAMA_API int chunk_llama_cpu_tpp_prefill(
-    const void* q, int64_t q_rows, int64_t num_heads, int64_t head_dim, int q_dtype, const void* k_cache,
-    const void* v_cache, int64_t capacity, int64_t num_kv_heads, int64_t chunk_size, int64_t kv_head_dim,
-    int64_t k_extent, int64_t v_extent, int dtype, void* out, const int64_t* plan, int64_t plan_numel,
-    const int64_t* layout, int64_t layout_size, float* scratch, int64_t scratch_numel, double scale, int64_t window,
-    const char* isa, int num_threads);
+enum { CHUNK_LLAMA_DECODE_PLAN = 0, CHUNK_LLAMA_PREFILL_PLAN = 1 };
+
+/* What a step's plan is checked against and holds. q_rows: the step's query rows (decode:
+ * sequences in plan order; prefill: packed tokens); q [q_rows, num_heads, head_dim]. The
+ * pool: [capacity, num_kv_heads, chunk_size, head_dim] per layer. index (index_numel
+ * int64s) and layout (layout_size, plan_layout.h): the plan's arrays. The step's K/V writes
+ * (what the fused decoder layers store; num_writes 0 and NULLs for none): query row
+ * write_token[i]'s K/V go to slot write_offset[i] of chunk write_chunk[i]. row_order (decode,
+ * or NULL): plan row i is batch row row_order[i] of the fused layers' hidden states.
+ * max_blocks_per_item: the most shared blocks of keys one work item of decode's first phase
+ * takes (0: chosen for the threads); isa: the kernel variant; num_threads: OpenMP's. */
+typedef struct {
+  int32_t kind; /* CHUNK_LLAMA_DECODE_PLAN or CHUNK_LLAMA_PREFILL_PLAN */
+  int32_t num_threads;
+  const int64_t* index;
+  int64_t index_numel;
+  const int64_t* layout;
+  int64_t layout_size;
+  int64_t q_rows, num_heads, num_kv_heads, head_dim, capacity, chunk_size;
+  const int64_t* write_token;
+  const int64_t* write_chunk;
+  const int64_t* write_offset;
+  int64_t num_writes;
+  const int64_t* row_order;
+  int64_t max_blocks_per_item;
+  const char* isa;
+} chunk_llama_cpu_plan_params;
+
+/* A made plan as every call of its step passes it: the handle, the generation
+ * chunk_llama_cpu_plan_make returned (a call with another is refused: the handle was
+ * re-planned since, or its planning failed), and the caller's float32 scratch of at least
+ * the floats plan_make returned. */
+typedef struct {
+  const chunk_llama_cpu_plan* plan;
+  uint64_t generation;
+  float* scratch;
+  int64_t scratch_numel;
+} chunk_llama_cpu_planned;
+
+/* One layer's attention inputs beside q: its K and V pools (as the plan's geometry says,
+ * dtype a CHUNK_LLAMA_* code, each with the elements its memory holds from its first
+ * element on: the guard chunk behind the last must be there), the scale of the scores and
+ * the sliding window (0: none; a query sees its `window` latest positions). */
+typedef struct {
+  void* k;
+  void* v;
+  int64_t capacity, num_kv_heads, chunk_size, head_dim, k_extent, v_extent;
+  int64_t window;
+  double scale;
+  int32_t dtype;
+} chunk_llama_cpu_kv;
+
+/* A new handle (holding no plan), or NULL if out of memory; free it with plan_free. */
+CHUNK_LLAMA_API chunk_llama_cpu_plan* chunk_llama_cpu_plan_new(void);
+CHUNK_LLAMA_API void chunk_llama_cpu_plan_free(chunk_llama_cpu_plan* plan);
+/* Plans `params` into `plan` (what it held before is replaced; its generation advances
+ * whether or not this succeeds). On success *generation is the new generation and
+ * *scratch_floats what one call needs. */
+CHUNK_LLAMA_API int chunk_llama_cpu_plan_make(chunk_llama_cpu_plan* plan, const chunk_llama_cpu_plan_params* params,
+                                              uint64_t* generation, int64_t* scratch_floats);
+
+/* Attention of q [q_rows, num_heads, head_dim] (q_dtype: float32, or bfloat16 where the pool
+ * is) over one layer's pool into out (shaped like q, in q's dtype), as `planned` says. Both
+ * kinds compute each query's attention in the same blocks of keys and order (blocks.h): a
+ * query's output does not depend on the batch. */
+CHUNK_LLAMA_API int chunk_llama_cpu_attend(const chunk_llama_cpu_planned* planned, const chunk_llama_cpu_kv* kv,
+                                           const void* q, int32_t q_dtype, void* out);
 
 /* y [rows, out_features] = x [rows, in_features] W^T (+ bias), float32, W an nn.Linear's
  * weight [out_features, in_features] in place; bias may be NULL. */
@@ -146,46 +198,31 @@ typedef struct {
   int64_t activations; /* CHUNK_LLAMA_ACTIVATIONS_*: int8 for the weights in formats with integer codes */
 } chunk_llama_cpu_decoder_layer;
 
-/* One decode step of `layer` for `rows` sequences (one new token each), float32:
- * hidden_out [rows, hidden_size] = the layer applied to hidden_in [rows, hidden_size], the
- * rotary cos and sin [rows, head_dim] as the model computed them. The new K/V of token
- * write_token[i] go to slot write_offset[i] of chunk write_chunk[i] of the pool (as
- * chunk_llama_cpu_tpp_decode takes it), then attention runs over the decode plan, whose
- * row i is batch row row_order[i] (row_order NULL: the same order). */
-CHUNK_LLAMA_API int chunk_llama_cpu_decoder_layer_decode(
-    const chunk_llama_cpu_decoder_layer* layer, const float* hidden_in, float* hidden_out, int64_t rows,
-    const float* cos, const float* sin, const int64_t* write_token, const int64_t* write_chunk,
-    const int64_t* write_offset, int64_t num_writes, const int64_t* row_order, void* k_cache, void* v_cache,
-    int64_t capacity, int64_t num_kv_heads, int64_t chunk_size, int64_t kv_head_dim, int64_t k_extent,
-    int64_t v_extent, int dtype, const int64_t* plan, int64_t plan_numel, const int64_t* layout,
-    int64_t layout_size, float* scratch, int64_t scratch_numel, double scale, int64_t window,
-    int64_t max_blocks_per_item, const char* isa, int num_threads);
+/* `layer` for the step `planned` was made for, float32: hidden_out [q_rows, hidden_size] = the
+ * layer applied to hidden_in [q_rows, hidden_size] (a decode step's rows, one new token each,
+ * or a prefill's packed tokens), with the rotary cos and sin [q_rows, head_dim] as the model
+ * computed them. The step's new K/V go to the plan's write slots of `kv`'s pool, then its
+ * attention runs over the plan (a decode plan's row i is batch row row_order[i]). Decode and
+ * prefill run the same arithmetic per row. hidden_out may be hidden_in. */
+CHUNK_LLAMA_API int chunk_llama_cpu_decoder_layer_run(const chunk_llama_cpu_planned* planned,
+                                                      const chunk_llama_cpu_decoder_layer* layer,
+                                                      const chunk_llama_cpu_kv* kv, const float* hidden_in,
+                                                      float* hidden_out, const float* cos, const float* sin);
 
-/* The same layer for a prefill step: hidden_in [rows, hidden_size] the step's new tokens
- * (packed), their rotary cos and sin [rows, head_dim]; attention over the prefill plan (as
- * chunk_llama_cpu_tpp_prefill takes it). The same arithmetic per row as the decode entry. */
-CHUNK_LLAMA_API int chunk_llama_cpu_decoder_layer_prefill(
-    const chunk_llama_cpu_decoder_layer* layer, const float* hidden_in, float* hidden_out, int64_t rows,
-    const float* cos, const float* sin, const int64_t* write_token, const int64_t* write_chunk,
-    const int64_t* write_offset, int64_t num_writes, void* k_cache, void* v_cache, int64_t capacity,
-    int64_t num_kv_heads, int64_t chunk_size, int64_t kv_head_dim, int64_t k_extent, int64_t v_extent, int dtype,
-    const int64_t* plan, int64_t plan_numel, const int64_t* layout, int64_t layout_size, float* scratch,
-    int64_t scratch_numel, double scale, int64_t window, const char* isa, int num_threads);
+/* A model's decoder layers in a row: layer i with its own K/V pool, scale and window kvs[i]. */
+typedef struct {
+  const chunk_llama_cpu_decoder_layer* const* layers;
+  const chunk_llama_cpu_kv* kvs;
+  int64_t num_layers;
+} chunk_llama_cpu_decoder_stack;
 
-/* num_layers decoder layers in a row, as chunk_llama_cpu_decoder_layer_decode would run
- * them one after the other, each in place on hidden_out (the input copied there first):
- * layer i writes to and attends over k_caches[i], v_caches[i] (k_extents[i], v_extents[i]
- * elements), pools of one geometry, with its own rotary cos[i], sin[i] and attention
- * window windows[i] (Gemma 3's sliding and global layers differ in both); rows, writes,
- * row order and the rest of the decode call's tail are the step's, shared. */
-CHUNK_LLAMA_API int chunk_llama_cpu_decoder_stack_decode(
-    const chunk_llama_cpu_decoder_layer* const* layers, void* const* k_caches, void* const* v_caches,
-    int64_t num_layers, const float* hidden_in, float* hidden_out, int64_t rows, const float* const* cos,
-    const float* const* sin, const int64_t* write_token, const int64_t* write_chunk, const int64_t* write_offset,
-    int64_t num_writes, const int64_t* row_order, int64_t capacity, int64_t num_kv_heads, int64_t chunk_size,
-    int64_t kv_head_dim, const int64_t* k_extents, const int64_t* v_extents, int dtype, const int64_t* plan,
-    int64_t plan_numel, const int64_t* layout, int64_t layout_size, float* scratch, int64_t scratch_numel,
-    double scale, const int64_t* windows, int64_t max_blocks_per_item, const char* isa, int num_threads);
+/* Every layer of `stack` as chunk_llama_cpu_decoder_layer_run would run them one after the
+ * other, each in place on hidden_out (hidden_in copied there first), layer i with its own
+ * rotary cos[i], sin[i] (Gemma 3's sliding and global layers turn by different bases). */
+CHUNK_LLAMA_API int chunk_llama_cpu_decoder_stack_run(const chunk_llama_cpu_planned* planned,
+                                                      const chunk_llama_cpu_decoder_stack* stack,
+                                                      const float* hidden_in, float* hidden_out,
+                                                      const float* const* cos, const float* const* sin);
 
 #ifdef __cplusplus
 }

@@ -1,7 +1,7 @@
 // One decoder layer of the Llama family (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3) for a
-// decode step or a prefill, in one call (chunk_llama_cpu_decoder_layer_decode and _prefill,
-// c_api.h). A decode step of one sequence on a small model spends more time in Python and
-// torch's dispatch around its kernels than in them (about 30 ops per layer); this runs the
+// decode step or a prefill, in one call on the step's made plan (chunk_llama_cpu_decoder_layer_run;
+// a model's layers in a row: chunk_llama_cpu_decoder_stack_run, c_api.h). A decode step of
+// one sequence on a small model spends more time in Python and torch's dispatch around its kernels than in them (about 30 ops per layer); this runs the
 // whole layer behind one ctypes call, with the same kernels the op-by-op path runs
 // (small_linear or quant_linear per weight, the attention) and the elementwise steps in
 // transformers' order: the norms and the gated activation are the variant's (layer_ops.h),
@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <memory>
 
 #include "api_internal.h"
 #include "c_api.h"
@@ -78,16 +77,22 @@ namespace {
 
 // The layer applied to hidden_in [rows, hidden_size] into hidden_out (which may be hidden_in:
 // it is read whole into the norm's buffer before the first write, then only element by
-// element); attend(q [rows, q_width], out [rows, q_width]) runs the attention once the new
-// K/V are in the pool.
+// element), rows the plan's, its K/V written to the plan's slots of kv's pool (both checked
+// when the plan was made, the pool against it here); attend(q [rows, q_width], out [rows,
+// q_width], spare [rows, q_width]) runs the attention once the new K/V are in the pool.
 template <typename Attend>
-void run_layer(const chunk_llama_cpu_decoder_layer& L, const Variant& variant, const float* hidden_in,
-               float* hidden_out, int64_t rows, const float* cos, const float* sin, const int64_t* write_token,
-               const int64_t* write_chunk, const int64_t* write_offset, int64_t num_writes, void* k_cache,
-               void* v_cache, int64_t capacity, int64_t num_kv_heads, int64_t chunk_size, int dtype, int num_threads,
-               Attend&& attend) {
-  CHECK_VALUE(num_kv_heads == L.num_kv_heads, "decoder layer: the pool has ", num_kv_heads,
-              " KV heads, the layer ", L.num_kv_heads);
+void run_layer(const chunk_llama_cpu_plan& plan, const chunk_llama_cpu_decoder_layer& L,
+               const chunk_llama_cpu_kv& kv, const float* hidden_in, float* hidden_out, const float* cos,
+               const float* sin, Attend&& attend) {
+  const Variant& variant = *plan.variant;
+  const int64_t rows = plan.g.q_rows, num_kv_heads = plan.g.num_kv_heads, chunk_size = plan.g.chunk_size;
+  const int num_threads = plan.num_threads;
+  check_kv(kv, plan.g);
+  CHECK_VALUE(L.num_kv_heads == num_kv_heads && L.num_heads == plan.g.num_heads && L.head_dim == plan.g.head_dim,
+              "decoder layer: its ", L.num_heads, " heads, ", L.num_kv_heads, " KV heads of ", L.head_dim,
+              " are not the plan's ", plan.g.num_heads, ", ", num_kv_heads, " of ", plan.g.head_dim);
+  CHECK_VALUE(hidden_in != nullptr && hidden_out != nullptr && cos != nullptr && sin != nullptr,
+              "decoder layer: hidden states, cos and sin are needed");
   const int64_t hidden = L.hidden_size, d = L.head_dim, inter = L.intermediate_size;
   const int64_t q_width = L.num_heads * d, kv_width = num_kv_heads * d;
   CHECK_VALUE(hidden > 0 && inter > 0 && d % 2 == 0 && num_threads >= 1, "decoder layer: bad sizes (hidden ",
@@ -106,21 +111,14 @@ void run_layer(const chunk_llama_cpu_decoder_layer& L, const Variant& variant, c
   check_weight(L.gate, "gate_proj", inter, hidden);
   check_weight(L.up, "up_proj", inter, hidden);
   check_weight(L.down, "down_proj", hidden, inter);
-  for (int64_t i = 0; i < num_writes; ++i)
-    CHECK_VALUE(write_token[i] >= 0 && write_token[i] < rows && write_chunk[i] >= 0 && write_chunk[i] < capacity &&
-                    write_offset[i] >= 0 && write_offset[i] < chunk_size,
-                "decoder layer: write ", i, " (token ", write_token[i], " to chunk ", write_chunk[i], " slot ",
-                write_offset[i], ") is not inside ", rows, " rows and the pool of ", capacity, " chunks of ",
-                chunk_size);
-
   // one buffer for every intermediate: h [rows, hidden], q and the attention's output (and
   // their plan-ordered copies) [rows, q_width] each, k and v [rows, kv_width], gate and up
   // [rows, inter], and the quantized kernels' per-thread scratch
   const int64_t widest_in = std::max({inter, q_width, hidden});
   const int64_t floats = rows * (hidden + 3 * q_width + 2 * kv_width + 2 * inter) +
                          chunk_attn_cpu::quant_scratch_floats(rows, widest_in) * num_threads;
-  std::unique_ptr<float[]> buffer(new float[floats]);
-  float *h = buffer.get(), *q = h + rows * hidden, *scratch_q = q + rows * q_width, *attn = scratch_q + rows * q_width;
+  if (plan.layer_buffer.size() < static_cast<size_t>(floats)) plan.layer_buffer.resize(floats);  // (grown once)
+  float *h = plan.layer_buffer.data(), *q = h + rows * hidden, *scratch_q = q + rows * q_width, *attn = scratch_q + rows * q_width;
   float *k = attn + rows * q_width, *v = k + rows * kv_width, *gate = v + rows * kv_width, *up = gate + rows * inter;
   float* quant_scratch = up + rows * inter;
 
@@ -141,8 +139,12 @@ void run_layer(const chunk_llama_cpu_decoder_layer& L, const Variant& variant, c
     rotate(q + r * q_width, L.num_heads, d, cos + r * d, sin + r * d);
     rotate(k + r * kv_width, num_kv_heads, d, cos + r * d, sin + r * d);
   }
-  // a bfloat16 pool (check_geometry took no other dtype) holds them rounded to nearest even, as torch's copy does
-  const bool bf16_pool = dtype == CHUNK_LLAMA_BFLOAT16;
+  // a bfloat16 pool (check_kv took no other dtype) holds them rounded to nearest even, as torch's copy does
+  const bool bf16_pool = kv.dtype == CHUNK_LLAMA_BFLOAT16;
+  const int64_t num_writes = plan.num_writes;
+  const int64_t *write_token = plan.writes.data(), *write_chunk = write_token + num_writes;
+  const int64_t* write_offset = write_chunk + num_writes;
+  void *k_cache = kv.k, *v_cache = kv.v;
   for (int64_t i = 0; i < num_writes; ++i)
     for (int64_t head = 0; head < num_kv_heads; ++head) {
       const int64_t slot = ((write_chunk[i] * num_kv_heads + head) * chunk_size + write_offset[i]) * d;
@@ -170,92 +172,66 @@ void run_layer(const chunk_llama_cpu_decoder_layer& L, const Variant& variant, c
 }  // namespace
 }  // namespace chunk_llama_cpu_internal
 
+namespace chunk_llama_cpu_internal {
+namespace {
+
+// One layer of the planned step: a decode plan's rows reordered for the attention where the
+// plan says so (plan row i is batch row row_order[i]).
+void decoder_layer(const chunk_llama_cpu_plan& plan, const chunk_llama_cpu_planned& planned,
+                   const chunk_llama_cpu_decoder_layer& L, const chunk_llama_cpu_kv& kv, const float* hidden_in,
+                   float* hidden_out, const float* cos, const float* sin) {
+  const int64_t rows = plan.g.q_rows, q_width = L.num_heads * L.head_dim;
+  const int64_t* row_order = plan.row_order.empty() ? nullptr : plan.row_order.data();
+  run_layer(plan, L, kv, hidden_in, hidden_out, cos, sin, [&](float* q, float* attn, float* spare) {
+    // the plan's rows are the batch's in another order: q and the output through spare
+    const float* q_in = q;
+    if (row_order != nullptr) {
+      for (int64_t r = 0; r < rows; ++r)
+        std::copy(q + row_order[r] * q_width, q + (row_order[r] + 1) * q_width, spare + r * q_width);
+      q_in = spare;
+    }
+    float* out = row_order != nullptr ? q : attn;  // q is not read again once spare holds it
+    run_attention(plan, planned, kv, q_in, CHUNK_LLAMA_FLOAT32, out);
+    if (row_order != nullptr)
+      for (int64_t r = 0; r < rows; ++r)
+        std::copy(out + r * q_width, out + (r + 1) * q_width, attn + row_order[r] * q_width);
+  });
+}
+
+}  // namespace
+}  // namespace chunk_llama_cpu_internal
+
 extern "C" {
 
-int chunk_llama_cpu_decoder_layer_decode(
-    const chunk_llama_cpu_decoder_layer* layer, const float* hidden_in, float* hidden_out, int64_t rows,
-    const float* cos, const float* sin, const int64_t* write_token, const int64_t* write_chunk,
-    const int64_t* write_offset, int64_t num_writes, const int64_t* row_order, void* k_cache, void* v_cache,
-    int64_t capacity, int64_t num_kv_heads, int64_t chunk_size, int64_t kv_head_dim, int64_t k_extent,
-    int64_t v_extent, int dtype, const int64_t* plan, int64_t plan_numel, const int64_t* layout,
-    int64_t layout_size, float* scratch, int64_t scratch_numel, double scale, int64_t window,
-    int64_t max_blocks_per_item, const char* isa, int num_threads) {
+int chunk_llama_cpu_decoder_layer_run(const chunk_llama_cpu_planned* planned, const chunk_llama_cpu_decoder_layer* layer,
+                                  const chunk_llama_cpu_kv* kv, const float* hidden_in, float* hidden_out,
+                                  const float* cos, const float* sin) {
   return guarded([&] {
-    const chunk_llama_cpu_decoder_layer& L = *layer;
-    const Geometry g = check_geometry(rows, L.num_heads, L.head_dim, capacity, num_kv_heads, chunk_size, kv_head_dim,
-                                      k_extent, v_extent, dtype);
-    if (row_order != nullptr)
-      for (int64_t i = 0; i < rows; ++i)
-        CHECK_VALUE(row_order[i] >= 0 && row_order[i] < rows, "decoder layer: row_order[", i, "] = ", row_order[i],
-                    " is not a row of ", rows);
-    const int64_t q_width = L.num_heads * L.head_dim;
-    run_layer(L, variant_for(isa), hidden_in, hidden_out, rows, cos, sin, write_token, write_chunk, write_offset,
-              num_writes, k_cache, v_cache, capacity, num_kv_heads, chunk_size, dtype, num_threads,
-              [&](float* q, float* attn, float* spare) {
-                // the plan's rows are the batch's in another order: q and the output through spare
-                const float* q_in = q;
-                if (row_order != nullptr) {
-                  for (int64_t r = 0; r < rows; ++r)
-                    std::copy(q + row_order[r] * q_width, q + (row_order[r] + 1) * q_width, spare + r * q_width);
-                  q_in = spare;
-                }
-                float* out = row_order != nullptr ? q : attn;  // q is not read again once spare holds it
-                tpp_decode(q_in, CHUNK_LLAMA_FLOAT32, k_cache, v_cache, g, dtype, out, plan, plan_numel, layout,
-                           layout_size, scratch, scratch_numel, scale, window, max_blocks_per_item, isa, num_threads);
-                if (row_order != nullptr)
-                  for (int64_t r = 0; r < rows; ++r)
-                    std::copy(out + r * q_width, out + (r + 1) * q_width, attn + row_order[r] * q_width);
-              });
+    const chunk_llama_cpu_plan& plan = checked_plan(planned);
+    CHECK_VALUE(layer != nullptr && kv != nullptr, "decoder layer: the layer and its pool are needed");
+    decoder_layer(plan, *planned, *layer, *kv, hidden_in, hidden_out, cos, sin);
   });
 }
 
-int chunk_llama_cpu_decoder_layer_prefill(
-    const chunk_llama_cpu_decoder_layer* layer, const float* hidden_in, float* hidden_out, int64_t rows,
-    const float* cos, const float* sin, const int64_t* write_token, const int64_t* write_chunk,
-    const int64_t* write_offset, int64_t num_writes, void* k_cache, void* v_cache, int64_t capacity,
-    int64_t num_kv_heads, int64_t chunk_size, int64_t kv_head_dim, int64_t k_extent, int64_t v_extent, int dtype,
-    const int64_t* plan, int64_t plan_numel, const int64_t* layout, int64_t layout_size, float* scratch,
-    int64_t scratch_numel, double scale, int64_t window, const char* isa, int num_threads) {
+int chunk_llama_cpu_decoder_stack_run(const chunk_llama_cpu_planned* planned, const chunk_llama_cpu_decoder_stack* stack,
+                                      const float* hidden_in, float* hidden_out, const float* const* cos,
+                                      const float* const* sin) {
   return guarded([&] {
-    const chunk_llama_cpu_decoder_layer& L = *layer;
-    const Geometry g = check_geometry(rows, L.num_heads, L.head_dim, capacity, num_kv_heads, chunk_size, kv_head_dim,
-                                      k_extent, v_extent, dtype);
-    run_layer(L, variant_for(isa), hidden_in, hidden_out, rows, cos, sin, write_token, write_chunk, write_offset,
-              num_writes, k_cache, v_cache, capacity, num_kv_heads, chunk_size, dtype, num_threads,
-              [&](float* q, float* attn, float*) {
-                tpp_prefill(q, CHUNK_LLAMA_FLOAT32, k_cache, v_cache, g, dtype, attn, plan, plan_numel, layout,
-                            layout_size, scratch, scratch_numel, scale, window, isa, num_threads);
-              });
+    const chunk_llama_cpu_plan& plan = checked_plan(planned);
+    CHECK_VALUE(stack != nullptr && stack->num_layers >= 1 && stack->layers != nullptr && stack->kvs != nullptr &&
+                    cos != nullptr && sin != nullptr && hidden_in != nullptr && hidden_out != nullptr,
+                "decoder stack: its layers, pools, rotary tables and hidden states are needed");
+    const int64_t hidden = stack->layers[0]->hidden_size;
+    for (int64_t i = 0; i < stack->num_layers; ++i) {  // (before any layer runs: a failed check writes nothing)
+      CHECK_VALUE(stack->layers[i] != nullptr && stack->layers[i]->hidden_size == hidden && cos[i] != nullptr &&
+                      sin[i] != nullptr,
+                  "decoder stack: layer ", i, " has another hidden size than layer 0's ", hidden, " or no rotary");
+      check_kv(stack->kvs[i], plan.g);
+    }
+    std::copy(hidden_in, hidden_in + plan.g.q_rows * hidden, hidden_out);
+    for (int64_t i = 0; i < stack->num_layers; ++i)  // each layer in place on hidden_out
+      decoder_layer(plan, *planned, *stack->layers[i], stack->kvs[i], hidden_out, hidden_out, cos[i], sin[i]);
   });
-}
-
-int chunk_llama_cpu_decoder_stack_decode(
-    const chunk_llama_cpu_decoder_layer* const* layers, void* const* k_caches, void* const* v_caches,
-    int64_t num_layers, const float* hidden_in, float* hidden_out, int64_t rows, const float* const* cos,
-    const float* const* sin, const int64_t* write_token, const int64_t* write_chunk, const int64_t* write_offset,
-    int64_t num_writes, const int64_t* row_order, int64_t capacity, int64_t num_kv_heads, int64_t chunk_size,
-    int64_t kv_head_dim, const int64_t* k_extents, const int64_t* v_extents, int dtype, const int64_t* plan,
-    int64_t plan_numel, const int64_t* layout, int64_t layout_size, float* scratch, int64_t scratch_numel,
-    double scale, const int64_t* windows, int64_t max_blocks_per_item, const char* isa, int num_threads) {
-  const int checked = guarded([&] {
-    CHECK_VALUE(num_layers >= 1 && rows >= 0, "decoder stack: ", num_layers, " layers of ", rows, " rows");
-    const int64_t hidden = layers[0]->hidden_size;
-    for (int64_t i = 0; i < num_layers; ++i)
-      CHECK_VALUE(layers[i]->hidden_size == hidden && k_caches[i] != nullptr && v_caches[i] != nullptr &&
-                      cos[i] != nullptr && sin[i] != nullptr && windows[i] >= 0 && windows[i] <= INT32_MAX,
-                  "decoder stack: layer ", i, " has hidden size ", layers[i]->hidden_size, " (layer 0: ", hidden,
-                  "), window ", windows[i], ", or no K/V pool or rotary");
-    std::copy(hidden_in, hidden_in + rows * hidden, hidden_out);
-  });
-  for (int64_t i = 0; checked == CHUNK_LLAMA_OK && i < num_layers; ++i) {  // each layer in place on hidden_out
-    const int code = chunk_llama_cpu_decoder_layer_decode(
-        layers[i], hidden_out, hidden_out, rows, cos[i], sin[i], write_token, write_chunk, write_offset, num_writes,
-        row_order, k_caches[i], v_caches[i], capacity, num_kv_heads, chunk_size, kv_head_dim, k_extents[i],
-        v_extents[i], dtype, plan, plan_numel, layout, layout_size, scratch, scratch_numel, scale, windows[i],
-        max_blocks_per_item, isa, num_threads);
-    if (code != CHUNK_LLAMA_OK) return code;
-  }
-  return checked;
 }
 
 }  // extern "C"

@@ -154,35 +154,16 @@ __attribute__((nothrow, noinline)) void int8_few_rows(const uint8_t* __restrict_
   for (int cv = 0; cv < kI8ColVecs; ++cv)
     for (int r = 0; r < MR; ++r) acc[cv][r] = vzero();
   const int64_t units = in_features / kGroup / kUnitGroups<Type>;
-  static const int order = getenv("CL_I8_ORDER") ? atoi(getenv("CL_I8_ORDER")) : 0;
-  static const int pf = getenv("CL_I8_PF") ? atoi(getenv("CL_I8_PF")) : 1;
-  const auto one = [&](int cv, int64_t unit) {
-    decode_unit<Type>(columns(w + cv * kLanes * row_bytes, row_bytes), unit,
-                      [&](int j, const IVec* codes, const Vec* scales, Vec offset) {
-                        group_fmas<Type, MR>(codes, scales, offset, x, 0, unit * kUnitGroups<Type> + j,
-                                             in_features, acc[cv]);
-                      });
-  };
-  const auto prefetch = [&](int64_t step, int64_t steps) {
-    if (pf == 1) prefetch_step(next, next_bytes, step, steps);
-    if (pf >= 2) {
-      const uint8_t* ahead = pf == 3 ? next + next_bytes : next;
-      const int64_t share = (next_bytes + steps - 1) / steps;
-      for (int64_t at = step * share & ~int64_t{63}; at < (step + 1) * share && at < next_bytes; at += 64)
-        __builtin_prefetch(ahead + at, 0, 2);
-    }
-  };
-  if (order == 0) {
-    for (int64_t unit = 0; unit < units; ++unit) {
-      prefetch(unit, units);
-      for (int cv = 0; cv < kI8ColVecs; ++cv) one(cv, unit);
-    }
-  } else {
+  // (unit by unit, both column vectors of each: the item's rows are read once, in order,
+  // while the next item's stream in)
+  for (int64_t unit = 0; unit < units; ++unit) {
+    prefetch_step(next, next_bytes, unit, units);
     for (int cv = 0; cv < kI8ColVecs; ++cv)
-      for (int64_t unit = 0; unit < units; ++unit) {
-        prefetch(cv * units + unit, units * kI8ColVecs);
-        one(cv, unit);
-      }
+      decode_unit<Type>(columns(w + cv * kLanes * row_bytes, row_bytes), unit,
+                        [&](int j, const IVec* codes, const Vec* scales, Vec offset) {
+                          group_fmas<Type, MR>(codes, scales, offset, x, 0, unit * kUnitGroups<Type> + j,
+                                               in_features, acc[cv]);
+                        });
   }
   for (int r = 0; r < MR; ++r)
     for (int cv = 0; cv < kI8ColVecs; ++cv) vstore(out + r * kI8Cols + cv * kLanes, acc[cv][r]);

@@ -158,11 +158,6 @@ int tpp_num_splits(const TppParams& p, DType dtype) {
   }
 }
 
-bool tpp_supports(int head_dim, int chunk_size) {
-  return (head_dim == 64 || head_dim == 128 || head_dim == 256) &&
-         (chunk_size == 32 || chunk_size == 64 || chunk_size == 128);
-}
-
 cudaError_t tpp_decode(const TppParams& p, DType dtype, cudaStream_t stream) {
   if (!tpp_supports(p.head_dim, p.chunk_size) || p.num_kv_heads <= 0 || p.num_heads % p.num_kv_heads) {
     return cudaErrorInvalidValue;

@@ -1,6 +1,6 @@
 """An engine decode step's forward of a plain-loop causal LM, without transformers' wrappers.
 
-With the decoder stack in one C call (`fused_stack.py`), what is left of a batch-1 decode
+With the decoder stack in one C call (`stack.py`), what is left of a batch-1 decode
 step in Python is mostly transformers' forward around it: the output-capture and
 config-default decorators, the mask, and 29 layer calls that only pass the stack's output
 on (about 0.5 ms a step of the default model, a twentieth of it). For the causal LMs whose
@@ -28,6 +28,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from chunk_llama.hf import compat
 from chunk_llama.hf.families import CAUSAL_LMS, ROTARY_PER_LAYER_TYPE, SOFTCAPPED_LOGITS, STACK_MODELS
+from chunk_llama.hf.fused import per_step
 from chunk_llama.hf.fused.snapshot import GLOBAL_HOOKS
 from chunk_llama.ops.build.jit import setting
 
@@ -78,10 +79,12 @@ def run(model: nn.Module, step, kwargs: dict) -> CausalLMOutputWithPast:
         return tables[key]
 
     layer_kwargs = {"attention_mask": None, "position_embeddings": rotary(0), "position_ids": position_ids,
-                    cache_argument: kwargs.get(cache_argument), "use_cache": True}
+                    # (the cache under the name the caller used: a PeftModel's forward takes `past_key_values`
+                    # and passes it on as given, where this model's layers may take `cache`)
+                    cache_argument: compat.cache_from(kwargs), "use_cache": True}
     layers = list(inner.layers._modules.values())[: inner.config.num_hidden_layers]  # (a ModuleList slice builds one)
     hidden = layers[0](hidden, **layer_kwargs)
-    ran = step.fused_stack  # (its Stack, its output) when layer 0's call ran every layer
+    ran = per_step.stack_output(step)  # (its Stack, its output) when layer 0's call ran every layer
     if ran is None or ran[1] is not hidden:
         for i, layer in enumerate(layers[1:], 1):
             layer_kwargs["position_embeddings"] = rotary(i)

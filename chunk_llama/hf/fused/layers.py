@@ -19,7 +19,10 @@ Everything else runs the layer's own forward: other devices and dtypes, autograd
 `F.linear` (`CHUNK_LLAMA_LINEAR=torch`, CPUs other than x86-64; GGUF blocks run the same
 kernel either way), and a layer that is no longer the one described (a projection wrapped
 by an adapter, a replaced weight, a hook on a submodule: their effect would be skipped).
-Why a layer of a supported class does not fuse is logged once per reason.
+Why a layer of a supported class does not fuse is logged once per reason. A layer's
+description (its struct) is `describe.py`'s; what the layers remember within a step (why
+they run op by op, the stack's output) is `per_step.py`'s; the call runs on the step's made
+plan (`ops/cpu/planned.py`), which holds its K/V slots and row order.
 """
 
 from __future__ import annotations
@@ -30,29 +33,19 @@ import logging
 import torch
 from torch import nn
 
-from chunk_llama.gguf.weights import GGUFLinear
-from chunk_llama.hf.families import BY_LAYER, Family
+from chunk_llama.hf.families import BY_LAYER
+from chunk_llama.hf.fused import per_step
 from chunk_llama.hf.fused import stack as fused_stack
-from chunk_llama.hf.fused.snapshot import GLOBAL_HOOKS, Snapshot
+from chunk_llama.hf.fused.describe import FLOAT_DTYPES, current
 from chunk_llama.logs import log_once
 from chunk_llama.ops.build.jit import setting
-from chunk_llama.ops.cpu import binding as cpu_lib
 from chunk_llama.ops.cpu import isa
 from chunk_llama.ops.cpu import linear as linear_ops
-from chunk_llama.ops.cpu import quant_linear as quant_ops
-from chunk_llama.ops.cpu.attention import CpuDecode, CpuPrefill
+from chunk_llama.ops.cpu.planned import CpuPlanned
 from chunk_llama.step import current_step
 
 logger = logging.getLogger(__name__)
 ENV = "CHUNK_LLAMA_FUSED_LAYERS"
-# the dtypes a fused layer reads (its hidden states, norms, biases and weights): a 16-bit
-# model's are widened to float32, computed in it, and its output rounded back
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # chunk_llama_cpu_decoder_layer.activation
-_WEIGHT_FIELDS = ("q", "k", "v", "o", "gate", "up", "down")  # cpu_lib.DecoderLayer's
-_NUM_FIXED = 4 + 4 + 2  # layer, attention, MLP, activation; the four norm slots; q and k norms
 
 
 def fuse_decoder_layers(model: nn.Module) -> int:
@@ -76,7 +69,7 @@ def _forward(layer: nn.Module, original, hidden_states: torch.Tensor, *args, **k
             return out
     elif step is not None and step.decode is not None:
         stack = layer.__dict__.get("_chunk_llama_stack")  # (Stack, index) in a plain-loop stack
-        ran = step.fused_stack
+        ran = per_step.stack_output(step)
         if stack is not None and stack[1] > 0 and ran is not None and ran[0] is stack[0]:
             if hidden_states is not ran[1]:  # (K/V of this layer were written from the stack's inputs)
                 raise RuntimeError(f"decoder layer {stack[1]} was given another input than the fused stack's "
@@ -95,15 +88,14 @@ def _fused(layer: nn.Module, step, hidden: torch.Tensor, position_embeddings, st
     """The layer's output through one call, or None where it does not apply; the first
     layer of a plain-loop stack (`stack`: its Stack and index 0; `position_ids`: what the
     layer was given) runs all of them."""
-    writes = step.fused_writes
-    if writes is None:  # once per step
-        reason = _step_reason(step)
-        if reason is not None and isinstance(step.attention, (CpuDecode, CpuPrefill)) and not reason.startswith(ENV):
+    state = per_step.of(step)
+    if not state.reason_read:  # once per step
+        state.reason = reason = _step_reason(step)
+        if reason is not None and isinstance(step.attention, CpuPlanned) and not reason.startswith(ENV):
             _log_op_by_op(reason)  # (an attention that is not the CPU kernel's says why itself)
-        writes = step.fused_writes = reason or (step.write_token_index, step.write_chunk, step.write_offset)
-    if isinstance(writes, str) or position_embeddings is None or torch.is_grad_enabled() or layer.training:
+    if state.reason is not None or position_embeddings is None or torch.is_grad_enabled() or layer.training:
         return None  # (the C function records no autograd graph, and runs no dropout)
-    described = _current(layer)
+    described = current(layer)
     if described.reason is not None:
         return _log_op_by_op(f"{type(layer).__name__}: {described.reason}")
     if described.float32_weights and step.linear is None:
@@ -114,7 +106,7 @@ def _fused(layer: nn.Module, step, hidden: torch.Tensor, position_embeddings, st
     # a decode step's rows are [batch, 1], a prefill's tokens [1, tokens] (or a padded batch's
     # [batch, length], flattened as the step's plan numbers them)
     if not (hidden.dtype in FLOAT_DTYPES and hidden.is_cpu and hidden.dim() == 3
-            and (getattr(step, "prefill", None) is not None or hidden.shape[1] == 1)
+            and (step.prefill is not None or hidden.shape[1] == 1)
             and hidden.shape[2] == described.hidden_size and hidden.is_contiguous()
             and cos.dtype is hidden.dtype and cos.is_cpu and sin.dtype is hidden.dtype
             and cos.shape == (*hidden.shape[:2], described.head_dim) and cos.is_contiguous()
@@ -125,234 +117,34 @@ def _fused(layer: nn.Module, step, hidden: torch.Tensor, position_embeddings, st
         # a 16-bit prefill's linear layers go to oneDNN, as op by op (`ops/cpu/linear.py`): twice the C
         # layer's float32 arithmetic rate
         return _log_op_by_op(f"a {str(hidden.dtype).removeprefix('torch.')} prefill of more than "
-                         f"{linear_ops.SMALL_ROWS} tokens runs op by op: oneDNN multiplies it natively here",
-                         logging.INFO)
+                             f"{linear_ops.SMALL_ROWS} tokens runs op by op: oneDNN multiplies it natively here",
+                             logging.INFO)
     if stack is not None and stack[1] == 0:
-        out = fused_stack.run(stack[0], layer, described, step, hidden, position_embeddings, position_ids, _current)
+        out = fused_stack.run(stack[0], layer, described, step, hidden, position_embeddings, position_ids, current)
         if out is not None:
             out = out.to(hidden.dtype)  # (a 16-bit model's hidden states: computed in float32, rounded once)
-            step.fused_stack = (stack[0], out)
+            state.stack_output = (stack[0], out)
             return out
-    pool, index = step.pool, layer.self_attn.layer_idx
-    call = step.attention.call(described.scale, described.window)
-    out = call.decoder_layer(described.struct, hidden.view(-1, hidden.shape[2]).float(), cos.float(), sin.float(),
-                             writes, step.row_order, pool.k[index], pool.v[index])
+    pool, index, head_dim = step.pool, layer.self_attn.layer_idx, described.head_dim
+    out = step.attention.decoder_layer(described.struct, hidden.view(-1, hidden.shape[2]).float(),
+                                       cos.view(-1, head_dim).float(), sin.view(-1, head_dim).float(),
+                                       pool.k[index], pool.v[index], described.scale, described.window)
     return out.view(hidden.shape).to(hidden.dtype)
-
-
-def _current(layer: nn.Module) -> "_Described":
-    """The layer's description, made again if what it was read from changed."""
-    described = layer._chunk_llama_fused
-    if described is None or described.snapshot.stale():
-        described = layer._chunk_llama_fused = _describe(layer)
-    return described
 
 
 def _step_reason(step) -> str | None:
     """Why this step's layers run op by op, or None when they may fuse."""
     if setting(ENV, "1") == "0":
         return f"{ENV}=0"
-    if not isinstance(step.attention, (CpuDecode, CpuPrefill)):
+    if step.lora is not None and step.lora.segments:
+        return "the step has rows under LoRA adapters (added op by op)"
+    if not isinstance(step.attention, CpuPlanned):
         return f"the step's attention runs on {getattr(step.attention, 'backend', type(step.attention).__name__)}"
+    if not step.attention.has_writes:
+        return "the step's K/V slots were not planned with its attention"
     if step.pool.dtype not in (torch.float32, torch.bfloat16):
         return f"the KV pool is {step.pool.dtype}"
-    indices = (step.write_token_index, step.write_chunk, step.write_offset,
-               *(() if step.row_order is None else (step.row_order,)))
-    if any(t.dtype != torch.int64 or not t.is_cpu or not t.is_contiguous() for t in indices):
-        return "the step's write slots or row order are not contiguous int64 CPU tensors"
     return None
-
-
-class _Described:
-    """A layer as the C function takes it (`struct`), or why it cannot (`reason`), and a
-    snapshot of the modules, tensors and hooks it was read from, compared at each call (a
-    module or tensor replaced, a tensor's memory moved, or a hook added or removed makes
-    the description stale: the struct holds raw pointers; `snapshot.py`)."""
-
-    def __init__(self, modules: tuple, reason: str | None, struct: "cpu_lib.DecoderLayer | None" = None,
-                 window: int = 0, widened: "_Widened | None" = None):
-        self.modules, self.reason, self.struct, self.window = modules, reason, struct, window
-        self.widened = widened  # (keeps alive the float32 copies the struct points at)
-        present = [module for module in modules if module is not None]
-        parts = list({id(module): module for module in modules[4:] if module is not None}.values())
-        self.snapshot = Snapshot(
-            tuple(module._modules for module in present[:3]) + tuple(
-                d for module in parts for d in (module._parameters, module._buffers)),
-            tuple(module.__dict__ for module in parts),  # (a bias kept as a plain attribute)
-            _tensors(modules),
-            tuple(d for module in present[1:] for d in (module._forward_hooks, module._forward_pre_hooks)),
-            () if widened is None else tuple(widened.copies))
-        if struct is not None:
-            self.scale, self.head_dim = float(modules[1].scaling), struct.head_dim
-            self.hidden_size = struct.hidden_size
-            self.float32_weights = any(getattr(struct, field).type == 0 for field in _WEIGHT_FIELDS)
-
-    def __deepcopy__(self, memo) -> None:
-        return None  # a copy of the model describes its layers again (this points at the original's tensors)
-
-
-def _modules(layer: nn.Module, family: Family) -> tuple:
-    """(layer, attention, MLP, activation, the four norm slots, q and k norms, the seven
-    projections), None where the layer has none."""
-    attn, mlp = layer._modules.get("self_attn"), layer._modules.get("mlp")
-    if attn is None or mlp is None:
-        return ()
-    qk = (attn._modules.get("q_norm"), attn._modules.get("k_norm")) if family.qk_norms else (None, None)
-    return (layer, attn, mlp, mlp._modules.get(family.act),
-            *(None if name is None else layer._modules.get(name) for name in family.norms), *qk,
-            *((attn if owner == "self_attn" else mlp)._modules.get(name) for owner, name in family.projections))
-
-
-def _tensors(modules: tuple) -> tuple:
-    """Every tensor the C function reads, by module, as the modules hold them now."""
-    return tuple(tensor for module in modules[4:] if module is not None
-                 for tensor in (*module._parameters.values(), *module._buffers.values(), module.__dict__.get("bias"))
-                 if tensor is not None)
-
-
-def _hooked(modules: tuple) -> bool:
-    """Whether a hook would run inside the layer (the fused call would skip it)."""
-    return any(module._forward_hooks or module._forward_pre_hooks for module in modules[1:] if module is not None) \
-        or any(GLOBAL_HOOKS)
-
-
-def _describe(layer: nn.Module) -> _Described:
-    """The layer's description (with the reason it does not fuse, if it does not)."""
-    family = BY_LAYER[type(layer).__name__]
-    modules = _modules(layer, family)
-    reason = _why_not(modules, family)
-    if reason is not None:
-        return _Described(modules, reason)
-    attn, widened = modules[1], _Widened()
-    norms = [None if norm is None else widened(norm.weight).data_ptr() for norm in modules[4:_NUM_FIXED]]
-    projections, config = modules[_NUM_FIXED:], attn.config
-    rows = _row_ranges(projections, config, int(attn.head_dim))
-    if isinstance(rows, str):
-        return _Described(modules, rows)
-    weights = [_weight(module, *span, widened) for module, span in zip(projections, rows)]
-    for (_, name), weight in zip(family.projections, weights):
-        if isinstance(weight, str):
-            return _Described(modules, f"{name}: {weight}")
-    struct = cpu_lib.DecoderLayer(
-        hidden_size=int(modules[4].weight.shape[0]), num_heads=int(config.num_attention_heads),
-        num_kv_heads=int(config.num_key_value_heads), head_dim=int(attn.head_dim),
-        intermediate_size=rows[4][1] - rows[4][0], activation=ACTIVATIONS[family.activation],
-        norm_eps=float(getattr(modules[4], family.eps)), norm_offset=family.norm_offset,
-        input_norm=norms[0], attn_out_norm=norms[1], mlp_norm=norms[2], mlp_out_norm=norms[3], q_norm=norms[4],
-        k_norm=norms[5], **dict(zip(_WEIGHT_FIELDS, weights)),
-        activations=cpu_lib.ACTIVATIONS["int8" if any(type(module) is GGUFLinear and module.activations == "int8"
-                                                      for module in projections) else "float32"])
-    return _Described(modules, None, struct, int(family.window(attn)), widened)
-
-
-def _row_ranges(projections: tuple, config, head_dim: int) -> list[tuple[int, int]] | str:
-    """Each projection's rows in its weight: all of them, or, where one module holds several
-    (q, k, v in qkv_proj; gate, up in gate_up_proj, as Phi-3 splits their outputs), its
-    range; or why the fused weight is not that split."""
-    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    spans = [(0, int(module.out_features)) for module in projections]
-    if projections[0] is projections[1]:  # q, k, v in one weight
-        if not (projections[1] is projections[2] and spans[0][1] == q + 2 * kv):
-            return f"its fused qkv projection has {spans[0][1]} rows, not {q} + 2 x {kv}"
-        spans[:3] = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
-    if projections[4] is projections[5]:  # gate, up in one weight
-        if spans[4][1] % 2:
-            return f"its fused gate/up projection has an odd number of rows ({spans[4][1]})"
-        half = spans[4][1] // 2
-        spans[4:6] = [(0, half), (half, 2 * half)]
-    return spans
-
-
-def _why_not(modules: tuple, family: Family) -> str | None:
-    """Why a layer of a supported class is not what the C function computes, or None."""
-    if not modules:
-        return "it has no self_attn or mlp"
-    expected = (*family.norms, *(("q_norm", "k_norm") if family.qk_norms else (None, None)))
-    for name, module in zip(expected, modules[4:_NUM_FIXED]):
-        if name is not None and module is None:
-            return f"it has no {name}"
-    if None in modules[_NUM_FIXED:] or modules[3] is None:
-        return "a projection or the activation is missing"
-    _, attn, mlp, act = modules[:4]
-    if type(attn).__name__ != family.attention or type(mlp).__name__ != family.mlp:
-        return f"its attention or MLP is {type(attn).__name__} / {type(mlp).__name__}"
-    if _activation(act) != family.activation:
-        return f"its activation is {type(act).__name__}, not {family.activation}"
-    if _hooked(modules):
-        return "a hook runs inside it"
-    config = attn.config
-    partial = getattr(config, "partial_rotary_factor", None) or (getattr(config, "rope_parameters", None) or {}).get(
-        "partial_rotary_factor", 1.0)
-    if partial != 1.0:
-        return "its rotary embedding turns part of each head only"
-    norms = [module for module in modules[4:_NUM_FIXED] if module is not None]
-    for norm in norms:
-        weight = norm._parameters.get("weight")
-        if type(norm).__name__ != family.norm or not _plain(weight) or weight.dim() != 1:
-            return f"a norm is {type(norm).__name__} with a weight it does not read"
-    if len({getattr(norm, family.eps, None) for norm in norms}) != 1:
-        return "its norms have different epsilons"
-    return None
-
-
-def _activation(act: nn.Module) -> str | None:
-    """The activation module's kind as `ACTIVATIONS` names it, or None."""
-    name = type(act).__name__
-    if name in ("SiLUActivation", "SiLU"):
-        return "silu"
-    # transformers' GELUTanh runs F.gelu(approximate="tanh") unless built with its Python formula
-    gelu = getattr(act, "act", None)
-    if name == "GELUTanh" and isinstance(gelu, functools.partial) and gelu.keywords == {"approximate": "tanh"}:
-        return "gelu_tanh"
-    return None
-
-
-def _plain(tensor) -> bool:
-    """A plain float32, bfloat16 or float16 CPU tensor (not a subclass: a quantized or
-    offloaded one computes its values)."""
-    return (type(tensor) in (nn.Parameter, torch.Tensor) and tensor.dtype in FLOAT_DTYPES and tensor.is_cpu
-            and tensor.is_contiguous())
-
-
-class _Widened:
-    """Float32 copies of the 16-bit norm weights and biases a layer's struct points at (a
-    bfloat16 or float16 model's: the C function reads float32 ones), by source tensor."""
-
-    def __init__(self):
-        self.copies: dict[torch.Tensor, torch.Tensor] = {}
-
-    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` itself if float32, else its float32 copy (made once)."""
-        if tensor.dtype is torch.float32:
-            return tensor
-        if tensor not in self.copies:
-            self.copies[tensor] = tensor.detach().float()
-        return self.copies[tensor]
-
-
-def _weight(module: nn.Module, start: int, stop: int, widened: _Widened) -> "cpu_lib.Weight | str":
-    """Rows [start, stop) of a projection's weight (and bias, float32 or `widened`) as the C
-    function takes them, or why it cannot."""
-    bias = module.__dict__.get("bias", module._parameters.get("bias"))
-    if bias is not None and not (_plain(bias) and bias.dim() == 1):
-        return "its bias is not a floating-point CPU vector"
-    bias_ptr = None if bias is None else widened(bias).data_ptr() + 4 * start
-    if type(module) is GGUFLinear:
-        blocks = module.blocks
-        if not (blocks.dtype is torch.uint8 and blocks.is_cpu and blocks.is_contiguous() and blocks.dim() == 2):
-            return "its GGUF blocks are not a contiguous uint8 CPU matrix"
-        row_bytes = blocks.shape[1]
-        return cpu_lib.Weight(blocks.data_ptr() + start * row_bytes, bias_ptr, quant_ops.GGML_TYPES[module.ggml_type],
-                              stop - start, module.in_features, (stop - start) * row_bytes)
-    if type(module) is nn.Linear and "_hf_hook" not in module.__dict__ and _plain(module.weight):
-        weight, width = module.weight, module.weight.shape[1]
-        if weight.dtype is not torch.float32 and width % 32:  # (read as BF16 / F16 blocks: groups of 32)
-            return f"its {str(weight.dtype).removeprefix('torch.')} weight is {width} wide, not whole groups of 32"
-        size = weight.element_size()  # a 16-bit weight is read as BF16 / F16 blocks: widened in registers
-        kind = 0 if size == 4 else linear_ops.HALF_BLOCKS[weight.dtype]
-        return cpu_lib.Weight(weight.data_ptr() + size * start * width, bias_ptr, kind, stop - start, width,
-                              (stop - start) * width * size)
-    return f"a {type(module).__name__} (adapters, quantized or offloaded layers run their own forward)"
 
 
 def _log_op_by_op(reason: str, level: int = logging.WARNING) -> None:

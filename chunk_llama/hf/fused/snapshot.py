@@ -1,6 +1,6 @@
 """What a fused call was described from, and a cheap test of whether it still holds.
 
-A fused decoder layer (`fused_layers.py`) hands the C library raw pointers to its weights;
+A fused decoder layer (`layers.py`) hands the C library raw pointers to its weights;
 it must be described again when a module or tensor it reads is replaced, a tensor's memory
 moves (`param.data = ...`), or a hook comes or goes (the hook's effect would be skipped).
 `Snapshot.stale()` checks all of that with a few C-level passes over flat tuples (`map`,

@@ -19,7 +19,7 @@ other types' from the layer's position_ids with the model's own `rotary_emb`, as
 forward does before the loop. Each layer keeps its own attention window.
 
 It applies only where every layer would fuse on its own (the same description and checks,
-`fused_layers._fused`), with one attention scale, and no hook on a layer module (a hook
+`layers._fused`), with one attention scale, and no hook on a layer module (a hook
 on layer i would see the stack's output); otherwise each layer runs its own fused call,
 as before. `CHUNK_LLAMA_FUSED_STACK=0` turns it off.
 """
@@ -37,7 +37,7 @@ from chunk_llama.hf.families import ROTARY_PER_LAYER_TYPE, STACK_MODELS
 from chunk_llama.hf.fused.snapshot import Snapshot
 from chunk_llama.logs import log_once
 from chunk_llama.ops.build.jit import setting
-from chunk_llama.ops.cpu import binding as cpu_lib
+from chunk_llama.ops.cpu.planned import DecoderStack
 
 logger = logging.getLogger(__name__)
 ENV = "CHUNK_LLAMA_FUSED_STACK"
@@ -50,7 +50,7 @@ class Stack:
 
     def __init__(self, owner: nn.Module):
         self.owner = weakref.ref(owner)  # (the layers point at the stack: no cycle through it)
-        self._arrays: tuple | None = None  # (descriptions, pools, DecoderStack)
+        self._arrays: tuple | None = None  # (descriptions, pool.k, pool.v, the KvTable, DecoderStack)
         self._described: tuple | None = None  # (layers, descriptions, Snapshot of layers 1 on)
 
     def __deepcopy__(self, memo) -> "Stack | None":
@@ -85,14 +85,18 @@ class Stack:
             Snapshot((), (), (), tuple(d for layer in layers for d in (layer._forward_hooks, layer._forward_pre_hooks)))]
         self._described = (tuple(layers), described, Snapshot.joined(rest))
 
-    def arrays(self, described: list, k_caches: list, v_caches: list) -> cpu_lib.DecoderStack:
-        """The C call's arrays for these layer descriptions and their K/V pools."""
-        pools = [p.data_ptr() for p in (*k_caches, *v_caches)]
-        if self._arrays is None or self._arrays[1] != pools or len(self._arrays[0]) != len(described) or any(
-                a is not b for a, b in zip(self._arrays[0], described)):
-            self._arrays = (described, pools, cpu_lib.DecoderStack([d.struct for d in described], k_caches, v_caches,
-                                                                   [d.window for d in described]))
-        return self._arrays[2]
+    def arrays(self, described: list, pool, kvs) -> DecoderStack:
+        """The C call's arrays for these layer descriptions over `pool`'s K/V, each layer's pool
+        struct from `kvs` (the step's backend's `structs.KvTable`: one per pool, scale and
+        window); made again when a description, the pool's tensors or the table change."""
+        arrays = self._arrays
+        if (arrays is None or arrays[1] is not pool.k or arrays[2] is not pool.v or arrays[3] is not kvs
+                or len(arrays[0]) != len(described) or any(a is not b for a, b in zip(arrays[0], described))):
+            layer_kvs = [kvs.get(pool.k[i], pool.v[i], d.scale, d.window)
+                         for i, d in zip((d.modules[1].layer_idx for d in described), described)]
+            arrays = self._arrays = (described, pool.k, pool.v, kvs,
+                                     DecoderStack([d.struct for d in described], layer_kvs))
+        return arrays[4]
 
     def rotary(self, layers: list, hidden: torch.Tensor, first: tuple, position_ids) -> tuple | str:
         """Each layer's cos and sin for this step, as the owner's forward gives them: `first`,
@@ -132,7 +136,7 @@ def run(stack: Stack, layer: nn.Module, first, step, hidden: torch.Tensor, posit
     """Every layer of the stack for this decode step, called from its first layer (`layer`,
     described as `first`, whose own checks passed: `hidden`, cos and sin fit it; given
     position_ids), or None where the stack does not apply this step (each layer then runs
-    its own call). `describe(layer)` gives a layer's current description (`fused_layers`).
+    its own call). `describe(layer)` gives a layer's current description (`describe.current`).
     The output is float32 (a 16-bit model's hidden states and tables are widened first)."""
     if setting(ENV, "1") == "0":
         return None
@@ -156,10 +160,9 @@ def run(stack: Stack, layer: nn.Module, first, step, hidden: torch.Tensor, posit
         stack.remember(layers, described)
     if step.linear is None and any(d.float32_weights for d in described):
         return None  # (float32 projections run F.linear here: the layers' own calls log it)
-    pool = step.pool
-    indices = [d.modules[1].layer_idx for d in described]
+    planned = step.attention
     try:
-        arrays = stack.arrays(described, [pool.k[i] for i in indices], [pool.v[i] for i in indices])
+        arrays = stack.arrays(described, step.pool, planned.kvs)
     except (TypeError, ValueError) as error:  # e.g. pools on several devices
         return _log_stack_falls_back(f"its K/V pools do not fit one call ({error})")
     rotary = stack.rotary(layers, hidden, position_embeddings, position_ids)
@@ -170,8 +173,10 @@ def run(stack: Stack, layer: nn.Module, first, step, hidden: torch.Tensor, posit
         widened = {id(t): t for t in (*cos, *sin)}
         widened = {key: t.float() for key, t in widened.items()}
         cos, sin = ([widened[id(t)] for t in tables] for tables in rotary)
-    call = step.attention.call(first.scale, first.window)
-    return call.decoder_stack(arrays, hidden.float(), cos, sin, step.fused_writes, step.row_order)
+    head_dim = first.head_dim
+    out = planned.decoder_stack(arrays, hidden.view(-1, hidden.shape[2]).float(),
+                                [c.view(-1, head_dim) for c in cos], [s.view(-1, head_dim) for s in sin])
+    return out.view(hidden.shape)
 
 
 def _fits(table, like: torch.Tensor) -> bool:

@@ -2,7 +2,7 @@
 how: one function that compiles a declaration into a shared library.
 
 The libraries are torch-free: C++ (and CUDA) with a C interface (`csrc/cpu/c_api.h`,
-`csrc/cuda/c_api.h`), bound in Python with ctypes (`cpu_lib.py`, `cuda_lib.py`). So one
+`csrc/cuda/c_api.h`), bound in Python with ctypes (`cpu/binding.py`, `cuda/binding.py`). So one
 compiled library serves every torch release, and building one needs a compiler but no
 torch. Two callers build them, both through `compile_library`: `setup.py`, which puts them
 in the platform wheel (`chunk_llama/_native/`), and `jit.py`, on first use where the
@@ -89,7 +89,8 @@ def cpu_build(arch: str | None = None) -> KernelBuild:
     variants = compiled_variants(arch)
     return KernelBuild(
         name=f"chunk_llama_cpu_{arch or host_arch()}_{'_'.join(variants)}",
-        sources=("cpu/c_api.cpp", "cpu/layer.cpp", "cpu/quant_api.cpp", *(f"cpu/kernel_{v}.cpp" for v in variants)),
+        sources=("cpu/c_api.cpp", "cpu/plan_checks.cpp", "cpu/planned.cpp", "cpu/layer.cpp",
+                 "cpu/quant_api.cpp", *(f"cpu/kernel_{v}.cpp" for v in variants)),
         ldflags=("-fopenmp",),
         description=f"the CPU attention kernels ({', '.join(variants)} in one build)",
         estimate_seconds=15.0,

@@ -1,5 +1,6 @@
 """CPU attention (csrc/cpu, C++ with OpenMP): two-phase-partition decode and packed prefill,
-each as a plan-once, run-per-layer object.
+each a backend whose `plan` makes the step's plan once in the library and returns the step's
+calls (`planned.CpuPlanned`), run per layer.
 
 The library comes prebuilt in the platform wheel or is built on first use (`native.py`).
 One build holds every kernel variant of this architecture (see `isa.py`, `build.py`):
@@ -8,9 +9,10 @@ translation unit for its own instruction set, and the interface dispatches at ru
 So the build does not depend on the CPU's features and is made once per
 architecture; `CHUNK_LLAMA_CPU_ISA` picks the variant without rebuilding.
 
-Both ops take the same arguments: q, the layer's K/V pool, the step's plan (one int64
-tensor and its layout), the caller's scratch (kept across calls: fresh pages every step
-cost a page fault per 4 KiB, which was half the kernel's time), then scalars.
+Both plan the same way: the step's plan (one int64 tensor and its layout) with the pool's
+geometry and, for the fused layers, the step's K/V slots; the caller's scratch (the cache's
+buffers, kept across steps: fresh pages every step cost a page fault per 4 KiB, which was
+half the kernel's time). A layer's call passes q, its pool, scale and window.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from __future__ import annotations
 import torch
 
 from chunk_llama.ops.build import native
-from chunk_llama.ops.build.c_types import int64_array
 from chunk_llama.ops.build.spec import cpu_build
 from chunk_llama.ops.cpu import isa
 from chunk_llama.ops.cpu.binding import CpuLibrary
+from chunk_llama.ops.cpu.planned import CpuPlanned
+from chunk_llama.ops.cpu.structs import DECODE_PLAN, PREFILL_PLAN, KvTable
 from chunk_llama.step.buffers import StaticBuffers
 from chunk_llama.step.decode_plan import DecodePlan
 from chunk_llama.step.prefill_plan import PrefillPlan
@@ -31,7 +34,7 @@ SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # csrc/cpu/params.h; chunk siz
 
 
 def build() -> CpuLibrary | None:
-    """The CPU kernels' library (`cpu_lib.CpuLibrary`): the wheel's, else built on first use; or None."""
+    """The CPU kernels' library (`binding.CpuLibrary`): the wheel's, else built on first use; or None."""
     return native.load(cpu_build(), CpuLibrary)
 
 
@@ -59,53 +62,11 @@ def _ops():
     return module
 
 
-class CpuDecode:
-    """Decode attention through the tree on the CPU: `plan` once per step, `run` per layer
-    (same contract as `reference.tpp_decode_attention`).
+class _CpuAttention:
+    """What both CPU backends share: the library, a plan handle (planned again each step,
+    in place) and each layer's pool struct, kept across steps."""
 
-    workspace: where the scratch lives (the cache's buffers); variant: the kernel variant
-    (default: `isa.selected_variant()`); max_blocks_per_item: shared blocks of keys one
-    first-phase work item takes (default: chosen by the kernel for the threads, about 8 items
-    each; fewer blocks make more, smaller items).
-    """
-
-    def __init__(self, workspace: StaticBuffers, num_heads: int, num_kv_heads: int, head_dim: int,
-                 chunk_size: int, variant: str | None = None, max_blocks_per_item: int | None = None):
-        self.workspace = workspace
-        self.geometry = (num_heads, num_kv_heads, head_dim, chunk_size)
-        self.variant = variant or isa.selected_variant()
-        self.backend = f"cpu:{self.variant}"
-        self.max_blocks_per_item = max_blocks_per_item or 0
-        self._ops = _ops()
-
-    def plan(self, plan: DecodePlan) -> None:
-        num_heads, num_kv_heads, head_dim, chunk_size = self.geometry
-        self._plan = plan
-        self._layout = int64_array(plan.layout)  # converted once per step, read by every layer
-        self._scratch = self.workspace.scratch(self._ops.decode_scratch_floats(
-            plan.index, self._layout, plan.num_seqs, num_heads, head_dim, num_kv_heads, chunk_size,
-            torch.get_num_threads()))
-        self._calls: dict[tuple, object] = {}  # (scale, window): the plan's call, arguments converted once
-
-    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int = 0,
-            new_kv=None) -> torch.Tensor:
-        """q: [num_seqs, num_heads, head_dim] in plan order; k_cache, v_cache: [capacity,
-        num_kv_heads, chunk_size, head_dim] -> [num_seqs, num_heads, head_dim]"""
-        return self.call(scale, window)(q.contiguous(), k_cache, v_cache)
-
-    def call(self, scale: float, window: int = 0):
-        """The plan's `cpu_lib.AttentionCall` for these scalars, made once per step."""
-        call = self._calls.get((scale, window))
-        if call is None:
-            call = self._calls[scale, window] = self._ops.decode_call(self._plan.index, self._layout, self._scratch,
-                                                                      scale, window, self.max_blocks_per_item,
-                                                                      self.variant)
-        return call
-
-
-class CpuPrefill:
-    """Packed prefill attention on the CPU, K/V read in place from the pool: `plan` once per
-    step, `run` per layer (same contract as `reference.packed_prefill_attention`)."""
+    kind: int
 
     def __init__(self, workspace: StaticBuffers, num_heads: int, num_kv_heads: int, head_dim: int,
                  chunk_size: int, variant: str | None = None):
@@ -113,32 +74,61 @@ class CpuPrefill:
         self.geometry = (num_heads, num_kv_heads, head_dim, chunk_size)
         self.variant = variant or isa.selected_variant()
         self.backend = f"cpu:{self.variant}"
-        self._ops = _ops()
+        self._library = _ops()
+        self._handle = self._library.new_plan()
+        self._kvs = KvTable()
 
-    def plan(self, plan: PrefillPlan) -> None:
+    def _make(self, index: torch.Tensor, layout, q_rows: int, capacity: int, writes, row_order,
+              max_blocks_per_item: int = 0) -> CpuPlanned:
         num_heads, num_kv_heads, head_dim, chunk_size = self.geometry
+        return self._handle.make(self.kind, index, layout, (q_rows, num_heads, num_kv_heads, head_dim, chunk_size),
+                                 capacity, self.workspace.scratch, self.variant, writes, row_order, max_blocks_per_item,
+                                 self._kvs)
+
+
+class CpuDecode(_CpuAttention):
+    """Decode attention through the tree on the CPU: `plan` once per step returns the step's
+    calls (`planned.CpuPlanned`: `run` per layer, same contract as
+    `reference.tpp_decode_attention`; the fused layers' calls).
+
+    workspace: where the scratch lives (the cache's buffers); variant: the kernel variant
+    (default: `isa.selected_variant()`); max_blocks_per_item: shared blocks of keys one
+    first-phase work item takes (default: chosen by the kernel for the threads, about 8 items
+    each; fewer blocks make more, smaller items).
+    """
+
+    kind = DECODE_PLAN
+
+    def __init__(self, workspace: StaticBuffers, num_heads: int, num_kv_heads: int, head_dim: int,
+                 chunk_size: int, variant: str | None = None, max_blocks_per_item: int | None = None):
+        super().__init__(workspace, num_heads, num_kv_heads, head_dim, chunk_size, variant)
+        self.max_blocks_per_item = max_blocks_per_item or 0
+
+    def plan(self, plan: DecodePlan, capacity: int, writes: tuple | None = None,
+             row_order: torch.Tensor | None = None) -> CpuPlanned:
+        """The step's calls on `plan` over pools of `capacity` chunks; writes: the step's
+        (token, chunk, offset) slots and row order, for the fused layers (None: attention only)."""
+        return self._make(plan.index, plan.layout, plan.num_seqs, capacity, writes, row_order,
+                          self.max_blocks_per_item)
+
+
+class CpuPrefill(_CpuAttention):
+    """Packed prefill attention on the CPU, K/V read in place from the pool: `plan` once per
+    step returns the step's calls (`run` per layer, same contract as
+    `reference.packed_prefill_attention`; the fused layers' calls)."""
+
+    kind = PREFILL_PLAN
+
+    def plan(self, plan: PrefillPlan, capacity: int, writes: tuple | None = None,
+             row_order: torch.Tensor | None = None) -> CpuPlanned:
+        num_heads, num_kv_heads, _, _ = self.geometry
         if num_heads // num_kv_heads != plan.group:
             raise ValueError(f"the plan's tiles are for GQA group {plan.group}, the model has "
                              f"{num_heads} / {num_kv_heads} heads")
-        threads = torch.get_num_threads()
-        self._arrays = plan.cpu()
-        self._layout = int64_array(self._arrays.layout)
-        self._scratch = self.workspace.scratch(self._ops.prefill_scratch_floats(
-            self._arrays.num_partial_rows, num_heads, head_dim, threads))
-        self._calls: dict[tuple, object] = {}  # (scale, window): the plan's call, arguments converted once
-
-    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int = 0,
-            new_kv=None) -> torch.Tensor:
-        """q: [num_q_tokens, num_heads, head_dim] -> the same shape (rows of no sequence unset)"""
-        return self.call(scale, window)(q.contiguous(), k_cache, v_cache)
-
-    def call(self, scale: float, window: int = 0):
-        """The plan's `cpu_lib.AttentionCall` for these scalars, made once per step."""
-        call = self._calls.get((scale, window))
-        if call is None:
-            call = self._calls[scale, window] = self._ops.prefill_call(self._arrays.index, self._layout, self._scratch,
-                                                                       scale, window, self.variant)
-        return call
+        if row_order is not None:
+            raise ValueError("a prefill's rows have no row order")
+        arrays = plan.cpu()
+        return self._make(arrays.index, arrays.layout, plan.num_q_tokens, capacity, writes, None)
 
 
 def tpp_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan,
@@ -150,8 +140,7 @@ def tpp_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     """
     attention = CpuDecode(StaticBuffers(q.device), q.shape[1], k_cache.shape[1], q.shape[-1], k_cache.shape[2],
                           variant, max_blocks_per_item)
-    attention.plan(plan)
-    return attention.run(q, k_cache, v_cache, scale, window)
+    return attention.plan(plan, k_cache.shape[0]).run(q, k_cache, v_cache, scale, window)
 
 
 def prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan,
@@ -159,5 +148,4 @@ def prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     """`CpuPrefill` planned and run once. q: [num_q_tokens, num_heads, head_dim]"""
     attention = CpuPrefill(StaticBuffers(q.device), q.shape[1], k_cache.shape[1], q.shape[-1], k_cache.shape[2],
                            variant)
-    attention.plan(plan)
-    return attention.run(q, k_cache, v_cache, scale, window)
+    return attention.plan(plan, k_cache.shape[0]).run(q, k_cache, v_cache, scale, window)

@@ -2,9 +2,10 @@
 architecture family and PTX, the CUDA runtime linked in), else one built on first use for
 the GPU at hand with the local nvcc (`native.py`).
 
-Same call convention as the CPU ops: q, the layer's K/V pool, the step's plan (the
-decode plan's int32 arrays in one device tensor, `DecodePlan.cuda_index`, and its
-layout), the caller's workspace, then scalars; launched on the current stream.
+Same call convention as the CPU ops: the step's plan (the decode plan's int32 arrays in one
+device tensor, `DecodePlan.cuda_index`, and its layout) made once with the caller's
+workspace, then per layer q, the layer's K/V pool, scale and window; launched on the
+current stream.
 """
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ from __future__ import annotations
 import torch
 
 from chunk_llama.ops.build import native
-from chunk_llama.ops.build.c_types import int64_array
 from chunk_llama.ops.build.spec import cuda_build
-from chunk_llama.ops.cuda.binding import CudaLibrary
+from chunk_llama.ops.cuda.binding import CudaLibrary, CudaPlanned
 from chunk_llama.step.buffers import StaticBuffers
-from chunk_llama.step.decode_plan import CUDA_COUNTS, DecodePlan
+from chunk_llama.step.decode_plan import DecodePlan
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_CHUNK_SIZES = (32, 64, 128)
@@ -33,7 +33,7 @@ def _device(device_index: int | None) -> int:
 
 
 def build(device_index: int | None = None) -> CudaLibrary | None:
-    """The CUDA kernels' library for the GPU (`cuda_lib.CudaLibrary`): the wheel's if it runs
+    """The CUDA kernels' library for the GPU (`binding.CudaLibrary`): the wheel's if it runs
     there, else built on first use for its architecture; or None."""
     device = _device(device_index)
     archs = native.prebuilt_cuda_archs()
@@ -64,30 +64,29 @@ def unsupported_reason(device_index, dtype, cache_dtype, head_dim: int, chunk_si
 
 class CudaDecode:
     """Decode attention through the tree on a GPU: `plan` once per step (the plan must be
-    chunk-aligned and built on the GPU, `group = num_heads // num_kv_heads`), `run` per layer
-    (same contract as `reference.tpp_decode_attention`)."""
+    chunk-aligned and built on the GPU, `group = num_heads // num_kv_heads`) returns the
+    step's calls (`binding.CudaPlanned`), `run` per layer (same contract as
+    `reference.tpp_decode_attention`)."""
 
     backend = "cuda"
 
     def __init__(self, workspace: StaticBuffers, num_heads: int, num_kv_heads: int, head_dim: int,
-                 chunk_size: int):
+                 chunk_size: int, dtype: torch.dtype = torch.bfloat16):
         self.workspace = workspace
         self.geometry = (num_heads, num_kv_heads, head_dim, chunk_size)
+        self.dtype = dtype  # q's and the pool's (the kernels take one dtype for both)
         self._ops = build(workspace.device.index)
+        self._handle = self._ops.new_plan()
+        self._kvs: dict = {}  # each layer's pools as the library takes them, kept across steps
 
-    def plan(self, plan: DecodePlan) -> None:
+    def plan(self, plan: DecodePlan, capacity: int = 0, writes=None, row_order=None) -> CudaPlanned:
+        """The step's calls on `plan` (the pool's capacity is not read: the CUDA kernels trust
+        the chunk ids of a plan built from the tree on the device)."""
         if plan.cuda_index is None:
             raise ValueError("the plan holds no CUDA arrays: build it on the GPU from a chunk-aligned tree")
-        num_heads, num_kv_heads, head_dim, _ = self.geometry
-        self._plan = plan
-        self._layout = int64_array(plan.cuda_layout)  # converted once per step, read by every layer
-        num_partial_rows = plan.cuda_layout[CUDA_COUNTS.index("num_partial_rows")]
-        self._scratch = self.workspace.scratch(self._ops.workspace_floats(plan.num_seqs, num_heads, num_kv_heads,
-                                                                          head_dim, num_partial_rows))
-
-    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int = 0,
-            new_kv=None) -> torch.Tensor:
-        """q: [num_seqs, num_heads, head_dim] in plan order -> [num_seqs, num_heads, head_dim]"""
-        plan = self._plan
-        return self._ops.tpp_decode(q.contiguous(), k_cache, v_cache, plan.cuda_index, self._layout, self._scratch,
-                                    float(scale), window)
+        num_heads, num_kv_heads, head_dim, chunk_size = self.geometry
+        planned = self._handle.make(plan.cuda_index, plan.cuda_layout,
+                                    (plan.num_seqs, num_heads, num_kv_heads, head_dim, chunk_size), self.dtype,
+                                    self.workspace.scratch)
+        planned.kvs = self._kvs
+        return planned

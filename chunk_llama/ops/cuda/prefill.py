@@ -109,17 +109,26 @@ def packed_prefill_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 class CudaPrefill:
-    """Packed prefill on a GPU through FlashAttention-2 varlen: `plan` once per step (the
-    varlen batch, built once and read by every layer), `run` per layer."""
+    """Packed prefill on a GPU through FlashAttention-2 varlen: `plan` once per step returns
+    the step's calls (the varlen batch, built once and read by every layer), `run` per layer."""
 
     backend = "cuda"
 
     def __init__(self, attend=flash_varlen):
         self.attend = attend
 
-    def plan(self, plan: PrefillPlan) -> None:
-        self._device = plan.device
-        self._context = plan.varlen()
+    def plan(self, plan: PrefillPlan, capacity: int = 0, writes=None, row_order=None) -> "CudaPrefillPlanned":
+        return CudaPrefillPlanned(self.attend, plan.device, plan.varlen())
+
+
+class CudaPrefillPlanned:
+    """One step of `CudaPrefill`: its varlen batch, run per layer."""
+
+    backend = "cuda"
+    has_writes = False
+
+    def __init__(self, attend, device: torch.device, context: VarlenContext):
+        self.attend, self._device, self._context = attend, device, context
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int = 0,
             new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

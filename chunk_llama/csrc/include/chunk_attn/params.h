@@ -5,34 +5,9 @@
 
 #include <cstdint>
 
+#include "chunk_attn/plan_layout.h"
+
 namespace chunk_attn {
-
-// Most blocks that share one sequence's private tail (the split of the sequence-first phase).
-constexpr int kMaxSplits = 8;
-
-// How a step's plan reaches the op: one int32 device tensor holding every index array of
-// TppParams, and `layout` (host integers): these counts, then each array's offset in the
-// tensor, in the order of kCudaDecodeArrayNames (chunk_llama/step/decode_plan.py
-// CUDA_DECODE_ARRAYS writes them so).
-enum CudaDecodeLayout : int {
-  kNumSeqs, kNumShared, kWidth, kMaxRowsPerShared, kMaxPairsPerSeq, kNumPartialRows, kMaxPrivateTokens,  // counts
-  kSharedChunkIds, kSharedBegin, kSharedEnd, kSharedRowOffset, kSharedDepth, kPrivateChunkIds, kNumSharedTokens,
-  kSeqLens, kSeqPartialPtr, kSeqPartialRows,
-  kCudaDecodeLayoutSize,
-};
-constexpr int kCudaDecodeCounts = kSharedChunkIds;
-constexpr const char* kCudaDecodeArrayNames[] = {
-    "shared_chunk_ids", "shared_begin", "shared_end", "shared_row_offset", "shared_depth", "private_chunk_ids",
-    "num_shared_tokens", "seq_lens", "seq_partial_ptr", "seq_partial_rows"};
-
-// Floats of the caller's workspace for one call: the shared partials (o, m, n per KV head
-// and partial row) and the split states of up to kMaxSplits splits per (sequence, head).
-inline int64_t tpp_workspace_floats(int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                                    int num_partial_rows) {
-  const int64_t rows = num_partial_rows > 1 ? num_partial_rows : 1;
-  return (static_cast<int64_t>(num_kv_heads) * rows + static_cast<int64_t>(num_seqs) * num_heads * kMaxSplits) *
-         (head_dim + 2);
-}
 
 enum class DType { kHalf = 0, kBFloat16 = 1 };
 
@@ -87,7 +62,5 @@ cudaError_t tpp_decode(const TppParams& params, DType dtype, cudaStream_t stream
 // phase), chosen to fill the GPU's waves; reads num_seqs, heads, head_dim, max_private_tokens.
 int tpp_num_splits(const TppParams& params, DType dtype);
 
-// Whether (head_dim, chunk_size) has compiled kernels.
-bool tpp_supports(int head_dim, int chunk_size);
 
 }  // namespace chunk_attn
