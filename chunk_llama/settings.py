@@ -53,8 +53,8 @@ class EngineArgs:
     gguf_activations: str | None = option(
         None, "what a .gguf model's quantized blocks multiply their inputs with: float32 (the dequantized "
               "model's numbers, as stock computes them), int8 (quantized per group of 32 as llama.cpp does: "
-              "integer dot products, faster prefill), auto: int8 on the CPUs where it was measured faster "
-              "and its error bounded (x86-64 with AVX-512 VNNI or AVX2), else float32 (default: auto)",
+              "integer dot products, faster prefill, a larger error), auto: int8 where it was measured faster "
+              "and within the error bound, else float32 (today: float32; default: auto)",
         choices=("auto", "float32", "int8"))
     max_batch_size: int = option(32, "most sequences decoded at once")
     chunk_size: int = option(64, "tokens per KV chunk")

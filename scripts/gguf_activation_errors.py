@@ -95,9 +95,11 @@ def score(models: dict, system: list[int], tails: list[list[int]]) -> dict[str, 
     return scores
 
 
-def measure(model: str | None, num_questions: int = 16) -> tuple[dict[str, Scores], int]:
+def measure(model: str | None, num_questions: int = 16, keep_float32: tuple[tuple[str, ...], ...] = ()
+            ) -> tuple[dict[str, Scores], int]:
     """(each system's Scores, the positions scored) for `model` (None: the default model) over
-    the system part and the first `num_questions` shipped questions."""
+    the system part and the first `num_questions` shipped questions; each of `keep_float32` adds
+    an int8 system whose modules named so (last part of the name: lm_head, down_proj) keep float32."""
     torch.manual_seed(0)
     blocks, tokenizer = load_model(model, device="cpu", dtype=torch.float32, gguf_activations="float32")
     dequantized = load_model(model, device="cpu", dtype=torch.float32, gguf_weights="dequantized")[0]
@@ -107,6 +109,12 @@ def measure(model: str | None, num_questions: int = 16) -> tuple[dict[str, Score
     set_gguf_activations(int8, "int8")
     models = {"truth": cast(dequantized, torch.float64), "float32": blocks, "int8": int8,
               "stock bf16": cast(dequantized, torch.bfloat16)}
+    for names in keep_float32:
+        mixed = copy.deepcopy(int8)
+        for name, module in mixed.named_modules():
+            if name.rpartition(".")[2] in names and hasattr(module, "set_activations"):
+                set_gguf_activations(module, "float32")
+        models[f"int8, {' and '.join(names)} float32"] = mixed
     return score(models, system, tails), len(system) + sum(map(len, tails))
 
 
@@ -114,8 +122,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a .gguf file or gemma3-270m (default: the default model)")
     parser.add_argument("--questions", type=int, default=16, help="how many of the shipped questions")
+    parser.add_argument("--keep-float32", action="append", default=[], metavar="NAME[,NAME]",
+                        help="also int8 with these modules (lm_head, down_proj, ...) in float32 (repeatable)")
     args = parser.parse_args()
-    scores, positions = measure(args.model, args.questions)
+    scores, positions = measure(args.model, args.questions, tuple(tuple(k.split(",")) for k in args.keep_float32))
     print(f"# {args.model or 'default model'}: {positions} positions ({args.questions} questions); "
           f"{isa.describe_host()}, int8 kernel {activations.int8_variant()}")
     print("| system | worst abs error | mean abs error | top-1 = float32's | top-1 = truth's |")

@@ -55,14 +55,17 @@ class GGUFLinear(nn.Module):
         self.bias = bias
         self.set_activations(activations)
 
-    def set_activations(self, activations: str | None) -> None:
+    def set_activations(self, activations: str | None) -> bool:
+        """Multiply with `activations` from now on; whether that changed anything (a fused layer
+        described with the other activations must then be described again: `set_gguf_activations`
+        does that for a model)."""
         resolved = resolve_activations(activations)  # (ValueError naming a bad choice)
-        self.activations = resolved if self.ggml_type in INT8_TYPES else "float32"
-        self._op = ops.QuantLinear(ops.GGML_TYPES[self.ggml_type], self.in_features, self.activations)
-        # a new view of the same blocks: a fused layer described with the other activations
-        # sees its buffers change (hf/fused/snapshot.py compares them by identity) and describes
-        # itself again
-        self._buffers["blocks"] = self._buffers["blocks"].view(self._buffers["blocks"].shape)
+        resolved = resolved if self.ggml_type in INT8_TYPES else "float32"
+        if getattr(self, "activations", None) == resolved:
+            return False
+        self.activations = resolved
+        self._op = ops.QuantLinear(ops.GGML_TYPES[self.ggml_type], self.in_features, resolved)
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._op(x, self.blocks, self.bias)
@@ -115,10 +118,16 @@ def set_gguf_activations(model: nn.Module, activations: str | None = None) -> st
     auto, float32 or int8; None: `CHUNK_LLAMA_GGUF_ACTIVATIONS`, else auto), resolved for this
     CPU; returns what it resolved to ("float32" or "int8")."""
     resolved = resolve_activations(activations)
-    for module in model.modules():
-        if isinstance(module, GGUFLinear) and module.activations != (
-                resolved if module.ggml_type in INT8_TYPES else "float32"):
-            module.set_activations(resolved)
+    changed = [m.set_activations(resolved) for m in model.modules() if isinstance(m, GGUFLinear)]
+    if any(changed):
+        # a new view of each module's blocks (one per tensor: a tied embedding and LM head keep
+        # sharing one): a fused layer described with the other activations sees its buffers
+        # change (hf/fused/snapshot.py compares them by identity) and describes itself again
+        views = {}
+        for module in model.modules():
+            if isinstance(module, (GGUFLinear, GGUFEmbedding)):
+                old = module._buffers["blocks"]
+                module._buffers["blocks"] = views.setdefault(id(old), (old, old.view(old.shape)))[1]
     return resolved
 
 
