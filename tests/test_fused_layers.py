@@ -19,7 +19,7 @@ from tolerances import assert_no_worse_than_stock
 from transformers import GenerationConfig
 
 from chunk_llama import ChunkCache, ChunkLlamaEngine, patch_model
-from chunk_llama.gguf.weights import GGUFLinear
+from chunk_llama.gguf.weights import GGUFLinear, set_gguf_activations
 from chunk_llama.hf.fused import layers as fused_layers
 from chunk_llama.hf.fused import per_step
 from chunk_llama.hf.fused import stack as fused_stack
@@ -176,6 +176,18 @@ def test_gguf_block_layers_fuse(family, monkeypatch, fused_calls):
     model, truth_model = gguf_model(family)
     check_fused_against_op_by_op(model, truth_model, prompts(seed=3), monkeypatch, fused_calls,
                                  f"{family} GGUF blocks")
+
+
+@pytest.mark.parametrize("family", list(GGUF_FORMATS))
+def test_gguf_block_layers_fuse_on_int8_activations(family, monkeypatch, fused_calls):
+    """--gguf-activations int8: the fused layer multiplies with the same int8 kernel as the op-by-op
+    GGUFLinear (`layer.cpp`'s int8 branch), so the two paths agree as closely as in float32."""
+    if build().int8_variant(isa.selected_variant()) is None:
+        pytest.skip("no int8 kernel")
+    model, truth_model = gguf_model(family)
+    assert set_gguf_activations(model, "int8") == "int8"
+    check_fused_against_op_by_op(model, truth_model, prompts(seed=3), monkeypatch, fused_calls,
+                                 f"{family} GGUF blocks, int8 activations")
 
 
 def test_where_float32_layers_run_f_linear_they_stay_op_by_op(monkeypatch, fused_calls):

@@ -29,7 +29,7 @@ from chunk_llama.engine.inputs import InputProcessor, positive_int
 from chunk_llama.engine.request import RequestDelta, RequestOutput, Sequence
 from chunk_llama.engine.runner import ModelRunner
 from chunk_llama.engine.scheduler import Scheduler
-from chunk_llama.gguf.weights import gguf_blocks
+from chunk_llama.gguf.weights import gguf_blocks, set_gguf_activations
 from chunk_llama.hf import ChunkCache, is_patched, patch_model
 from chunk_llama.hf.lora.registry import AdapterRegistry
 from chunk_llama.ops import prepare_backend
@@ -69,6 +69,8 @@ class ChunkLlamaEngine(Delivery, EngineAdapters):
         max_loras: most loaded adapters whose weights stay in memory at once (the least recently
             used one not in use gives its place; default: all).
         max_lora_rank: largest rank an adapter may have (default: any).
+        gguf_activations: what a GGUF model's blocks multiply their inputs with: "auto", "float32"
+            or "int8" (`ops/cpu/activations.py`); None keeps the model's (set by `load_model`).
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class ChunkLlamaEngine(Delivery, EngineAdapters):
         lora_modules: dict[str, str] | None = None,
         max_loras: int | None = None,
         max_lora_rank: int | None = None,
+        gguf_activations: str | None = None,
     ):
         positive_int("max_batch_size", max_batch_size)
         max_positions = getattr(model.config, "max_position_embeddings", None)
@@ -101,6 +104,8 @@ class ChunkLlamaEngine(Delivery, EngineAdapters):
         if not is_patched(model):
             patch_model(model, chunk_size=chunk_size or 64)
         self.model = model
+        if gguf_activations is not None:
+            set_gguf_activations(model, gguf_activations)
         self._gguf_blocks = gguf_blocks(model)
         self.tokenizer = tokenizer
         self.adapters = AdapterRegistry(model, max_loras=max_loras, max_lora_rank=max_lora_rank)

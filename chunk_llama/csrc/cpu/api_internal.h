@@ -23,6 +23,10 @@ struct Geometry {
 // c_api.cpp
 const chunk_attn_cpu::Variant& variant_for(const char* isa);
 int64_t row_bytes_of(const char* op, int type, int64_t in_features);
+// quant_api.cpp: the int8 activations' linear layer (its variant chosen and its scratch given
+// here; the caller checked the weight's size and the type's codes).
+const chunk_attn_cpu::Variant& int8_variant_for(const char* isa);
+void quant_int8_linear(const char* isa, const chunk_attn_cpu::QuantInt8Params& params);
 
 // plan_checks.cpp: what a plan is checked for once, when it is made, and a call per layer.
 void check_dtype(int dtype, const char* what);

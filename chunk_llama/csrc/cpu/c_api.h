@@ -28,7 +28,7 @@ extern "C" {
 
 /* Bumped whenever an entry point's arguments change: a loader refuses a library whose
  * version differs from the one its binding was written for. */
-#define CHUNK_LLAMA_CPU_ABI_VERSION 8
+#define CHUNK_LLAMA_CPU_ABI_VERSION 9
 
 enum { CHUNK_LLAMA_OK = 0, CHUNK_LLAMA_VALUE_ERROR = 1, CHUNK_LLAMA_TYPE_ERROR = 2 };
 /* Element types of q and the pool (params.h DType). */
@@ -147,6 +147,29 @@ CHUNK_LLAMA_API int chunk_llama_cpu_dequantize(const uint8_t* weight, int64_t we
  * one of the above or in_features is not a multiple of its block. */
 CHUNK_LLAMA_API int64_t chunk_llama_cpu_quant_row_bytes(int type, int64_t in_features);
 
+/* What a layer on GGML blocks multiplies its weights with: x as it is (float32), or x
+ * quantized to int8 per group of 32 (quant_act_params.h; the formats with integer codes:
+ * Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K). */
+enum { CHUNK_LLAMA_ACTIVATIONS_FLOAT32 = 0, CHUNK_LLAMA_ACTIVATIONS_INT8 = 1 };
+
+/* quant_linear's product with a choice of activations, its arguments in one struct. */
+typedef struct {
+  const float* x;          /* [rows, in_features] */
+  int64_t rows, in_features;
+  const uint8_t* weight;   /* out_features rows of GGML blocks, weight_bytes in all */
+  int64_t weight_bytes, type, out_features;
+  const float* bias;       /* [out_features] or NULL */
+  float* y;                /* [rows, out_features] */
+  int64_t activations;     /* CHUNK_LLAMA_ACTIVATIONS_* */
+  const char* isa;         /* the variant; int8 runs chunk_llama_cpu_int8_variant(isa)'s kernel */
+  int64_t num_threads;
+} chunk_llama_cpu_quant_matmul_args;
+CHUNK_LLAMA_API int chunk_llama_cpu_quant_matmul(const chunk_llama_cpu_quant_matmul_args* args);
+/* The variant whose int8 kernel runs for variant `isa` on this CPU: `isa` itself, or the
+ * next one that runs its integer code (AVX-512 without VNNI: avx2); NULL (and an error) for
+ * a variant this CPU cannot run. */
+CHUNK_LLAMA_API const char* chunk_llama_cpu_int8_variant(const char* isa);
+
 /* One linear layer's weight in chunk_llama_cpu_decoder_layer: float32 [out_features,
  * in_features] (type 0: an nn.Linear's weight in place) or GGML blocks (a type id above),
  * `bytes` bytes in all; bias [out_features] float32 or NULL. */
@@ -172,6 +195,7 @@ typedef struct {
   const float* mlp_norm;      /* [hidden_size] */
   const float* mlp_out_norm;  /* [hidden_size] or NULL */
   chunk_llama_cpu_weight q, k, v, o, gate, up, down;
+  int64_t activations; /* CHUNK_LLAMA_ACTIVATIONS_*: int8 for the weights in formats with integer codes */
 } chunk_llama_cpu_decoder_layer;
 
 /* `layer` for the step `planned` was made for, float32: hidden_out [q_rows, hidden_size] = the

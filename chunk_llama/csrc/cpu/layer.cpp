@@ -22,10 +22,16 @@ namespace {
 
 using chunk_attn_cpu::Variant;
 
-// y [rows, out] = x [rows, in] W^T (+ bias) with the variant's kernel for the weight's form.
+// y [rows, out] = x [rows, in] W^T (+ bias) with the variant's kernel for the weight's form
+// (int8: GGML blocks with integer codes multiply x quantized to int8, quant_act.h).
 void linear(const Variant& variant, const chunk_llama_cpu_weight& w, const float* x, float* y, int64_t rows,
-            float* quant_scratch, int num_threads) {
-  if (w.type == 0) {
+            float* quant_scratch, int num_threads, bool int8) {
+  if (int8 && w.type != 0 && chunk_attn_cpu::quant_int8_supports(static_cast<int>(w.type))) {
+    quant_int8_linear(variant.name, chunk_attn_cpu::QuantInt8Params{x, static_cast<const uint8_t*>(w.data),
+                                                                    static_cast<int>(w.type), w.bias, y, rows,
+                                                                    w.out_features, w.in_features, num_threads,
+                                                                    nullptr});
+  } else if (w.type == 0) {
     variant.linear(chunk_attn_cpu::LinearParams{x, static_cast<const float*>(w.data), w.bias, y, rows,
                                                 w.out_features, w.in_features, num_threads});
   } else {
@@ -93,6 +99,9 @@ void run_layer(const chunk_llama_cpu_plan& plan, const chunk_llama_cpu_decoder_l
               hidden, ", intermediate ", inter, ", head_dim ", d, ")");
   CHECK_VALUE(L.activation == 0 || L.activation == 1, "decoder layer: activation ", L.activation,
               " is not 0 (SiLU) or 1 (GELU, tanh)");
+  CHECK_VALUE(L.activations == CHUNK_LLAMA_ACTIVATIONS_FLOAT32 || L.activations == CHUNK_LLAMA_ACTIVATIONS_INT8,
+              "decoder layer: activations ", L.activations, " is not 0 (float32) or 1 (int8)");
+  const bool int8 = L.activations == CHUNK_LLAMA_ACTIVATIONS_INT8;
   CHECK_VALUE(L.input_norm != nullptr && L.mlp_norm != nullptr && (L.q_norm == nullptr) == (L.k_norm == nullptr),
               "decoder layer: the input and MLP norms are needed, q and k norms both or neither");
   check_weight(L.q, "q_proj", q_width, hidden);
@@ -119,9 +128,9 @@ void run_layer(const chunk_llama_cpu_plan& plan, const chunk_llama_cpu_decoder_l
   };
   // attention
   norm(hidden_in, L.input_norm, h, rows, hidden);
-  linear(variant, L.q, h, q, rows, quant_scratch, num_threads);
-  linear(variant, L.k, h, k, rows, quant_scratch, num_threads);
-  linear(variant, L.v, h, v, rows, quant_scratch, num_threads);
+  linear(variant, L.q, h, q, rows, quant_scratch, num_threads, int8);
+  linear(variant, L.k, h, k, rows, quant_scratch, num_threads, int8);
+  linear(variant, L.v, h, v, rows, quant_scratch, num_threads, int8);
   if (L.q_norm != nullptr) {  // each head's vector
     norm(q, L.q_norm, q, rows * L.num_heads, d);
     norm(k, L.k_norm, k, rows * num_kv_heads, d);
@@ -146,16 +155,16 @@ void run_layer(const chunk_llama_cpu_plan& plan, const chunk_llama_cpu_decoder_l
       }
     }
   attend(q, attn, scratch_q);
-  linear(variant, L.o, attn, h, rows, quant_scratch, num_threads);
+  linear(variant, L.o, attn, h, rows, quant_scratch, num_threads, int8);
   if (L.attn_out_norm != nullptr) norm(h, L.attn_out_norm, h, rows, hidden);
   for (int64_t i = 0; i < rows * hidden; ++i) hidden_out[i] = hidden_in[i] + h[i];
 
   // MLP
   norm(hidden_out, L.mlp_norm, h, rows, hidden);
-  linear(variant, L.gate, h, gate, rows, quant_scratch, num_threads);
-  linear(variant, L.up, h, up, rows, quant_scratch, num_threads);
+  linear(variant, L.gate, h, gate, rows, quant_scratch, num_threads, int8);
+  linear(variant, L.up, h, up, rows, quant_scratch, num_threads, int8);
   variant.gate_mul(chunk_attn_cpu::GateParams{static_cast<int>(L.activation), gate, up, rows * inter, num_threads});
-  linear(variant, L.down, gate, h, rows, quant_scratch, num_threads);
+  linear(variant, L.down, gate, h, rows, quant_scratch, num_threads, int8);
   if (L.mlp_out_norm != nullptr) norm(h, L.mlp_out_norm, h, rows, hidden);
   for (int64_t i = 0; i < rows * hidden; ++i) hidden_out[i] = hidden_out[i] + h[i];
 }

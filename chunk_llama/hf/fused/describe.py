@@ -22,6 +22,7 @@ from chunk_llama.hf.families import BY_LAYER, Family
 from chunk_llama.hf.fused.snapshot import GLOBAL_HOOKS, Snapshot
 from chunk_llama.ops.cpu import linear as linear_ops
 from chunk_llama.ops.cpu import quant_linear as quant_ops
+from chunk_llama.ops.cpu.structs import ACTIVATIONS as STRUCT_ACTIVATIONS
 from chunk_llama.ops.cpu.structs import DecoderLayer, Weight
 
 # the dtypes a fused layer reads (its hidden states, norms, biases and weights): a 16-bit
@@ -116,7 +117,9 @@ def describe(layer: nn.Module) -> Described:
         intermediate_size=rows[4][1] - rows[4][0], activation=ACTIVATIONS[family.activation],
         norm_eps=float(getattr(modules[4], family.eps)), norm_offset=family.norm_offset,
         input_norm=norms[0], attn_out_norm=norms[1], mlp_norm=norms[2], mlp_out_norm=norms[3], q_norm=norms[4],
-        k_norm=norms[5], **dict(zip(_WEIGHT_FIELDS, weights)))
+        k_norm=norms[5], **dict(zip(_WEIGHT_FIELDS, weights)),
+        activations=STRUCT_ACTIVATIONS["int8" if any(type(module) is GGUFLinear and module.activations == "int8"
+                                                     for module in projections) else "float32"])
     return Described(modules, None, struct, int(family.window(attn)), widened)
 
 

@@ -33,7 +33,19 @@ class DecoderLayer(ctypes.Structure):
                 ("intermediate_size", I64), ("activation", I64), ("norm_eps", F64), ("norm_offset", F64),
                 *((name, P) for name in ("input_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_norm",
                                          "mlp_out_norm")),
-                *((name, Weight) for name in ("q", "k", "v", "o", "gate", "up", "down"))]
+                *((name, Weight) for name in ("q", "k", "v", "o", "gate", "up", "down")),
+                ("activations", I64)]  # ACTIVATIONS' code
+
+
+# chunk_llama_cpu_quant_matmul's activations (CHUNK_LLAMA_ACTIVATIONS_* in c_api.h)
+ACTIVATIONS = {"float32": 0, "int8": 1}
+
+
+class QuantMatmulArgs(ctypes.Structure):
+    """chunk_llama_cpu_quant_matmul_args: y = x W^T (+ bias) on GGML blocks, activations as named."""
+    _fields_ = [("x", P), ("rows", I64), ("in_features", I64), ("weight", P), ("weight_bytes", I64), ("type", I64),
+                ("out_features", I64), ("bias", P), ("y", P), ("activations", I64), ("isa", STR),
+                ("num_threads", I64)]
 
 
 class PlanParams(ctypes.Structure):
