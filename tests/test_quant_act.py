@@ -14,7 +14,7 @@ from test_quant_linear import random_blocks
 
 from chunk_llama.gguf.weights import GGUFLinear, set_gguf_activations
 from chunk_llama.logs import forget_logged
-from chunk_llama.ops.cpu import activations, isa, int8_reference
+from chunk_llama.ops.cpu import activations, int8_reference, isa
 from chunk_llama.ops.cpu import quant_linear as ops
 from chunk_llama.ops.cpu.attention import build
 
