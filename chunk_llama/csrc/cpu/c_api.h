@@ -10,7 +10,7 @@
  * CHUNK_LLAMA_TYPE_ERROR) and chunk_llama_cpu_last_error() its message (per thread). The
  * files behind it: c_api.cpp (this surface), plan_checks.cpp (what a plan is checked for),
  * planned.cpp (a checked plan made into the kernels' parameters, and run), layer.cpp (the
- * fused decoder layer). */
+ * fused decoder layer), lora.cpp (the LoRA deltas it adds per group of rows). */
 #ifndef CHUNK_LLAMA_CPU_C_API_H
 #define CHUNK_LLAMA_CPU_C_API_H
 
@@ -28,7 +28,7 @@ extern "C" {
 
 /* Bumped whenever an entry point's arguments change: a loader refuses a library whose
  * version differs from the one its binding was written for. */
-#define CHUNK_LLAMA_CPU_ABI_VERSION 9
+#define CHUNK_LLAMA_CPU_ABI_VERSION 10
 
 enum { CHUNK_LLAMA_OK = 0, CHUNK_LLAMA_VALUE_ERROR = 1, CHUNK_LLAMA_TYPE_ERROR = 2 };
 /* Element types of q and the pool (params.h DType). */
@@ -198,16 +198,49 @@ typedef struct {
   int64_t activations; /* CHUNK_LLAMA_ACTIVATIONS_*: int8 for the weights in formats with integer codes */
 } chunk_llama_cpu_decoder_layer;
 
+/* One adapter's LoRA on one projection: the projection's output gains
+ * scale * (x A^T) B^T, a [rank, in_features] and b [out_features, rank] float32 row-major
+ * (PEFT's lora_A and lora_B weights; b may be a range of a fused projection's rows). */
+typedef struct {
+  const float* a;
+  const float* b;
+  int64_t rank, in_features, out_features;
+  double scale;
+} chunk_llama_cpu_lora_factor;
+
+/* The rows [row_start, row_end) of a step that run under one adapter, and that adapter's
+ * factors for a run of num_layers decoder layers: those of layer l's target t (0..6: q, k,
+ * v, o, gate, up, down) are factors[index[l * 7 + t] .. index[l * 7 + t + 1]) (several:
+ * adapters applied together, added in that order), index [num_layers * 7 + 1]
+ * nondecreasing from 0, factors holding index[num_layers * 7] of them. */
+typedef struct {
+  int64_t row_start, row_end;
+  const chunk_llama_cpu_lora_factor* factors;
+  const int64_t* index;
+  int64_t num_layers;
+} chunk_llama_cpu_lora_segment;
+
+/* A step's rows by adapter: segments in row order, disjoint; rows in none run the base. */
+typedef struct {
+  const chunk_llama_cpu_lora_segment* segments;
+  int64_t num_segments;
+} chunk_llama_cpu_lora_rows;
+
 /* `layer` for the step `planned` was made for, float32: hidden_out [q_rows, hidden_size] = the
  * layer applied to hidden_in [q_rows, hidden_size] (a decode step's rows, one new token each,
  * or a prefill's packed tokens), with the rotary cos and sin [q_rows, head_dim] as the model
  * computed them. The step's new K/V go to the plan's write slots of `kv`'s pool, then its
  * attention runs over the plan (a decode plan's row i is batch row row_order[i]). Decode and
- * prefill run the same arithmetic per row. hidden_out may be hidden_in. */
+ * prefill run the same arithmetic per row. hidden_out may be hidden_in. lora (NULL: none):
+ * after each projection, each segment's rows gain its factors' deltas for layer `layer_index`
+ * of the segments' tables, each product through the same linear kernel as the rest (so a
+ * row's numbers do not depend on the rows beside it); every factor is checked against the
+ * weight's sizes before anything is written. */
 CHUNK_LLAMA_API int chunk_llama_cpu_decoder_layer_run(const chunk_llama_cpu_planned* planned,
                                                       const chunk_llama_cpu_decoder_layer* layer,
                                                       const chunk_llama_cpu_kv* kv, const float* hidden_in,
-                                                      float* hidden_out, const float* cos, const float* sin);
+                                                      float* hidden_out, const float* cos, const float* sin,
+                                                      const chunk_llama_cpu_lora_rows* lora, int64_t layer_index);
 
 /* A model's decoder layers in a row: layer i with its own K/V pool, scale and window kvs[i]. */
 typedef struct {
@@ -218,11 +251,13 @@ typedef struct {
 
 /* Every layer of `stack` as chunk_llama_cpu_decoder_layer_run would run them one after the
  * other, each in place on hidden_out (hidden_in copied there first), layer i with its own
- * rotary cos[i], sin[i] (Gemma 3's sliding and global layers turn by different bases). */
+ * rotary cos[i], sin[i] (Gemma 3's sliding and global layers turn by different bases), and
+ * layer i of lora's tables (NULL: none; every layer's factors checked before any runs). */
 CHUNK_LLAMA_API int chunk_llama_cpu_decoder_stack_run(const chunk_llama_cpu_planned* planned,
                                                       const chunk_llama_cpu_decoder_stack* stack,
                                                       const float* hidden_in, float* hidden_out,
-                                                      const float* const* cos, const float* const* sin);
+                                                      const float* const* cos, const float* const* sin,
+                                                      const chunk_llama_cpu_lora_rows* lora);
 
 #ifdef __cplusplus
 }

@@ -21,7 +21,7 @@ from chunk_llama.ops.build.c_types import I32, I64, STR, P
 from chunk_llama.ops.cpu.planned import PlanHandle
 from chunk_llama.ops.cpu.structs import ACTIVATIONS, U64, QuantMatmulArgs
 
-ABI_VERSION = 9  # CHUNK_LLAMA_CPU_ABI_VERSION in c_api.h
+ABI_VERSION = 10  # CHUNK_LLAMA_CPU_ABI_VERSION in c_api.h
 _SIGNATURES = {  # name: (argument types, result type), as c_api.h declares them
     "abi_version": ([], I32),
     "last_error": ([], STR),
@@ -33,8 +33,10 @@ _SIGNATURES = {  # name: (argument types, result type), as c_api.h declares them
     "plan_free": ([P], None),
     "plan_make": ([P, P, ctypes.POINTER(U64), ctypes.POINTER(I64)], I32),  # handle, PlanParams*
     "attend": ([P, P, P, I32, P], I32),  # Planned*, Kv*, q, q's dtype, out
-    "decoder_layer_run": ([P, P, P, P, P, P, P], I32),  # Planned*, DecoderLayer*, Kv*, hidden in, out, cos, sin
-    "decoder_stack_run": ([P, P, P, P, P, P], I32),  # Planned*, DecoderStackArgs*, hidden in, out, cos[], sin[]
+    # Planned*, DecoderLayer*, Kv*, hidden in, out, cos, sin, LoraRowsArgs* (or NULL), layer index in its tables
+    "decoder_layer_run": ([P, P, P, P, P, P, P, P, I64], I32),
+    # Planned*, DecoderStackArgs*, hidden in, out, cos[], sin[], LoraRowsArgs* (or NULL)
+    "decoder_stack_run": ([P, P, P, P, P, P, P], I32),
     "small_linear": ([P, I64, I64, P, I64, P, P, STR, I32], I32),
     "quant_linear": ([P, I64, I64, P, I64, I32, I64, P, P, STR, I32], I32),
     "dequantize": ([P, I64, I32, I64, I64, P, STR, I32], I32),

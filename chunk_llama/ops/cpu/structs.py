@@ -4,8 +4,10 @@ pool checks every struct that points into a K/V pool is made after.
 What is fixed for a step or a layer crosses the C boundary as one of these, made once: a
 plan's parameters (`PlanParams`, once per step), a made plan as its calls name it
 (`Planned`), a layer's pool with its scale and window (`Kv`, once per pool), a decoder
-layer's weights (`DecoderLayer`, once per description) and a model's layers in a row
-(`DecoderStackArgs`). Keep the fields in c_api.h's order.
+layer's weights (`DecoderLayer`, once per description), a model's layers in a row
+(`DecoderStackArgs`), an adapter's LoRA factors for them (`LoraFactor`s, once per adapter
+and layers) and a step's rows by adapter (`LoraSegment`s in `LoraRowsArgs`, once per step).
+Keep the fields in c_api.h's order.
 """
 
 from __future__ import annotations
@@ -71,6 +73,21 @@ class Kv(ctypes.Structure):
 class DecoderStackArgs(ctypes.Structure):
     """chunk_llama_cpu_decoder_stack: layers and their Kv structs, in a row."""
     _fields_ = [("layers", P), ("kvs", P), ("num_layers", I64)]
+
+
+class LoraFactor(ctypes.Structure):
+    """chunk_llama_cpu_lora_factor: a [rank, in_features] and b [out_features, rank], float32."""
+    _fields_ = [("a", P), ("b", P), ("rank", I64), ("in_features", I64), ("out_features", I64), ("scale", F64)]
+
+
+class LoraSegment(ctypes.Structure):
+    """chunk_llama_cpu_lora_segment: rows under one adapter and its factors' table."""
+    _fields_ = [("row_start", I64), ("row_end", I64), ("factors", P), ("index", P), ("num_layers", I64)]
+
+
+class LoraRowsArgs(ctypes.Structure):
+    """chunk_llama_cpu_lora_rows: a step's segments."""
+    _fields_ = [("segments", P), ("num_segments", I64)]
 
 
 def extent(cache: torch.Tensor) -> int:
