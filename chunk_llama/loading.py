@@ -12,6 +12,7 @@ import torch
 from chunk_llama.errors import UsageError
 from chunk_llama.extras import require
 from chunk_llama.hf.support import check_dtype, check_supported
+from chunk_llama.ops.cpu import activations
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ def _stored_dtype(config) -> torch.dtype | None:
 def load_model(name_or_path: str | None = None, *, device: str | torch.device | None = "auto",
                dtype: str | torch.dtype | None = "auto", revision: str | None = None,
                trust_remote_code: bool = False, device_map=None, gguf_weights: str = "auto",
-               **from_pretrained_kwargs):
+               gguf_activations: str | None = None, **from_pretrained_kwargs):
     """Load `(model, tokenizer)`: the default model, `"gemma3-270m"`, a `.gguf` file, a local
     folder or a hub id, on `device` in `dtype` (see `resolve_device`, `resolve_dtype`). The
     device, dtype and config are checked before any weights are read. `revision` (a hub
@@ -145,11 +146,14 @@ def load_model(name_or_path: str | None = None, *, device: str | torch.device | 
     "quantized" where it can be. A bfloat16 or float16 checkpoint (not GGUF) on the CPU in
     float32 keeps its linear weights and embedding in that dtype the same way (exactly the
     float32 weights, widened in registers: `gguf_weights.keep_half_precision`) unless
-    "dequantized"."""
+    "dequantized". `gguf_activations` (blocks kept from a `.gguf` file): what they multiply
+    their inputs with, "auto", "float32" or "int8" (`ops/cpu/activations.py`; None:
+    `CHUNK_LLAMA_GGUF_ACTIVATIONS`, else auto)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if gguf_weights not in GGUF_WEIGHTS:
         raise ValueError(f"gguf_weights must be one of {', '.join(GGUF_WEIGHTS)}, got {gguf_weights!r}")
+    activations.requested(gguf_activations)  # (checked before any weights are read)
     device = resolve_device(device)
     path = model_path(name_or_path)
     # auto for a checkpoint is resolved from its config (its dtype counts); a GGUF file's blocks run in float32
@@ -179,7 +183,7 @@ def load_model(name_or_path: str | None = None, *, device: str | torch.device | 
         model = _gguf_model_tensor_by_tensor(os.path.join(path, kwargs["gguf_file"]), config, dtype, device,
                                              trust_remote_code, from_pretrained_kwargs)
         if model is not None:
-            return model, tokenizer
+            return _with_activations(model, gguf_activations), tokenizer
     if device_map is not None:
         kwargs["device_map"] = device_map
     elif device.type == "cuda":
@@ -197,7 +201,16 @@ def load_model(name_or_path: str | None = None, *, device: str | torch.device | 
 
         kept = keep_gguf_quantized(model, os.path.join(path, kwargs["gguf_file"]))
         logger.info("GGUF tensors kept quantized: %s", describe_kept(kept))
+        model = _with_activations(model, gguf_activations)
     return model, tokenizer
+
+
+def _with_activations(model, gguf_activations: str | None):
+    """`model` with its GGUF blocks set to multiply with `gguf_activations` (logged)."""
+    from chunk_llama.gguf.weights import set_gguf_activations
+
+    logger.info("GGUF blocks multiply %s activations", set_gguf_activations(model, gguf_activations))
+    return model
 
 
 GGUF_WEIGHTS = ("auto", "quantized", "dequantized")

@@ -50,6 +50,12 @@ class EngineArgs:
                                        "a bfloat16 or float16 checkpoint's weights stay so the same way), "
                                        "dequantized is transformers' float32 copy, auto the first where it can",
                                choices=("auto", "quantized", "dequantized"))
+    gguf_activations: str | None = option(
+        None, "what a .gguf model's quantized blocks multiply their inputs with: float32 (the dequantized "
+              "model's numbers, as stock computes them), int8 (quantized per group of 32 as llama.cpp does: "
+              "integer dot products, faster prefill, a larger error), auto: int8 where it was measured faster "
+              "and within the error bound, else float32 (today: float32; default: auto)",
+        choices=("auto", "float32", "int8"))
     max_batch_size: int = option(32, "most sequences decoded at once")
     chunk_size: int = option(64, "tokens per KV chunk")
     kv_cache_bytes: int | None = option(None, "K/V budget of all layers in bytes (default: from free memory)")
@@ -72,8 +78,9 @@ class EngineArgs:
     max_loras: int | None = option(None, "most LoRA adapters whose weights stay in memory at once (the least "
                                          "recently used one not in use gives its place; default: all)")
     max_lora_rank: int | None = option(None, "largest rank a LoRA adapter may have (default: any)")
-    cuda_graphs: bool = option(True, "on a GPU, replay each decode step from CUDA graphs captured at start-up per "
-                                     "batch size (--no-cuda-graphs: every step eager, as enforce_eager)")
+    cuda_graphs: bool = option(False, "on a GPU, replay each decode step from CUDA graphs captured at start-up per "
+                                      "batch size (experimental, off by default until measured on a GPU: "
+                                      "--no-cuda-graphs, as enforce_eager, runs every step eager)")
 
     def engine_kwargs(self) -> dict:
         """The keyword arguments of `ChunkLlamaEngine` these settings give."""
@@ -90,6 +97,7 @@ class EngineArgs:
         the device and dtype were checked)."""
         from chunk_llama.hf.support import resolve_kv_dtype
         from chunk_llama.loading import checkpoint_dtype, load_model, resolve_device, resolve_dtype
+        from chunk_llama.ops.cpu.activations import requested as requested_activations
 
         template = read_chat_template(self.chat_template) if self.chat_template is not None else None
         load_kwargs = dict(revision=self.revision, trust_remote_code=self.trust_remote_code)
@@ -100,13 +108,14 @@ class EngineArgs:
         dtype = resolve_dtype(self.dtype, device, stored)
         try:  # before any weights are read
             resolve_kv_dtype(self.kv_dtype, dtype, device)
+            requested_activations(self.gguf_activations)  # (CHUNK_LLAMA_GGUF_ACTIVATIONS unchecked by argparse)
         except ValueError as error:
             raise UsageError(str(error)) from None
         if announce:
             name = self.model or "the default model (SmolLM2-135M-Instruct)"
             print(f"loading {name} on {device} in {str(dtype).removeprefix('torch.')} ...", file=sys.stderr)
         model, tokenizer = load_model(self.model, device=device, dtype=dtype, gguf_weights=self.gguf_weights,
-                                      **load_kwargs)
+                                      gguf_activations=self.gguf_activations, **load_kwargs)
         if template is not None and tokenizer is not None:
             tokenizer.chat_template = template
         return model, tokenizer

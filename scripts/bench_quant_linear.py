@@ -4,6 +4,7 @@
     python scripts/bench_quant_linear.py --rows 1 --model path/to/model.gguf
     python scripts/bench_quant_linear.py --rows 1 --model gemma3-270m --by-type   # each format's share
     python scripts/bench_quant_linear.py --rows 1 --random Q4_K Q6_K --shape 4096x4096  # one matrix per format
+    python scripts/bench_quant_linear.py --rows 1 300 --activations float32 int8 --model 1b.gguf  # both modes
 
 Every Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/K-quant/F16/BF16 matrix of the file (the layers' projections
 and the LM head; an embedding tied to the head counts once), each called once per pass with
@@ -18,11 +19,13 @@ matrix (a few microseconds) is included.
 bit pattern of the packed weights, the fp16 scales finite, as the tests draw them; copies
 of it, 256 MB in all, taken in turn so that each call reads its blocks from memory): the
 median and fastest call, GB/s of blocks and Gweights/s, for a model size no file here has.
+`--activations`: what the blocks multiply (`--gguf-activations`'s float32 and int8), each in turn.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -47,6 +50,7 @@ def main() -> None:
     parser.add_argument("--random", nargs="+", metavar="FORMAT", choices=sorted([*RANDOM_SCALES, *HALF_DTYPES]),
                         help="time one matrix of random blocks per format instead of a file's")
     parser.add_argument("--shape", default="4096x4096", help="--random's matrix: OUTxIN (out_features x in_features)")
+    parser.add_argument("--activations", nargs="+", default=["float32"], choices=["float32", "int8"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if build() is None:
@@ -66,26 +70,28 @@ def main() -> None:
     print(f"{len(weights)} matrices, {total_bytes / 1e6:.1f} MB of blocks, variant {isa.selected_variant()}, "
           f"{args.threads} threads")
     kinds = sorted({kind for kind, _, _ in weights}) if args.by_type else []
-    for rows in args.rows:
-        for kind in [None, *kinds]:
-            chosen = [w for w in weights if kind in (None, w[0])]
-            calls = [(QuantLinear(k, features), torch.randn(rows, features), blocks) for k, features, blocks in chosen]
+    for rows, activations, kind in itertools.product(args.rows, args.activations, [None, *kinds]):
+        chosen = [w for w in weights if kind in (None, w[0])]
+        calls = [(QuantLinear(k, features, activations), torch.randn(rows, features), blocks)
+                 for k, features, blocks in chosen]
 
-            def one_pass(calls=calls):
-                for layer, x, blocks in calls:
-                    layer(x, blocks, None)
+        def one_pass(calls=calls):
+            for layer, x, blocks in calls:
+                layer(x, blocks, None)
 
-            for _ in range(2):
-                one_pass()
-            times = []
-            for _ in range(args.passes):
-                start = time.perf_counter()
-                one_pass()
-                times.append(time.perf_counter() - start)
-            best, size = min(times), sum(blocks.numel() for _, _, blocks in chosen)
-            what = "all" if kind is None else f"{GGMLQuantizationType(kind).name} x{len(chosen)}"
-            print(f"rows {rows:3d}, {what}: fastest {best * 1e3:.2f} ms, median {statistics.median(times) * 1e3:.2f} "
-                  f"ms, {size / best / 1e9:.1f} GB/s of blocks")
+        for _ in range(2):
+            one_pass()
+        times = []
+        for _ in range(args.passes):
+            start = time.perf_counter()
+            one_pass()
+            times.append(time.perf_counter() - start)
+        best, size = min(times), sum(blocks.numel() for _, _, blocks in chosen)
+        what = "all" if kind is None else f"{GGMLQuantizationType(kind).name} x{len(chosen)}"
+        macs = rows * sum(blocks.shape[0] * features for _, features, blocks in chosen)
+        print(f"rows {rows:3d}, {activations}, {what}: fastest {best * 1e3:.2f} ms, median "
+              f"{statistics.median(times) * 1e3:.2f} ms, {size / best / 1e9:.1f} GB/s of blocks, "
+              f"{2 * macs / best / 1e9:.0f} GFLOP/s")
 
 
 # the formats --random draws, by where their fp16 scales sit in a block
@@ -117,8 +123,8 @@ def random_matrices(args) -> None:
     for name in args.random:
         blocks = random_blocks(name, out_features, in_features, rng)
         copies = [blocks.clone() for _ in range(max(2, (256 << 20) // blocks.numel()))]  # (well past any cache)
-        layer = QuantLinear(int(GGMLQuantizationType[name]), in_features)
-        for rows in args.rows:
+        for rows, activations in itertools.product(args.rows, args.activations):
+            layer = QuantLinear(int(GGMLQuantizationType[name]), in_features, activations)
             x = torch.randn(rows, in_features)
             for copy in copies[:2]:
                 layer(x, copy, None)
@@ -128,7 +134,7 @@ def random_matrices(args) -> None:
                 layer(x, copies[i % len(copies)], None)
                 times.append(time.perf_counter() - start)
             median, best = statistics.median(times), min(times)
-            print(f"rows {rows:3d}, {name}: median {median * 1e6:.1f} us (fastest {best * 1e6:.1f}), "
+            print(f"rows {rows:3d}, {activations}, {name}: median {median * 1e6:.1f} us (fastest {best * 1e6:.1f}), "
                   f"{blocks.numel() / median / 1e9:.1f} GB/s of blocks, "
                   f"{out_features * in_features / median / 1e9:.1f} Gweights/s")
 

@@ -3,6 +3,7 @@ llama.cpp on the same GGUF file, the same prompt tokens and the same greedy sett
 
     python scripts/bench_single.py                           # 300-token prompt, 64 new tokens, 5 repeats
     python scripts/bench_single.py --gguf-weights quantized dequantized   # both chunk-llama weight forms
+    python scripts/bench_single.py --gguf-activations float32 auto   # both activation modes of the blocks
     python scripts/bench_single.py --prompt-tokens 32 --new-tokens 4 --repeat 1   # a smoke run
     python scripts/bench_single.py --interleave --repeat 9   # chunk-llama and llama.cpp run by run
 
@@ -17,7 +18,9 @@ Systems (one process, one after the other, each warmed up once, then `--repeat` 
                `--stock-bfloat16` adds "stock (bfloat16)", that copy in bfloat16
   chunk-llama  `ChunkLlamaEngine` (one request, prefix retention off so each run computes the
                prompt) on the model `chunk_llama.loading.load_model` gives; `--gguf-weights X`
-               forwards `gguf_weights=X` to it (one system per value, named after it), and
+               forwards `gguf_weights=X` to it (one system per value, named after it), so does
+               `--gguf-activations Y` (`gguf_activations=Y`; without it, load_model's default: the
+               CHUNK_LLAMA_GGUF_ACTIVATIONS environment variable, else auto), and
                `--chunk-llama-arg KEY=VALUE` any other keyword (VALUE read as JSON, else a string)
   llama.cpp    `llama-server -np 1` built by scripts/build_llama_cpp.sh; the figures are the ones
                its response reports (`timings.prompt_ms`, `timings.predicted_per_second`), so its
@@ -227,6 +230,9 @@ def main() -> None:
     parser.add_argument("--gguf-weights", nargs="+", choices=("quantized", "dequantized"),
                         help="chunk-llama: load_model(..., gguf_weights=X), one system per value "
                              "(default: the keyword is not passed)")
+    parser.add_argument("--gguf-activations", nargs="+", choices=("auto", "float32", "int8"),
+                        help="chunk-llama: load_model(..., gguf_activations=X), one system per value (and per "
+                             "--gguf-weights value)")
     parser.add_argument("--chunk-llama-arg", type=_kwarg, action="append", default=[], metavar="KEY=VALUE",
                         help="chunk-llama: another keyword for load_model (repeatable)")
     parser.add_argument("--stock-bfloat16", action="store_true",
@@ -292,8 +298,9 @@ def main() -> None:
     try:
         if "chunk-llama" in args.systems:
             extra = dict(args.chunk_llama_arg)
-            for form in args.gguf_weights or [None]:
-                kwargs = dict(extra, **({"gguf_weights": form} if form else {}))
+            for form, acts in [(f, a) for f in args.gguf_weights or [None] for a in args.gguf_activations or [None]]:
+                kwargs = dict(extra, **({"gguf_weights": form} if form else {}),
+                              **({"gguf_activations": acts} if acts else {}))
                 named = ", ".join(f"{k}={v}" for k, v in kwargs.items())
                 name = f"chunk-llama ({named})" if kwargs else "chunk-llama"
                 try:  # load_model's default form unless told
@@ -336,8 +343,8 @@ def main() -> None:
 
     from chunk_llama.ops.cpu.isa import selected_variant
 
-    header = (f"one request: {len(prompt)}-token chat prompt, {args.new_tokens} new tokens, greedy, float32 "
-              f"activations, {os.path.basename(gguf)}, {args.threads} threads, median of {args.repeat} runs "
+    header = (f"one request: {len(prompt)}-token chat prompt, {args.new_tokens} new tokens, greedy, "
+              f"{os.path.basename(gguf)}, {args.threads} threads, median of {args.repeat} runs "
               f"after a warm-up{' (interleaved)' if args.interleave else ''}\n{peer.cpu_summary()}; chunk-llama variant {selected_variant()}; torch "
               f"{torch.__version__}; {llama_desc}")
     print("\n" + header + "\n")

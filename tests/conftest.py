@@ -4,6 +4,10 @@ import sys
 import psutil
 
 sys.path.insert(0, os.path.dirname(__file__))
+# Every test that compares with stock transformers runs GGUF blocks on float32 activations (the
+# dequantized model's numbers); the int8 path's tests ask for it (tests/test_quant_act.py). Set
+# for the whole run, so that subprocesses (the commands, the server) inherit it.
+os.environ["CHUNK_LLAMA_GGUF_ACTIVATIONS"] = "float32"
 
 
 def pytest_sessionfinish(session, exitstatus):

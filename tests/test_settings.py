@@ -15,20 +15,28 @@ from chunk_llama.loading import resolve_device, resolve_dtype
 from chunk_llama.settings import EngineArgs, from_namespace, read_chat_template
 
 
+@pytest.fixture(autouse=True)
+def no_activations_from_the_environment(monkeypatch):
+    """conftest.py sets CHUNK_LLAMA_GGUF_ACTIVATIONS=float32 for the run (stock comparisons), which
+    every parser reads as its default: these tests compare parsed defaults with the dataclass's."""
+    monkeypatch.delenv("CHUNK_LLAMA_GGUF_ACTIVATIONS", raising=False)
+
+
 @pytest.mark.parametrize("command", ["generate", "serve", "eval"])
 def test_every_command_takes_the_engine_options(command):
     extra = ["--output", "out"] if command == "eval" else []
     args = build_parser().parse_args([command, "--max-batch-size", "4", "--chunk-size", "32", "--kv-cache-bytes",
                                       "1000000", "--max-prefill-tokens", "256", "--no-prefix-caching", "--dtype",
-                                      "bfloat16", "--device", "cpu", "--kv-dtype", "bfloat16", "--no-cuda-graphs", *extra])
+                                      "bfloat16", "--device", "cpu", "--kv-dtype", "bfloat16",
+                                      "--gguf-activations", "int8", "--cuda-graphs", *extra])
     engine = from_namespace(EngineArgs, args)
     assert engine == EngineArgs(device="cpu", dtype="bfloat16", max_batch_size=4, chunk_size=32,
                                 kv_cache_bytes=1000000, max_prefill_tokens=256, prefix_caching=False,
-                                kv_dtype="bfloat16", cuda_graphs=False)
+                                kv_dtype="bfloat16", gguf_activations="int8", cuda_graphs=True)
     assert engine.engine_kwargs() == dict(max_batch_size=4, chunk_size=32, kv_cache_bytes=1000000,
                                           kv_dtype="bfloat16", max_prefill_tokens=256, retain_prefixes=False,
                                           max_model_len=None, lora_modules=None, max_loras=None,
-                                          max_lora_rank=None, enforce_eager=True)
+                                          max_lora_rank=None, enforce_eager=False)
 
 
 def test_defaults_equal_the_dataclass_and_the_environment_overrides_them(monkeypatch):
@@ -143,7 +151,7 @@ def test_to_argv_gives_the_settings_again_and_keeps_secrets_off_command_lines():
     from chunk_llama.server.options import DeployArgs
     from chunk_llama.settings import to_argv
 
-    engine = EngineArgs(max_batch_size=7, prefix_caching=False, kv_cache_bytes=1 << 20)
+    engine = EngineArgs(max_batch_size=7, prefix_caching=False, kv_cache_bytes=1 << 20, gguf_activations="float32")
     deploy = DeployArgs(max_request_bytes=4000, request_timeout=2.5, metrics_need_key=True)
     args = build_parser().parse_args(["serve", *to_argv(engine), *to_argv(deploy)])
     assert from_namespace(EngineArgs, args) == engine and from_namespace(DeployArgs, args) == deploy

@@ -30,7 +30,7 @@ from chunk_llama.engine.inputs import InputProcessor, positive_int
 from chunk_llama.engine.request import RequestDelta, RequestOutput, Sequence
 from chunk_llama.engine.runner import ModelRunner
 from chunk_llama.engine.scheduler import Scheduler
-from chunk_llama.gguf.weights import gguf_blocks
+from chunk_llama.gguf.weights import gguf_blocks, set_gguf_activations
 from chunk_llama.hf import ChunkCache, is_patched, patch_model
 from chunk_llama.hf.lora.registry import AdapterRegistry
 from chunk_llama.ops import prepare_backend
@@ -70,9 +70,12 @@ class ChunkLlamaEngine(Delivery, EngineAdapters):
         max_loras: most loaded adapters whose weights stay in memory at once (the least recently
             used one not in use gives its place; default: all).
         max_lora_rank: largest rank an adapter may have (default: any).
-        enforce_eager: run every decode step eagerly; by default, on a GPU, decode steps replay
-            CUDA graphs captured here per batch-size bucket (`engine/graphs.py`; the start-up
-            logs the time and memory the capture took).
+        gguf_activations: what a GGUF model's blocks multiply their inputs with: "auto", "float32"
+            or "int8" (`ops/cpu/activations.py`); None keeps the model's (set by `load_model`).
+        enforce_eager: run every decode step eagerly (the default); False: on a GPU, decode steps
+            replay CUDA graphs captured here per batch-size bucket (`engine/graphs.py`; the
+            start-up logs the time and memory the capture took). Experimental: off by default
+            until the capture path is measured on a GPU.
     """
 
     def __init__(
@@ -90,7 +93,8 @@ class ChunkLlamaEngine(Delivery, EngineAdapters):
         lora_modules: dict[str, str] | None = None,
         max_loras: int | None = None,
         max_lora_rank: int | None = None,
-        enforce_eager: bool = False,
+        gguf_activations: str | None = None,
+        enforce_eager: bool = True,
     ):
         if not isinstance(enforce_eager, bool):
             raise TypeError(f"enforce_eager must be a bool, got {type(enforce_eager).__name__}")
@@ -108,6 +112,8 @@ class ChunkLlamaEngine(Delivery, EngineAdapters):
         if not is_patched(model):
             patch_model(model, chunk_size=chunk_size or 64)
         self.model = model
+        if gguf_activations is not None:
+            set_gguf_activations(model, gguf_activations)
         self._gguf_blocks = gguf_blocks(model)
         self.tokenizer = tokenizer
         self.adapters = AdapterRegistry(model, max_loras=max_loras, max_lora_rank=max_lora_rank)

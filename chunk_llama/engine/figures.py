@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from chunk_llama.gguf.weights import GGUFLinear
 from chunk_llama.ops import backend_info
 from chunk_llama.ops.cpu import isa, linear
 
@@ -16,7 +17,8 @@ def engine_stats(engine) -> dict[str, Any]:
     `attention_backend` is the decode kernel in use ("cpu:avx2", "cuda", "reference",
     ...) and `attention_fallback_reason` why the reference runs, if it does;
     `linear_backend` what the model's linear layers run on ("small_linear:avx512 + onednn",
-    "torch", ...; with ", GGUF blocks Q4_1 x210" for layers kept in a GGUF file's blocks).
+    "torch", ...; with ", GGUF blocks Q4_1 x210 on int8 activations" for layers kept in a GGUF
+    file's blocks); `weight_bytes` what the model's weights hold (each storage once).
     `adapters` and `adapters_resident` count the LoRA adapters requests may name and those
     whose weights are in memory (`adapter_bytes_resident`); `retained_chunks_by_adapter` the
     cached prefixes of each (None: the base). `decode_graph_steps`: decode steps replayed from
@@ -44,13 +46,30 @@ def engine_stats(engine) -> dict[str, Any]:
         attention_fallback_reason=backend["reason"],
         linear_backend=linear.backend(dtype, pool.device) + (
             ", GGUF blocks " + ", ".join(f"{t} x{n}" for t, n in sorted(engine._gguf_blocks.items()))
-            if engine._gguf_blocks else ""),
+            + f" on {gguf_activations(engine.model)} activations" if engine._gguf_blocks else ""),
+        weight_bytes=weight_bytes(engine.model),
         adapters=len(engine.adapters.names()),
         adapters_resident=engine.adapters.num_resident,
         adapter_bytes_resident=engine.adapters.resident_bytes,
         retained_chunks_by_adapter=engine.adapters.names_of_keys(tree.retained_by_key()),
         decode_graph_steps=engine.runner.graphs.counters["graph_steps"] if engine.runner.graphs is not None else 0,
     )
+
+
+def weight_bytes(model) -> int:
+    """Bytes the model's parameters and buffers hold (GGUF blocks included), each storage once
+    (tied weights share one)."""
+    storages = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        storage = tensor.untyped_storage()
+        storages[(storage.data_ptr(), tensor.device)] = storage.nbytes()
+    return sum(storages.values())
+
+
+def gguf_activations(model) -> str:
+    """What the model's GGUF blocks multiply ("int8", "float32", or both where formats differ)."""
+    kinds = sorted({m.activations for m in model.modules() if isinstance(m, GGUFLinear)})
+    return " and ".join(kinds) or "float32"
 
 
 def describe(engine) -> str:
@@ -62,6 +81,7 @@ def describe(engine) -> str:
     if stats["attention_fallback_reason"]:
         attention += f" ({stats['attention_fallback_reason']})"
     name = lambda t: str(t).removeprefix("torch.")  # noqa: E731
-    return (f"chunk-llama: {device} ({where}), {name(engine.cache.geometry.dtype)}; attention: {attention}; "
+    return (f"chunk-llama: {device} ({where}), {name(engine.cache.geometry.dtype)}, weights "
+            f"{stats['weight_bytes'] / 2**30:.2f} GiB; attention: {attention}; "
             f"linear layers: {stats['linear_backend']}; KV pool {pool.capacity * pool.bytes_per_chunk / 2**30:.2f} "
             f"GiB, {name(pool.dtype)} ({pool.capacity} chunks of {pool.chunk_size} tokens)")

@@ -34,7 +34,7 @@ weight replaced) is copied into the captured one, never read from a stale addres
 
 Steps that run eager, logged once with the reason: a batch above the largest bucket, rows
 under LoRA adapters, a model split over devices, a model `hf/graph_forward.py` cannot stand
-for (hooks, training, an unknown family). `--no-cuda-graphs` (`enforce_eager`) turns it off.
+for (hooks, training, an unknown family). Off by default (`enforce_eager=True`) until the capture is measured on a GPU: `--cuda-graphs` turns it on.
 Without CUDA (`capture=False`) the same compiled, split graph runs its pieces eagerly: what
 the CPU tests check (logits, no graph break, no reallocation, buckets, fallbacks).
 """

@@ -9,7 +9,10 @@ the same name, type and data layout, so gguf-py's `dequantize` takes it as it is
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
+import mmap
 import struct
 from typing import NamedTuple
 
@@ -109,3 +112,23 @@ def _value(blob: np.ndarray, position: int, value_type: int):
     for _ in range(count):  # strings (a vocabulary) or arrays: walked, not kept
         _, position = _value(blob, position, element_type)
     return None, position
+
+
+def release_pages(data: np.ndarray) -> None:
+    """Drop the file pages `data` (a slice of the memory-mapped file) holds from this process's
+    resident set (they are read again if touched): a loader that copies each tensor out of the
+    file then peaks at the copies, not at the copies and the file."""
+    libc = _libc()
+    page = mmap.PAGESIZE
+    start = -(-data.ctypes.data // page) * page  # whole pages inside the slice only
+    end = (data.ctypes.data + data.nbytes) // page * page
+    if libc is not None and end > start:
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED)
+
+
+@functools.cache
+def _libc():
+    try:
+        return ctypes.CDLL(None, use_errno=True) if hasattr(mmap, "MADV_DONTNEED") else None
+    except OSError:
+        return None

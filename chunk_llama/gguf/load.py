@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from chunk_llama.gguf import weights as gguf_weights
+from chunk_llama.gguf.direct import keep_file_blocks
 from chunk_llama.gguf.file import FileTensor, file_tensors
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,13 @@ def load_gguf_model(gguf_path: str, config, dtype: torch.dtype = torch.float32, 
         # what load_gguf_checkpoint does with each tensor (a plain processor keeps its name), one at a time
         if tensor.name not in parameter_of:
             continue
+        if blocks:  # a quantized tensor straight into its module's blocks, where it can (gguf/direct.py)
+            name = parameter_of[tensor.name]
+            replaced = keep_file_blocks(model, name, tensor, processor)
+            if replaced:
+                kept.add(tensor, replaced)
+                loaded.update(tied.get(name, (name,)))
+                continue
         processed = processor.process(weights=_dequantized(tensor), name=tensor.name,
                                       tensor_key_mapping=parameter_of, parsed_parameters={"tensors": {}})
         name = parameter_of[processed.name]

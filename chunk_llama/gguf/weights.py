@@ -29,6 +29,8 @@ from torch import nn
 
 from chunk_llama.gguf.file import FileTensor, file_tensors
 from chunk_llama.ops.cpu import quant_linear as ops
+from chunk_llama.ops.cpu.activations import INT8_TYPES
+from chunk_llama.ops.cpu.activations import resolve as resolve_activations
 
 logger = logging.getLogger(__name__)
 # How far a decoded weight may be from transformers' (relative to the tensor's largest): on
@@ -41,14 +43,29 @@ class GGUFLinear(nn.Module):
     """`nn.Linear` whose weight stays in GGML blocks: `blocks` [out_features, row_bytes]
     uint8 of format `ggml_type` (gguf-py's name); x [..., in_features] -> [..., out_features].
     `weight` decodes a float32 copy on each access (for code that reads it; not the forward's
-    path)."""
+    path). `activations`: what the blocks multiply x with, "float32" or "int8" once resolved
+    (`ops/cpu/activations.py`: "auto", or None for `CHUNK_LLAMA_GGUF_ACTIVATIONS`, else auto;
+    `set_activations` changes it); a format without integer codes keeps float32."""
 
-    def __init__(self, blocks: torch.Tensor, ggml_type: str, in_features: int, bias: torch.Tensor | None = None):
+    def __init__(self, blocks: torch.Tensor, ggml_type: str, in_features: int, bias: torch.Tensor | None = None,
+                 activations: str | None = None):
         super().__init__()
         self.in_features, self.out_features, self.ggml_type = in_features, blocks.shape[0], ggml_type
         self.register_buffer("blocks", blocks)
         self.bias = bias
-        self._op = ops.QuantLinear(ops.GGML_TYPES[ggml_type], in_features)
+        self.set_activations(activations)
+
+    def set_activations(self, activations: str | None) -> bool:
+        """Multiply with `activations` from now on; whether that changed anything (a fused layer
+        described with the other activations must then be described again: `set_gguf_activations`
+        does that for a model)."""
+        resolved = resolve_activations(activations)  # (ValueError naming a bad choice)
+        resolved = resolved if self.ggml_type in INT8_TYPES else "float32"
+        if getattr(self, "activations", None) == resolved:
+            return False
+        self.activations = resolved
+        self._op = ops.QuantLinear(ops.GGML_TYPES[self.ggml_type], self.in_features, resolved)
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._op(x, self.blocks, self.bias)
@@ -96,6 +113,24 @@ class GGUFEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, ggml_type={self.ggml_type}"
 
 
+def set_gguf_activations(model: nn.Module, activations: str | None = None) -> str:
+    """Make every `GGUFLinear` of `model` multiply with `activations` (`ops/cpu/activations.py`:
+    auto, float32 or int8; None: `CHUNK_LLAMA_GGUF_ACTIVATIONS`, else auto), resolved for this
+    CPU; returns what it resolved to ("float32" or "int8")."""
+    resolved = resolve_activations(activations)
+    changed = [m.set_activations(resolved) for m in model.modules() if isinstance(m, GGUFLinear)]
+    if any(changed):
+        # a new view of each module's blocks (one per tensor: a tied embedding and LM head keep
+        # sharing one): a fused layer described with the other activations sees its buffers
+        # change (hf/fused/snapshot.py compares them by identity) and describes itself again
+        views = {}
+        for module in model.modules():
+            if isinstance(module, (GGUFLinear, GGUFEmbedding)):
+                old = module._buffers["blocks"]
+                module._buffers["blocks"] = views.setdefault(id(old), (old, old.view(old.shape)))[1]
+    return resolved
+
+
 def _save_as_float32(module: nn.Module, destination: dict, prefix: str, keep_vars: bool) -> None:
     """A state dict as the float32 module's (`weight` decoded, `bias`), not the blocks: what
     `save_pretrained` writes is then a checkpoint transformers loads, with the weights the
@@ -106,7 +141,7 @@ def _save_as_float32(module: nn.Module, destination: dict, prefix: str, keep_var
         destination[prefix + "bias"] = bias if keep_vars else bias.detach()
 
 
-def _embedding_scale(module: nn.Module) -> tuple[bool, torch.Tensor | None]:
+def embedding_scale(module: nn.Module) -> tuple[bool, torch.Tensor | None]:
     """(whether the embedding's forward is one GGUFEmbedding reproduces, its scale)."""
     if getattr(module, "max_norm", None) is not None:  # renormalizes the rows it looks up
         return False, None
@@ -118,7 +153,7 @@ def _embedding_scale(module: nn.Module) -> tuple[bool, torch.Tensor | None]:
     return False, None
 
 
-def _row_permutation(processor, gguf_name: str, num_rows: int) -> np.ndarray | None:
+def row_permutation(processor, gguf_name: str, num_rows: int) -> np.ndarray | None:
     """The rows transformers reorders a tensor's by on loading (Llama's q/k heads), found by
     running its own processor on the row numbers; None if it does more than reorder rows."""
     rows = np.arange(num_rows, dtype=np.float32).reshape(num_rows, 1)
@@ -239,12 +274,12 @@ def keep_blocks(model: nn.Module, name: str | None, tensor, processor) -> int | 
         return None
     module_name = name.removesuffix(".weight")
     module = model.get_submodule(module_name)
-    reproducible, scale = _embedding_scale(module)
+    reproducible, scale = embedding_scale(module)
     if not (type(module) is nn.Linear or reproducible):
         return None
     if ggml_type in HALF_TYPES.values() and module.weight.shape[-1] % 32:
         return None  # (GGML's 16-bit blocks are of one value; the kernel's groups are of 32)
-    permutation = _row_permutation(processor, tensor.name, tensor.data.shape[0])
+    permutation = row_permutation(processor, tensor.name, tensor.data.shape[0])
     # [rows, row_bytes], a copy (an F16 tensor's data are float16 values: their bytes)
     blocks = torch.from_numpy(np.array(tensor.data).view(np.uint8).reshape(tensor.data.shape[0], -1))
     if permutation is not None:
@@ -252,7 +287,7 @@ def keep_blocks(model: nn.Module, name: str | None, tensor, processor) -> int | 
     if permutation is None or not _matches(blocks, ggml_type, module.weight):
         return 0
     if type(module) is nn.Linear:
-        _replace(model, module_name, GGUFLinear(blocks, ggml_type, module.in_features, module.bias))
+        replace_module(model, module_name, GGUFLinear(blocks, ggml_type, module.in_features, module.bias))
         return 1
     replacement = GGUFEmbedding(blocks, ggml_type, module.embedding_dim, scale, module.padding_idx)
     ids = torch.randint(0, module.num_embeddings, (64,), generator=torch.Generator().manual_seed(0))
@@ -261,9 +296,9 @@ def keep_blocks(model: nn.Module, name: str | None, tensor, processor) -> int | 
     replaced = 1
     output = model.get_output_embeddings()
     if isinstance(output, nn.Linear) and output.weight is module.weight:  # a tied LM head: the same blocks
-        _replace(model, _name_of(model, output), GGUFLinear(blocks, ggml_type, output.in_features, output.bias))
+        replace_module(model, name_of(model, output), GGUFLinear(blocks, ggml_type, output.in_features, output.bias))
         replaced += 1
-    _replace(model, module_name, replacement)
+    replace_module(model, module_name, replacement)
     return replaced
 
 
@@ -298,10 +333,10 @@ def gguf_blocks(model: nn.Module) -> dict[str, int]:
     return dict(collections.Counter(m.ggml_type for m in model.modules() if isinstance(m, (GGUFLinear, GGUFEmbedding))))
 
 
-def _name_of(model: nn.Module, target: nn.Module) -> str:
+def name_of(model: nn.Module, target: nn.Module) -> str:
     return next(name for name, module in model.named_modules() if module is target)
 
 
-def _replace(model: nn.Module, name: str, replacement: nn.Module) -> None:
+def replace_module(model: nn.Module, name: str, replacement: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, replacement)

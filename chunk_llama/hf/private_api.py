@@ -84,7 +84,7 @@ PRIVATE_APIS = (
                  ("hidden_states", "position_embeddings"))
       for family, name in (("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"),
                            ("gemma3", "Gemma3"), ("phi3", "Phi3"))),
-    PrivateApi("transformers.activations:GELUTanh", "hf/fused/layers.py (its `act`, F.gelu's tanh approximation)",
+    PrivateApi("transformers.activations:GELUTanh", "hf/fused/describe.py (its `act`, F.gelu's tanh approximation)",
                kind="class"),
     PrivateApi("transformers.models.llama.modeling_llama:rotate_half", "csrc/cpu/layer.cpp (rotate)", ("x",)),
 )

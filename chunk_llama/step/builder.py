@@ -24,7 +24,7 @@ from chunk_llama.step.prefill_plan import PrefillPlan, build_prefill_plan
 
 
 class StepBackends(Protocol):
-    """What a step runs, chosen by the cache once per step (`ops/backends.py`)."""
+    """What a step runs, chosen by the cache once per step (`ops/dispatch.py` `CacheBackends`)."""
 
     q_dtype: torch.dtype  # what the attention takes queries in
 

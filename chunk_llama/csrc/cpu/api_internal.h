@@ -1,7 +1,7 @@
 // What the C interface's translation units share: the plan handle (opaque in c_api.h), the
 // checks a plan and a call go through (plan_checks.cpp), the planning and running of a
-// checked plan (planned.cpp), and the choice of variant (c_api.cpp). layer.cpp runs the fused
-// decoder layer through them. Torch-free; errors are thrown as chunk_llama/api_errors.h says.
+// checked plan (planned.cpp), the choice of variant (c_api.cpp), and the LoRA deltas
+// (lora.cpp). layer.cpp runs the fused decoder layer through them. Torch-free; errors are thrown as chunk_llama/api_errors.h says.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +23,10 @@ struct Geometry {
 // c_api.cpp
 const chunk_attn_cpu::Variant& variant_for(const char* isa);
 int64_t row_bytes_of(const char* op, int type, int64_t in_features);
+// quant_api.cpp: the int8 activations' linear layer (its variant chosen and its scratch given
+// here; the caller checked the weight's size and the type's codes).
+const chunk_attn_cpu::Variant& int8_variant_for(const char* isa);
+void quant_int8_linear(const char* isa, const chunk_attn_cpu::QuantInt8Params& params);
 
 // plan_checks.cpp: what a plan is checked for once, when it is made, and a call per layer.
 void check_dtype(int dtype, const char* what);
@@ -78,5 +82,20 @@ const chunk_llama_cpu_plan& checked_plan(const chunk_llama_cpu_planned* planned)
 // Attention of q (q_rows rows in plan order) over kv's pool (both checked) into out.
 void run_attention(const chunk_llama_cpu_plan& plan, const chunk_llama_cpu_planned& planned,
                    const chunk_llama_cpu_kv& kv, const void* q, int q_dtype, void* out);
+
+}  // namespace chunk_llama_cpu_internal
+
+namespace chunk_llama_cpu_internal {
+
+// lora.cpp: a fused layer's LoRA deltas (chunk_llama_cpu_lora_rows), targets in its tables'
+// order: q, k, v, o, gate, up, down.
+constexpr int kLoraTargets = 7;
+// Checks lora's segments (NULL: none) against the step's rows and layer `layer`'s factors
+// against L's weights; the floats of scratch add_lora then needs (0: none).
+int64_t check_lora(const chunk_llama_cpu_lora_rows* lora, int64_t layer, const chunk_llama_cpu_decoder_layer& L,
+                   int64_t rows);
+// y [rows, out] += each segment's deltas of target `target` (lora checked) for x [rows, in].
+void add_lora(const chunk_llama_cpu_plan& plan, const chunk_llama_cpu_lora_rows* lora, int64_t layer, int target,
+              const float* x, float* y, float* scratch);
 
 }  // namespace chunk_llama_cpu_internal

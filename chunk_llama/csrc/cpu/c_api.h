@@ -10,7 +10,7 @@
  * CHUNK_LLAMA_TYPE_ERROR) and chunk_llama_cpu_last_error() its message (per thread). The
  * files behind it: c_api.cpp (this surface), plan_checks.cpp (what a plan is checked for),
  * planned.cpp (a checked plan made into the kernels' parameters, and run), layer.cpp (the
- * fused decoder layer). */
+ * fused decoder layer), lora.cpp (the LoRA deltas it adds per group of rows). */
 #ifndef CHUNK_LLAMA_CPU_C_API_H
 #define CHUNK_LLAMA_CPU_C_API_H
 
@@ -28,7 +28,7 @@ extern "C" {
 
 /* Bumped whenever an entry point's arguments change: a loader refuses a library whose
  * version differs from the one its binding was written for. */
-#define CHUNK_LLAMA_CPU_ABI_VERSION 8
+#define CHUNK_LLAMA_CPU_ABI_VERSION 10
 
 enum { CHUNK_LLAMA_OK = 0, CHUNK_LLAMA_VALUE_ERROR = 1, CHUNK_LLAMA_TYPE_ERROR = 2 };
 /* Element types of q and the pool (params.h DType). */
@@ -147,6 +147,29 @@ CHUNK_LLAMA_API int chunk_llama_cpu_dequantize(const uint8_t* weight, int64_t we
  * one of the above or in_features is not a multiple of its block. */
 CHUNK_LLAMA_API int64_t chunk_llama_cpu_quant_row_bytes(int type, int64_t in_features);
 
+/* What a layer on GGML blocks multiplies its weights with: x as it is (float32), or x
+ * quantized to int8 per group of 32 (quant_act_params.h; the formats with integer codes:
+ * Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K). */
+enum { CHUNK_LLAMA_ACTIVATIONS_FLOAT32 = 0, CHUNK_LLAMA_ACTIVATIONS_INT8 = 1 };
+
+/* quant_linear's product with a choice of activations, its arguments in one struct. */
+typedef struct {
+  const float* x;          /* [rows, in_features] */
+  int64_t rows, in_features;
+  const uint8_t* weight;   /* out_features rows of GGML blocks, weight_bytes in all */
+  int64_t weight_bytes, type, out_features;
+  const float* bias;       /* [out_features] or NULL */
+  float* y;                /* [rows, out_features] */
+  int64_t activations;     /* CHUNK_LLAMA_ACTIVATIONS_* */
+  const char* isa;         /* the variant; int8 runs chunk_llama_cpu_int8_variant(isa)'s kernel */
+  int64_t num_threads;
+} chunk_llama_cpu_quant_matmul_args;
+CHUNK_LLAMA_API int chunk_llama_cpu_quant_matmul(const chunk_llama_cpu_quant_matmul_args* args);
+/* The variant whose int8 kernel runs for variant `isa` on this CPU: `isa` itself, or the
+ * next one that runs its integer code (AVX-512 without VNNI: avx2); NULL (and an error) for
+ * a variant this CPU cannot run. */
+CHUNK_LLAMA_API const char* chunk_llama_cpu_int8_variant(const char* isa);
+
 /* One linear layer's weight in chunk_llama_cpu_decoder_layer: float32 [out_features,
  * in_features] (type 0: an nn.Linear's weight in place) or GGML blocks (a type id above),
  * `bytes` bytes in all; bias [out_features] float32 or NULL. */
@@ -172,18 +195,52 @@ typedef struct {
   const float* mlp_norm;      /* [hidden_size] */
   const float* mlp_out_norm;  /* [hidden_size] or NULL */
   chunk_llama_cpu_weight q, k, v, o, gate, up, down;
+  int64_t activations; /* CHUNK_LLAMA_ACTIVATIONS_*: int8 for the weights in formats with integer codes */
 } chunk_llama_cpu_decoder_layer;
+
+/* One adapter's LoRA on one projection: the projection's output gains
+ * scale * (x A^T) B^T, a [rank, in_features] and b [out_features, rank] float32 row-major
+ * (PEFT's lora_A and lora_B weights; b may be a range of a fused projection's rows). */
+typedef struct {
+  const float* a;
+  const float* b;
+  int64_t rank, in_features, out_features;
+  double scale;
+} chunk_llama_cpu_lora_factor;
+
+/* The rows [row_start, row_end) of a step that run under one adapter, and that adapter's
+ * factors for a run of num_layers decoder layers: those of layer l's target t (0..6: q, k,
+ * v, o, gate, up, down) are factors[index[l * 7 + t] .. index[l * 7 + t + 1]) (several:
+ * adapters applied together, added in that order), index [num_layers * 7 + 1]
+ * nondecreasing from 0, factors holding index[num_layers * 7] of them. */
+typedef struct {
+  int64_t row_start, row_end;
+  const chunk_llama_cpu_lora_factor* factors;
+  const int64_t* index;
+  int64_t num_layers;
+} chunk_llama_cpu_lora_segment;
+
+/* A step's rows by adapter: segments in row order, disjoint; rows in none run the base. */
+typedef struct {
+  const chunk_llama_cpu_lora_segment* segments;
+  int64_t num_segments;
+} chunk_llama_cpu_lora_rows;
 
 /* `layer` for the step `planned` was made for, float32: hidden_out [q_rows, hidden_size] = the
  * layer applied to hidden_in [q_rows, hidden_size] (a decode step's rows, one new token each,
  * or a prefill's packed tokens), with the rotary cos and sin [q_rows, head_dim] as the model
  * computed them. The step's new K/V go to the plan's write slots of `kv`'s pool, then its
  * attention runs over the plan (a decode plan's row i is batch row row_order[i]). Decode and
- * prefill run the same arithmetic per row. hidden_out may be hidden_in. */
+ * prefill run the same arithmetic per row. hidden_out may be hidden_in. lora (NULL: none):
+ * after each projection, each segment's rows gain its factors' deltas for layer `layer_index`
+ * of the segments' tables, each product through the same linear kernel as the rest (so a
+ * row's numbers do not depend on the rows beside it); every factor is checked against the
+ * weight's sizes before anything is written. */
 CHUNK_LLAMA_API int chunk_llama_cpu_decoder_layer_run(const chunk_llama_cpu_planned* planned,
                                                       const chunk_llama_cpu_decoder_layer* layer,
                                                       const chunk_llama_cpu_kv* kv, const float* hidden_in,
-                                                      float* hidden_out, const float* cos, const float* sin);
+                                                      float* hidden_out, const float* cos, const float* sin,
+                                                      const chunk_llama_cpu_lora_rows* lora, int64_t layer_index);
 
 /* A model's decoder layers in a row: layer i with its own K/V pool, scale and window kvs[i]. */
 typedef struct {
@@ -194,11 +251,13 @@ typedef struct {
 
 /* Every layer of `stack` as chunk_llama_cpu_decoder_layer_run would run them one after the
  * other, each in place on hidden_out (hidden_in copied there first), layer i with its own
- * rotary cos[i], sin[i] (Gemma 3's sliding and global layers turn by different bases). */
+ * rotary cos[i], sin[i] (Gemma 3's sliding and global layers turn by different bases), and
+ * layer i of lora's tables (NULL: none; every layer's factors checked before any runs). */
 CHUNK_LLAMA_API int chunk_llama_cpu_decoder_stack_run(const chunk_llama_cpu_planned* planned,
                                                       const chunk_llama_cpu_decoder_stack* stack,
                                                       const float* hidden_in, float* hidden_out,
-                                                      const float* const* cos, const float* const* sin);
+                                                      const float* const* cos, const float* const* sin,
+                                                      const chunk_llama_cpu_lora_rows* lora);
 
 #ifdef __cplusplus
 }

@@ -15,6 +15,8 @@
 #define CHUNK_ATTN_ISA avx2
 #include "lanes_avx2.h"
 #include "kernel.h"
+#include "lanes_int8_avx2.h"
+#include "quant_act.h"
 
 #if defined(__clang__)
 #pragma clang attribute pop

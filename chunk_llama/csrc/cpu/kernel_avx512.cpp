@@ -8,6 +8,8 @@
 #define CHUNK_ATTN_ISA avx512
 #include "lanes_avx512.h"
 #include "kernel.h"
+#include "lanes_int8_avx512.h"
+#include "quant_act.h"
 
 #elif defined(__x86_64__) || defined(_M_X64)
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
@@ -30,6 +32,22 @@
 #define CHUNK_ATTN_ISA avx512
 #include "lanes_avx512.h"
 #include "kernel.h"
+
+// The int8 activations' kernel (quant_act.h) also needs AVX512-BW and VNNI: only its code,
+// which the variant runs where the CPU has them (variants.h), is compiled for them.
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512bw,avx512vl,avx512vnni"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+#endif
+#include "lanes_int8_avx512.h"
+#include "quant_act.h"
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
 
 #if defined(__clang__)
 #pragma clang attribute pop

@@ -5,3 +5,9 @@
 #define CHUNK_ATTN_ISA generic
 #include "lanes_generic.h"
 #include "kernel.h"
+namespace chunk_attn_cpu {
+namespace generic {
+#include "lanes_int8_portable.h"
+}  // namespace generic
+}  // namespace chunk_attn_cpu
+#include "quant_act.h"

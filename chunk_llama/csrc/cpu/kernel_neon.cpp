@@ -8,4 +8,10 @@
 #define CHUNK_ATTN_ISA neon
 #include "lanes_neon.h"
 #include "kernel.h"
+namespace chunk_attn_cpu {
+namespace neon {
+#include "lanes_int8_portable.h"
+}  // namespace neon
+}  // namespace chunk_attn_cpu
+#include "quant_act.h"
 #endif

@@ -7,7 +7,8 @@
 // transformers' order: the norms and the gated activation are the variant's (layer_ops.h),
 // the rest here (compiled with baseline flags, like c_api.cpp). Decode and prefill run the
 // same code on their rows, so a token's K/V and outputs do not depend on which one computed
-// them (the attention's blocks, blocks.h, see to the rest).
+// them (the attention's blocks, blocks.h, see to the rest). Rows under LoRA adapters gain
+// their deltas after each projection (lora.cpp), so adapters share the fused call too.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -22,10 +23,16 @@ namespace {
 
 using chunk_attn_cpu::Variant;
 
-// y [rows, out] = x [rows, in] W^T (+ bias) with the variant's kernel for the weight's form.
+// y [rows, out] = x [rows, in] W^T (+ bias) with the variant's kernel for the weight's form
+// (int8: GGML blocks with integer codes multiply x quantized to int8, quant_act.h).
 void linear(const Variant& variant, const chunk_llama_cpu_weight& w, const float* x, float* y, int64_t rows,
-            float* quant_scratch, int num_threads) {
-  if (w.type == 0) {
+            float* quant_scratch, int num_threads, bool int8) {
+  if (int8 && w.type != 0 && chunk_attn_cpu::quant_int8_supports(static_cast<int>(w.type))) {
+    quant_int8_linear(variant.name, chunk_attn_cpu::QuantInt8Params{x, static_cast<const uint8_t*>(w.data),
+                                                                    static_cast<int>(w.type), w.bias, y, rows,
+                                                                    w.out_features, w.in_features, num_threads,
+                                                                    nullptr});
+  } else if (w.type == 0) {
     variant.linear(chunk_attn_cpu::LinearParams{x, static_cast<const float*>(w.data), w.bias, y, rows,
                                                 w.out_features, w.in_features, num_threads});
   } else {
@@ -74,10 +81,11 @@ namespace {
 // element), rows the plan's, its K/V written to the plan's slots of kv's pool (both checked
 // when the plan was made, the pool against it here); attend(q [rows, q_width], out [rows,
 // q_width], spare [rows, q_width]) runs the attention once the new K/V are in the pool.
+// lora (or NULL): the deltas of its rows under adapters, from its tables' layer `layer`.
 template <typename Attend>
 void run_layer(const chunk_llama_cpu_plan& plan, const chunk_llama_cpu_decoder_layer& L,
                const chunk_llama_cpu_kv& kv, const float* hidden_in, float* hidden_out, const float* cos,
-               const float* sin, Attend&& attend) {
+               const float* sin, const chunk_llama_cpu_lora_rows* lora, int64_t layer, Attend&& attend) {
   const Variant& variant = *plan.variant;
   const int64_t rows = plan.g.q_rows, num_kv_heads = plan.g.num_kv_heads, chunk_size = plan.g.chunk_size;
   const int num_threads = plan.num_threads;
@@ -93,6 +101,9 @@ void run_layer(const chunk_llama_cpu_plan& plan, const chunk_llama_cpu_decoder_l
               hidden, ", intermediate ", inter, ", head_dim ", d, ")");
   CHECK_VALUE(L.activation == 0 || L.activation == 1, "decoder layer: activation ", L.activation,
               " is not 0 (SiLU) or 1 (GELU, tanh)");
+  CHECK_VALUE(L.activations == CHUNK_LLAMA_ACTIVATIONS_FLOAT32 || L.activations == CHUNK_LLAMA_ACTIVATIONS_INT8,
+              "decoder layer: activations ", L.activations, " is not 0 (float32) or 1 (int8)");
+  const bool int8 = L.activations == CHUNK_LLAMA_ACTIVATIONS_INT8;
   CHECK_VALUE(L.input_norm != nullptr && L.mlp_norm != nullptr && (L.q_norm == nullptr) == (L.k_norm == nullptr),
               "decoder layer: the input and MLP norms are needed, q and k norms both or neither");
   check_weight(L.q, "q_proj", q_width, hidden);
@@ -102,16 +113,22 @@ void run_layer(const chunk_llama_cpu_plan& plan, const chunk_llama_cpu_decoder_l
   check_weight(L.gate, "gate_proj", inter, hidden);
   check_weight(L.up, "up_proj", inter, hidden);
   check_weight(L.down, "down_proj", hidden, inter);
+  const int64_t lora_floats = check_lora(lora, layer, L, rows);  // (before anything is written)
   // one buffer for every intermediate: h [rows, hidden], q and the attention's output (and
   // their plan-ordered copies) [rows, q_width] each, k and v [rows, kv_width], gate and up
-  // [rows, inter], and the quantized kernels' per-thread scratch
+  // [rows, inter], the quantized kernels' per-thread scratch, and the LoRA products'
   const int64_t widest_in = std::max({inter, q_width, hidden});
-  const int64_t floats = rows * (hidden + 3 * q_width + 2 * kv_width + 2 * inter) +
-                         chunk_attn_cpu::quant_scratch_floats(rows, widest_in) * num_threads;
+  const int64_t quant_floats = chunk_attn_cpu::quant_scratch_floats(rows, widest_in) * num_threads;
+  const int64_t floats = rows * (hidden + 3 * q_width + 2 * kv_width + 2 * inter) + quant_floats + lora_floats;
   if (plan.layer_buffer.size() < static_cast<size_t>(floats)) plan.layer_buffer.resize(floats);  // (grown once)
   float *h = plan.layer_buffer.data(), *q = h + rows * hidden, *scratch_q = q + rows * q_width, *attn = scratch_q + rows * q_width;
   float *k = attn + rows * q_width, *v = k + rows * kv_width, *gate = v + rows * kv_width, *up = gate + rows * inter;
-  float* quant_scratch = up + rows * inter;
+  float *quant_scratch = up + rows * inter, *lora_scratch = quant_scratch + quant_floats;
+  // a projection, then its rows' LoRA deltas (target: c_api.h's order q, k, v, o, gate, up, down)
+  const auto project = [&](const chunk_llama_cpu_weight& w, int target, const float* x, float* y) {
+    linear(variant, w, x, y, rows, quant_scratch, num_threads, int8);
+    add_lora(plan, lora, layer, target, x, y, lora_scratch);
+  };
 
   const float eps = static_cast<float>(L.norm_eps), offset = static_cast<float>(L.norm_offset);
   const auto norm = [&](const float* x, const float* weight, float* out, int64_t count, int64_t n) {
@@ -119,9 +136,9 @@ void run_layer(const chunk_llama_cpu_plan& plan, const chunk_llama_cpu_decoder_l
   };
   // attention
   norm(hidden_in, L.input_norm, h, rows, hidden);
-  linear(variant, L.q, h, q, rows, quant_scratch, num_threads);
-  linear(variant, L.k, h, k, rows, quant_scratch, num_threads);
-  linear(variant, L.v, h, v, rows, quant_scratch, num_threads);
+  project(L.q, 0, h, q);
+  project(L.k, 1, h, k);
+  project(L.v, 2, h, v);
   if (L.q_norm != nullptr) {  // each head's vector
     norm(q, L.q_norm, q, rows * L.num_heads, d);
     norm(k, L.k_norm, k, rows * num_kv_heads, d);
@@ -146,16 +163,16 @@ void run_layer(const chunk_llama_cpu_plan& plan, const chunk_llama_cpu_decoder_l
       }
     }
   attend(q, attn, scratch_q);
-  linear(variant, L.o, attn, h, rows, quant_scratch, num_threads);
+  project(L.o, 3, attn, h);
   if (L.attn_out_norm != nullptr) norm(h, L.attn_out_norm, h, rows, hidden);
   for (int64_t i = 0; i < rows * hidden; ++i) hidden_out[i] = hidden_in[i] + h[i];
 
   // MLP
   norm(hidden_out, L.mlp_norm, h, rows, hidden);
-  linear(variant, L.gate, h, gate, rows, quant_scratch, num_threads);
-  linear(variant, L.up, h, up, rows, quant_scratch, num_threads);
+  project(L.gate, 4, h, gate);
+  project(L.up, 5, h, up);
   variant.gate_mul(chunk_attn_cpu::GateParams{static_cast<int>(L.activation), gate, up, rows * inter, num_threads});
-  linear(variant, L.down, gate, h, rows, quant_scratch, num_threads);
+  project(L.down, 6, gate, h);
   if (L.mlp_out_norm != nullptr) norm(h, L.mlp_out_norm, h, rows, hidden);
   for (int64_t i = 0; i < rows * hidden; ++i) hidden_out[i] = hidden_out[i] + h[i];
 }
@@ -170,10 +187,11 @@ namespace {
 // plan says so (plan row i is batch row row_order[i]).
 void decoder_layer(const chunk_llama_cpu_plan& plan, const chunk_llama_cpu_planned& planned,
                    const chunk_llama_cpu_decoder_layer& L, const chunk_llama_cpu_kv& kv, const float* hidden_in,
-                   float* hidden_out, const float* cos, const float* sin) {
+                   float* hidden_out, const float* cos, const float* sin, const chunk_llama_cpu_lora_rows* lora,
+                   int64_t layer) {
   const int64_t rows = plan.g.q_rows, q_width = L.num_heads * L.head_dim;
   const int64_t* row_order = plan.row_order.empty() ? nullptr : plan.row_order.data();
-  run_layer(plan, L, kv, hidden_in, hidden_out, cos, sin, [&](float* q, float* attn, float* spare) {
+  run_layer(plan, L, kv, hidden_in, hidden_out, cos, sin, lora, layer, [&](float* q, float* attn, float* spare) {
     // the plan's rows are the batch's in another order: q and the output through spare
     const float* q_in = q;
     if (row_order != nullptr) {
@@ -196,17 +214,18 @@ extern "C" {
 
 int chunk_llama_cpu_decoder_layer_run(const chunk_llama_cpu_planned* planned, const chunk_llama_cpu_decoder_layer* layer,
                                   const chunk_llama_cpu_kv* kv, const float* hidden_in, float* hidden_out,
-                                  const float* cos, const float* sin) {
+                                  const float* cos, const float* sin, const chunk_llama_cpu_lora_rows* lora,
+                                  int64_t layer_index) {
   return guarded([&] {
     const chunk_llama_cpu_plan& plan = checked_plan(planned);
     CHECK_VALUE(layer != nullptr && kv != nullptr, "decoder layer: the layer and its pool are needed");
-    decoder_layer(plan, *planned, *layer, *kv, hidden_in, hidden_out, cos, sin);
+    decoder_layer(plan, *planned, *layer, *kv, hidden_in, hidden_out, cos, sin, lora, layer_index);
   });
 }
 
 int chunk_llama_cpu_decoder_stack_run(const chunk_llama_cpu_planned* planned, const chunk_llama_cpu_decoder_stack* stack,
                                       const float* hidden_in, float* hidden_out, const float* const* cos,
-                                      const float* const* sin) {
+                                      const float* const* sin, const chunk_llama_cpu_lora_rows* lora) {
   return guarded([&] {
     const chunk_llama_cpu_plan& plan = checked_plan(planned);
     CHECK_VALUE(stack != nullptr && stack->num_layers >= 1 && stack->layers != nullptr && stack->kvs != nullptr &&
@@ -218,10 +237,12 @@ int chunk_llama_cpu_decoder_stack_run(const chunk_llama_cpu_planned* planned, co
                       sin[i] != nullptr,
                   "decoder stack: layer ", i, " has another hidden size than layer 0's ", hidden, " or no rotary");
       check_kv(stack->kvs[i], plan.g);
+      check_lora(lora, i, *stack->layers[i], plan.g.q_rows);
     }
     std::copy(hidden_in, hidden_in + plan.g.q_rows * hidden, hidden_out);
     for (int64_t i = 0; i < stack->num_layers; ++i)  // each layer in place on hidden_out
-      decoder_layer(plan, *planned, *stack->layers[i], stack->kvs[i], hidden_out, hidden_out, cos[i], sin[i]);
+      decoder_layer(plan, *planned, *stack->layers[i], stack->kvs[i], hidden_out, hidden_out, cos[i], sin[i], lora,
+                    i);
   });
 }
 

@@ -18,4 +18,5 @@
 #include "params.h"
 #include "prefill_params.h"
 #include "quant_params.h"
+#include "quant_act_params.h"
 #include "scalar.h"

@@ -8,6 +8,7 @@
 #include "params.h"
 #include "prefill_params.h"
 #include "quant_params.h"
+#include "quant_act_params.h"
 
 namespace chunk_attn_cpu {
 
@@ -21,6 +22,8 @@ struct Variant {
   void (*rms_norm)(const NormParams&);        // a decoder layer's elementwise steps
   void (*gate_mul)(const GateParams&);
   bool (*host_runs)();
+  void (*quant_linear_int8)(const QuantInt8Params&);  // int8 activations (quant_act.h)
+  bool (*int8_host_runs)();                            // whether this CPU runs the one above
 };
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -32,6 +35,15 @@ static inline bool host_runs_avx512() {
 static inline bool host_runs_avx2() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
+// The AVX-512 variant's integer kernel adds BW, VL and VNNI (vpdpbusd) to its AVX-512F.
+static inline bool host_runs_avx512_int8() {
+#ifdef CHUNK_ATTN_EMULATE_AVX512
+  return true;  // (the test driver's SIMDe build: no AVX-512 instruction)
+#else
+  return host_runs_avx512() && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512vnni");
+#endif
+}
 #endif
 static inline bool host_runs_always() { return true; }
 
@@ -39,15 +51,15 @@ static inline bool host_runs_always() { return true; }
 static const Variant kVariants[] = {
 #if defined(__x86_64__) || defined(_M_X64)
     {"avx512", avx512::tpp_decode, avx512::tpp_prefill, avx512::small_linear, avx512::quant_linear, avx512::dequantize, avx512::rms_norm, avx512::gate_mul,
-     host_runs_avx512},
+     host_runs_avx512, avx512::quant_linear_int8, host_runs_avx512_int8},
     {"avx2", avx2::tpp_decode, avx2::tpp_prefill, avx2::small_linear, avx2::quant_linear, avx2::dequantize, avx2::rms_norm, avx2::gate_mul,
-     host_runs_avx2},
+     host_runs_avx2, avx2::quant_linear_int8, host_runs_avx2},
 #elif defined(__aarch64__)
     {"neon", neon::tpp_decode, neon::tpp_prefill, neon::small_linear, neon::quant_linear, neon::dequantize, neon::rms_norm, neon::gate_mul,
-     host_runs_always},  // Advanced SIMD is part of ARMv8-A
+     host_runs_always, neon::quant_linear_int8, host_runs_always},  // Advanced SIMD is part of ARMv8-A
 #endif
     {"generic", generic::tpp_decode, generic::tpp_prefill, generic::small_linear, generic::quant_linear, generic::dequantize, generic::rms_norm, generic::gate_mul,
-     host_runs_always},
+     host_runs_always, generic::quant_linear_int8, host_runs_always},
 };
 constexpr int kNumVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 

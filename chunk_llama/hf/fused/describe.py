@@ -20,8 +20,10 @@ from torch import nn
 from chunk_llama.gguf.weights import GGUFLinear
 from chunk_llama.hf.families import BY_LAYER, Family
 from chunk_llama.hf.fused.snapshot import GLOBAL_HOOKS, Snapshot
+from chunk_llama.hf.lora.layers import lora_key, peft_linear
 from chunk_llama.ops.cpu import linear as linear_ops
 from chunk_llama.ops.cpu import quant_linear as quant_ops
+from chunk_llama.ops.cpu.structs import ACTIVATIONS as STRUCT_ACTIVATIONS
 from chunk_llama.ops.cpu.structs import DecoderLayer, Weight
 
 # the dtypes a fused layer reads (its hidden states, norms, biases and weights): a 16-bit
@@ -47,17 +49,24 @@ class Described:
     the description stale: the struct holds raw pointers; `snapshot.py`)."""
 
     def __init__(self, modules: tuple, reason: str | None, struct: "DecoderLayer | None" = None,
-                 window: int = 0, widened: "_Widened | None" = None):
+                 window: int = 0, widened: "_Widened | None" = None, spans: tuple = (), wrappers: tuple = ()):
         self.modules, self.reason, self.struct, self.window = modules, reason, struct, window
+        # each projection's (module adapters key it by, first row, end row in its weight): where
+        # an adapter's factors of that module apply (`lora.py`)
+        self.spans = spans
+        # PEFT LoRA layers read as their base layers (`_peft_wrappers`): the description holds only
+        # in steps whose rows the engine assigns to adapters (PEFT's forward runs elsewhere)
+        self.wrappers = wrappers
         self.widened = widened  # (keeps alive the float32 copies the struct points at)
         present = [module for module in modules if module is not None]
         parts = list({id(module): module for module in modules[4:] if module is not None}.values())
         self.snapshot = Snapshot(
-            tuple(module._modules for module in present[:3]) + tuple(
+            tuple(module._modules for module in (*present[:3], *wrappers)) + tuple(
                 d for module in parts for d in (module._parameters, module._buffers)),
             tuple(module.__dict__ for module in parts),  # (a bias kept as a plain attribute)
             _tensors(modules),
-            tuple(d for module in present[1:] for d in (module._forward_hooks, module._forward_pre_hooks)),
+            tuple(d for module in (*present[1:], *wrappers)
+                  for d in (module._forward_hooks, module._forward_pre_hooks)),
             () if widened is None else tuple(widened.copies))
         if struct is not None:
             self.scale, self.head_dim = float(modules[1].scaling), struct.head_dim
@@ -97,27 +106,50 @@ def describe(layer: nn.Module) -> Described:
     """The layer's description (with the reason it does not fuse, if it does not)."""
     family = BY_LAYER[type(layer).__name__]
     modules = _modules(layer, family)
-    reason = _why_not(modules, family)
+    wrappers = _peft_wrappers(modules)
+    if wrappers:
+        modules = tuple(module.get_base_layer() if i in wrappers else module for i, module in enumerate(modules))
+    described = functools.partial(Described, wrappers=tuple(dict.fromkeys(wrappers.values())))
+    reason = _why_not(modules, family) or _hooks_of(wrappers.values())
     if reason is not None:
-        return Described(modules, reason)
+        return described(modules, reason)
     attn, widened = modules[1], _Widened()
     norms = [None if norm is None else widened(norm.weight).data_ptr() for norm in modules[4:_NUM_FIXED]]
     projections, config = modules[_NUM_FIXED:], attn.config
     rows = _row_ranges(projections, config, int(attn.head_dim))
     if isinstance(rows, str):
-        return Described(modules, rows)
+        return described(modules, rows)
     weights = [_weight(module, *span, widened) for module, span in zip(projections, rows)]
     for (_, name), weight in zip(family.projections, weights):
         if isinstance(weight, str):
-            return Described(modules, f"{name}: {weight}")
+            return described(modules, f"{name}: {weight}")
     struct = DecoderLayer(
         hidden_size=int(modules[4].weight.shape[0]), num_heads=int(config.num_attention_heads),
         num_kv_heads=int(config.num_key_value_heads), head_dim=int(attn.head_dim),
         intermediate_size=rows[4][1] - rows[4][0], activation=ACTIVATIONS[family.activation],
         norm_eps=float(getattr(modules[4], family.eps)), norm_offset=family.norm_offset,
         input_norm=norms[0], attn_out_norm=norms[1], mlp_norm=norms[2], mlp_out_norm=norms[3], q_norm=norms[4],
-        k_norm=norms[5], **dict(zip(_WEIGHT_FIELDS, weights)))
-    return Described(modules, None, struct, int(family.window(attn)), widened)
+        k_norm=norms[5], **dict(zip(_WEIGHT_FIELDS, weights)),
+        activations=STRUCT_ACTIVATIONS["int8" if any(type(module) is GGUFLinear and module.activations == "int8"
+                                                     for module in projections) else "float32"])
+    spans = tuple((wrappers.get(_NUM_FIXED + i, module), *span)  # (PEFT's layer holds the key)
+                  for i, (module, span) in enumerate(zip(projections, rows)))
+    return described(modules, None, struct, int(family.window(attn)), widened, spans)
+
+
+def _peft_wrappers(modules: tuple) -> dict:
+    """{index in modules: PEFT LoRA layer} for each projection that is a PEFT LoRA linear layer
+    the engine adds adapters to per row (`hf/lora/layers.py` attached it): in the engine's
+    steps it computes its base layer plus the rows' deltas, which the C call computes too."""
+    lora_linear = peft_linear()
+    if lora_linear is None:
+        return {}
+    return {i: module for i, module in enumerate(modules) if i >= _NUM_FIXED and type(module) is lora_linear
+            and lora_key(module) is not None}
+
+
+def _hooks_of(wrappers) -> str | None:
+    return "a hook runs inside it" if any(w._forward_hooks or w._forward_pre_hooks for w in wrappers) else None
 
 
 def _row_ranges(projections: tuple, config, head_dim: int) -> list[tuple[int, int]] | str:

@@ -7,7 +7,8 @@ reading the weights. In a step on the CPU kernels, a decoder layer whose structu
 rotate-half rotary attention, a gated SiLU or GELU-tanh MLP, per-head q/k norms and sandwich
 norms where the family has them; float32 or GGUF-block weights, biases allowed; Phi-3's
 fused qkv and gate/up projections as row ranges of one weight) runs as one
-call instead: the same linear and attention kernels the op-by-op path runs, and the
+call instead, rows under per-request LoRA adapters included (their deltas added in the
+call, `lora.py`): the same linear and attention kernels the op-by-op path runs, and the
 elementwise steps in transformers' order, so results equal that path's up to the float32
 rounding of the norms' sums and of the activation's exp or tanh. Decode steps and prefills
 both run it, so a token's K/V are bit for bit the same whichever step computed them (a
@@ -17,8 +18,10 @@ same tokens computes: batch invariance across cached turns).
 Everything else runs the layer's own forward: other devices and dtypes, autograd,
 `CHUNK_LLAMA_FUSED_LAYERS=0`, float32 projections where the op-by-op path runs them with
 `F.linear` (`CHUNK_LLAMA_LINEAR=torch`, CPUs other than x86-64; GGUF blocks run the same
-kernel either way), and a layer that is no longer the one described (a projection wrapped
-by an adapter, a replaced weight, a hook on a submodule: their effect would be skipped).
+kernel either way), a layer that is no longer the one described (a PEFT LoRA layer in
+place of a projection, a replaced weight, a hook on a submodule: their effect would be
+skipped), and a step whose adapters' factors the C code cannot read in place (not float32
+CPU tensors: `ops/cpu/lora.py`).
 Why a layer of a supported class does not fuse is logged once per reason. A layer's
 description (its struct) is `describe.py`'s; what the layers remember within a step (why
 they run op by op, the stack's output) is `per_step.py`'s; the call runs on the step's made
@@ -34,6 +37,7 @@ import torch
 from torch import nn
 
 from chunk_llama.hf.families import BY_LAYER
+from chunk_llama.hf.fused import lora as fused_lora
 from chunk_llama.hf.fused import per_step
 from chunk_llama.hf.fused import stack as fused_stack
 from chunk_llama.hf.fused.describe import FLOAT_DTYPES, current
@@ -100,6 +104,8 @@ def _fused(layer: nn.Module, step, hidden: torch.Tensor, position_embeddings, st
     described = current(layer)
     if described.reason is not None:
         return _log_op_by_op(f"{type(layer).__name__}: {described.reason}")
+    if described.wrappers and step.lora is None:
+        return _log_op_by_op("PEFT's LoRA layers run PEFT's forward outside an engine's steps")
     if described.float32_weights and step.linear is None:
         # float32 projections op by op run F.linear here (CHUNK_LLAMA_LINEAR=torch, or not x86-64);
         # GGUF blocks run the same kernel either way
@@ -121,8 +127,15 @@ def _fused(layer: nn.Module, step, hidden: torch.Tensor, position_embeddings, st
         return _log_op_by_op(f"a {str(hidden.dtype).removeprefix('torch.')} prefill of more than "
                              f"{linear_ops.SMALL_ROWS} tokens runs op by op: oneDNN multiplies it natively here",
                              logging.INFO)
+    lora, lora_index = None, 0
+    if step.lora is not None and step.lora.segments:  # rows under adapters: their deltas in the call
+        made = fused_lora.layer_rows(step, layer, described, current)
+        if isinstance(made, str):
+            return _log_op_by_op(made)
+        lora, lora_index = made
     if stack is not None and stack[1] == 0:
-        out = fused_stack.run(stack[0], layer, described, step, hidden, position_embeddings, position_ids, current)
+        out = fused_stack.run(stack[0], layer, described, step, hidden, position_embeddings, position_ids, current,
+                              lora)
         if out is not None:
             out = out.to(hidden.dtype)  # (a 16-bit model's hidden states: computed in float32, rounded once)
             state.stack_output = (stack[0], out)
@@ -130,7 +143,8 @@ def _fused(layer: nn.Module, step, hidden: torch.Tensor, position_embeddings, st
     pool, index, head_dim = step.pool, layer.self_attn.layer_idx, described.head_dim
     out = step.attention.decoder_layer(described.struct, hidden.view(-1, hidden.shape[2]).float(),
                                        cos.view(-1, head_dim).float(), sin.view(-1, head_dim).float(),
-                                       pool.k[index], pool.v[index], described.scale, described.window)
+                                       pool.k[index], pool.v[index], described.scale, described.window, lora,
+                                       lora_index)
     return out.view(hidden.shape).to(hidden.dtype)
 
 
@@ -138,8 +152,6 @@ def _step_reason(step) -> str | None:
     """Why this step's layers run op by op, or None when they may fuse."""
     if setting(ENV, "1") == "0":
         return f"{ENV}=0"
-    if step.lora is not None and step.lora.segments:
-        return "the step has rows under LoRA adapters (added op by op)"
     if not isinstance(step.attention, CpuPlanned):
         return f"the step's attention runs on {getattr(step.attention, 'backend', type(step.attention).__name__)}"
     if not step.attention.has_writes:

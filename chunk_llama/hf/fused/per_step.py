@@ -1,10 +1,11 @@
 """What the fused decoder layers work out once per step, kept with them, not on the step.
 
-The step context is frozen once built (`step/context.py`); the fused layers still have two
+The step context is frozen once built (`step/context.py`); the fused layers still have
 things to remember within a step: why its layers run op by op (or None: they may fuse),
-read at its first layer, and the output of the decoder stack once layer 0's call ran every
-layer (the later layers pass it on; `decode_forward.py` skips them). Both are keyed by the
-step: a later step (or another thread's) starts afresh, and the state goes with its step.
+read at its first layer, the output of the decoder stack once layer 0's call ran every
+layer (the later layers pass it on; `decode_forward.py` skips them), and its rows under
+LoRA adapters as the C calls take them. All are keyed by the step: a later step (or
+another thread's) starts afresh, and the state goes with its step.
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ _UNREAD = object()
 
 class FusedStep:
     """reason: why the step's layers run op by op, None where they may fuse, or unread;
-    stack_output: (the Stack, its output) once a plain-loop stack ran in one call, else None."""
+    stack_output: (the Stack, its output) once a plain-loop stack ran in one call, else None;
+    lora: the step's rows under adapters per run of layers (`lora.py`), made at first use."""
 
-    __slots__ = ("reason", "stack_output")
+    __slots__ = ("reason", "stack_output", "lora")
 
     def __init__(self):
         self.reason = _UNREAD
         self.stack_output: tuple | None = None
+        self.lora: dict = {}  # id(scope) -> (scope, its rows under adapters: `lora.py`)
 
     @property
     def reason_read(self) -> bool:

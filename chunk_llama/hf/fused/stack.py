@@ -6,7 +6,7 @@ arguments: about 20 us a layer, 0.6 ms a step of the default model) is still a t
 the step. Where the model's forward is transformers' plain loop (`STACK_MODELS`: every
 layer of `layers[:num_hidden_layers]` in order, each given the previous one's output and
 the rotary embedding of its layer type, nothing in between), the first layer's call runs
-them all (`chunk_llama_cpu_decoder_stack_decode`: the same C function per layer, in a
+them all (`chunk_llama_cpu_decoder_stack_run`: the same C function per layer, in a
 row) and the others pass its output on. Each later layer checks that what it is given is
 exactly that output (the same tensor object): anything else would mean the loop is not
 the one assumed, and the step fails loudly rather than compute from K/V written for
@@ -132,11 +132,12 @@ def find_stacks(model: nn.Module, families: dict) -> None:
 
 
 def run(stack: Stack, layer: nn.Module, first, step, hidden: torch.Tensor, position_embeddings, position_ids,
-        describe) -> torch.Tensor | None:
+        describe, lora=None) -> torch.Tensor | None:
     """Every layer of the stack for this decode step, called from its first layer (`layer`,
     described as `first`, whose own checks passed: `hidden`, cos and sin fit it; given
     position_ids), or None where the stack does not apply this step (each layer then runs
-    its own call). `describe(layer)` gives a layer's current description (`describe.current`).
+    its own call). `describe(layer)` gives a layer's current description (`describe.current`);
+    lora: the step's rows under adapters for this stack (`lora.py`: layer i is index i), or None.
     The output is float32 (a 16-bit model's hidden states and tables are widened first)."""
     if setting(ENV, "1") == "0":
         return None
@@ -160,6 +161,8 @@ def run(stack: Stack, layer: nn.Module, first, step, hidden: torch.Tensor, posit
         stack.remember(layers, described)
     if step.linear is None and any(d.float32_weights for d in described):
         return None  # (float32 projections run F.linear here: the layers' own calls log it)
+    if step.lora is None and any(d.wrappers for d in described):
+        return None  # (PEFT's LoRA layers run PEFT's forward here: the layers' own calls log it)
     planned = step.attention
     try:
         arrays = stack.arrays(described, step.pool, planned.kvs)
@@ -175,7 +178,7 @@ def run(stack: Stack, layer: nn.Module, first, step, hidden: torch.Tensor, posit
         cos, sin = ([widened[id(t)] for t in tables] for tables in rotary)
     head_dim = first.head_dim
     out = planned.decoder_stack(arrays, hidden.view(-1, hidden.shape[2]).float(),
-                                [c.view(-1, head_dim) for c in cos], [s.view(-1, head_dim) for s in sin])
+                                [c.view(-1, head_dim) for c in cos], [s.view(-1, head_dim) for s in sin], lora)
     return out.view(hidden.shape)
 
 

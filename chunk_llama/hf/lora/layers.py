@@ -8,7 +8,10 @@ whose rows the engine assigned to adapters (`step.lora`, `ops/lora.py`), the lay
 its base product for all rows, as it would without adapters, then adds each group's delta;
 in any other forward it runs as it is. A PEFT LoRA layer in such a step computes its base
 layer only (the step's rows say which adapters apply, not PEFT's active one), and PEFT's
-own forward everywhere else (stock `generate`, training).
+own forward everywhere else (stock `generate`, training). Where the CPU's fused decoder
+layers run a step (`hf/fused/`), they add the same deltas in their C call, which replaces
+the layer's module calls entirely: these wrappers do not run there, and no delta is added
+twice.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ _IN_DECODER_LAYER = re.compile(r"(^|\.)layers\.\d+\.")  # (LM head and embedding
 _KEY = "_chunk_llama_lora"  # the attached layer's name, which adapters' factors are keyed by
 
 
-def _peft_linear():
+def peft_linear():
+    """PEFT's LoRA linear layer class, or None where PEFT was not imported (no model has one)."""
     if "peft" not in sys.modules:
         return None
     from peft.tuners.lora.layer import Linear
@@ -39,7 +43,7 @@ def _peft_linear():
 
 def _base_sizes(module: nn.Module) -> tuple[int, int, torch.device] | None:
     """(in_features, out_features, device) of a layer whose product the wrapper can add to, or None."""
-    lora_linear = _peft_linear()
+    lora_linear = peft_linear()
     if lora_linear is not None and type(module) is lora_linear:
         module = module.get_base_layer()
     if isinstance(module, nn.Linear):
@@ -67,7 +71,7 @@ def attach(model: nn.Module, names) -> int:
     """Wrap the forward of each named linear layer (module doc); returns how many were newly
     wrapped."""
     inner = peft_inner(model)
-    lora_linear = _peft_linear()
+    lora_linear = peft_linear()
     wrapped = 0
     for name in names:
         module = inner.get_submodule(name)
@@ -78,6 +82,12 @@ def attach(model: nn.Module, names) -> int:
         module.forward = functools.partial(_peft_forward if is_peft else _forward, module, module.forward)
         wrapped += 1
     return wrapped
+
+
+def lora_key(module: nn.Module) -> str | None:
+    """The name adapters' factors for `module` are keyed by, where `attach` wrapped it (else
+    no adapter applies to it)."""
+    return module.__dict__.get(_KEY)
 
 
 def _forward(module: nn.Module, original, x, *args, **kwargs):

@@ -1,7 +1,7 @@
 """Build a native kernel library from the package's sources on first use (for development
 and for hosts the wheel carries no prebuilt library for; `native.py` decides).
 
-What a build compiles is declared once per library (`build.py`: a `KernelBuild`) and
+What a build compiles is declared once per library (`spec.py`: a `KernelBuild`) and
 compiled by `build.compile_library`, as the wheel's build does. Builds are cached under
 `$CHUNK_LLAMA_CACHE_DIR` (default `~/.cache/chunk_llama`) in a folder keyed by the
 library's name (which names the target and, for the CPU, the variants it holds) and a

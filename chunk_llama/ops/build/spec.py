@@ -89,8 +89,8 @@ def cpu_build(arch: str | None = None) -> KernelBuild:
     variants = compiled_variants(arch)
     return KernelBuild(
         name=f"chunk_llama_cpu_{arch or host_arch()}_{'_'.join(variants)}",
-        sources=("cpu/c_api.cpp", "cpu/plan_checks.cpp", "cpu/planned.cpp", "cpu/layer.cpp",
-                 *(f"cpu/kernel_{v}.cpp" for v in variants)),
+        sources=("cpu/c_api.cpp", "cpu/plan_checks.cpp", "cpu/planned.cpp", "cpu/layer.cpp", "cpu/lora.cpp",
+                 "cpu/quant_api.cpp", *(f"cpu/kernel_{v}.cpp" for v in variants)),
         ldflags=("-fopenmp",),
         description=f"the CPU attention kernels ({', '.join(variants)} in one build)",
         estimate_seconds=15.0,

@@ -3,7 +3,7 @@ each a backend whose `plan` makes the step's plan once in the library and return
 calls (`planned.CpuPlanned`), run per layer.
 
 The library comes prebuilt in the platform wheel or is built on first use (`native.py`).
-One build holds every kernel variant of this architecture (see `isa.py`, `build.py`):
+One build holds every kernel variant of this architecture (see `isa.py`, `ops/build/spec.py`):
 the C interface is compiled once with baseline flags and each variant in its own small
 translation unit for its own instruction set, and the interface dispatches at run time.
 So the build does not depend on the CPU's features and is made once per

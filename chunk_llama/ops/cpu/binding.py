@@ -19,9 +19,9 @@ import torch
 
 from chunk_llama.ops.build.c_types import I32, I64, STR, P
 from chunk_llama.ops.cpu.planned import PlanHandle
-from chunk_llama.ops.cpu.structs import U64
+from chunk_llama.ops.cpu.structs import ACTIVATIONS, U64, QuantMatmulArgs
 
-ABI_VERSION = 8  # CHUNK_LLAMA_CPU_ABI_VERSION in c_api.h
+ABI_VERSION = 10  # CHUNK_LLAMA_CPU_ABI_VERSION in c_api.h
 _SIGNATURES = {  # name: (argument types, result type), as c_api.h declares them
     "abi_version": ([], I32),
     "last_error": ([], STR),
@@ -33,12 +33,16 @@ _SIGNATURES = {  # name: (argument types, result type), as c_api.h declares them
     "plan_free": ([P], None),
     "plan_make": ([P, P, ctypes.POINTER(U64), ctypes.POINTER(I64)], I32),  # handle, PlanParams*
     "attend": ([P, P, P, I32, P], I32),  # Planned*, Kv*, q, q's dtype, out
-    "decoder_layer_run": ([P, P, P, P, P, P, P], I32),  # Planned*, DecoderLayer*, Kv*, hidden in, out, cos, sin
-    "decoder_stack_run": ([P, P, P, P, P, P], I32),  # Planned*, DecoderStackArgs*, hidden in, out, cos[], sin[]
+    # Planned*, DecoderLayer*, Kv*, hidden in, out, cos, sin, LoraRowsArgs* (or NULL), layer index in its tables
+    "decoder_layer_run": ([P, P, P, P, P, P, P, P, I64], I32),
+    # Planned*, DecoderStackArgs*, hidden in, out, cos[], sin[], LoraRowsArgs* (or NULL)
+    "decoder_stack_run": ([P, P, P, P, P, P, P], I32),
     "small_linear": ([P, I64, I64, P, I64, P, P, STR, I32], I32),
     "quant_linear": ([P, I64, I64, P, I64, I32, I64, P, P, STR, I32], I32),
     "dequantize": ([P, I64, I32, I64, I64, P, STR, I32], I32),
     "quant_row_bytes": ([I32, I64], I64),
+    "quant_matmul": ([P], I32),  # a QuantMatmulArgs
+    "int8_variant": ([STR], STR),
 }
 _ERRORS = {1: ValueError, 2: TypeError}
 
@@ -146,6 +150,33 @@ class CpuLibrary:
             return y if code == 0 else raise_error(code)
 
         return call
+
+    def quant_matmul_call(self, ggml_type: int, in_features: int, isa: str, activations: str):
+        """`quant_linear_call`'s op with a choice of activations ("float32", or "int8": x quantized
+        per group of 32, the kernel of `int8_variant(isa)`), the same contract."""
+        function, threads, raise_error = self._lib.chunk_llama_cpu_quant_matmul, torch.get_num_threads, self.raise_error
+        code_of, variant = ACTIVATIONS[activations], isa.encode()
+
+        def call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            rows, features = x.shape
+            out_features = weight.shape[0]
+            if features != in_features or (bias is not None and bias.shape != (out_features,)):
+                raise ValueError(f"quant_matmul: x {list(x.shape)} and bias {None if bias is None else list(bias.shape)}"
+                                 f" do not fit a weight of {out_features} rows of {in_features}")
+            y = x.new_empty((rows, out_features))
+            args = QuantMatmulArgs(x.data_ptr(), rows, features, weight.data_ptr(), weight.numel(), ggml_type,
+                                   out_features, None if bias is None else bias.data_ptr(), y.data_ptr(), code_of,
+                                   variant, threads())  # (one per call: a layer may run in several threads)
+            code = function(ctypes.byref(args))
+            return y if code == 0 else raise_error(code)
+
+        return call
+
+    def int8_variant(self, isa: str) -> str:
+        """The variant whose int8 kernel runs for variant `isa` here (itself, or the next one down
+        that this CPU runs the integer code of: AVX-512 without VNNI runs avx2's)."""
+        name = self._lib.chunk_llama_cpu_int8_variant(isa.encode())
+        return name.decode() if name is not None else self.raise_error(1)
 
     def dequantize(self, weight: torch.Tensor, ggml_type: int, in_features: int, isa: str) -> torch.Tensor:
         """weight [num_rows, row_bytes] uint8 (contiguous, on the CPU) in a GGML block format ->

@@ -131,21 +131,25 @@ class CpuPlanned:
         return out if status == 0 else self._raise(status)
 
     def decoder_layer(self, layer: DecoderLayer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int, lora=None,
+                      layer_index: int = 0) -> torch.Tensor:
         """The whole layer on this step (its K/V stored to the planned slots, then its attention):
         hidden [q_rows, hidden_size], cos and sin [q_rows, head_dim], float32 and contiguous on
-        the CPU (`hf/fused/layers.py` checked dtypes, devices and contiguity) -> [q_rows, hidden_size]"""
+        the CPU (`hf/fused/layers.py` checked dtypes, devices and contiguity) -> [q_rows, hidden_size].
+        lora: the step's rows by adapter (`ops/cpu/lora.py`'s `LoraStepRows`, its tables' layer
+        `layer_index`), or None"""
         self._check_layer_inputs(hidden, layer.hidden_size, cos, sin)
         kv = self.kvs.get(k_cache, v_cache, scale, window)
         out = torch.empty_like(hidden)
         status = self._layer_run(self._address, ctypes.addressof(layer), kv.address, hidden.data_ptr(),
-                                 out.data_ptr(), cos.data_ptr(), sin.data_ptr())
+                                 out.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                 None if lora is None else lora.address, layer_index)
         return out if status == 0 else self._raise(status)
 
     def decoder_stack(self, stack: DecoderStack, hidden: torch.Tensor, cos: Sequence[torch.Tensor],
-                      sin: Sequence[torch.Tensor]) -> torch.Tensor:
+                      sin: Sequence[torch.Tensor], lora=None) -> torch.Tensor:
         """`decoder_layer` of every layer of `stack` in a row, in one call, layer i with its own
-        cos[i] and sin[i] -> [q_rows, hidden_size]"""
+        cos[i] and sin[i] (and layer i of lora's tables) -> [q_rows, hidden_size]"""
         if not len(cos) == len(sin) == stack.num_layers:
             raise ValueError(f"a decoder stack of {stack.num_layers} layers takes a cos and a sin per layer, got "
                              f"{len(cos)} and {len(sin)}")
@@ -154,7 +158,8 @@ class CpuPlanned:
         out = torch.empty_like(hidden)
         pointers = ctypes.c_void_p * len(cos)
         status = self._stack_run(self._address, stack.address, hidden.data_ptr(), out.data_ptr(),
-                                 pointers(*(c.data_ptr() for c in cos)), pointers(*(s.data_ptr() for s in sin)))
+                                 pointers(*(c.data_ptr() for c in cos)), pointers(*(s.data_ptr() for s in sin)),
+                                 None if lora is None else lora.address)
         return out if status == 0 else self._raise(status)
 
     def _check_layer_inputs(self, hidden: torch.Tensor, hidden_size: int, cos: torch.Tensor, sin: torch.Tensor):

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from chunk_llama.logs import log_once
 from chunk_llama.ops.build import jit
 from chunk_llama.ops.cpu import isa
+from chunk_llama.ops.cpu.activations import INT8_TYPES, int8_variant
 from chunk_llama.ops.cpu.attention import build, build_failed
 from chunk_llama.ops.cpu.linear import SMALL_ROWS, _onednn, many_rows_onednn
 
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 # GGML type ids the kernels decode (csrc/cpu/quant_params.h), by gguf-py's names.
 GGML_TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
               "BF16": 30}
+INT8_TYPE_IDS = frozenset(GGML_TYPES[name] for name in INT8_TYPES)
 
 
 def unavailable_reason() -> str | None:
@@ -72,11 +74,17 @@ def reference_dequantize(blocks: torch.Tensor, ggml_type: int, in_features: int)
 class QuantLinear:
     """`F.linear` of a weight in GGML blocks: (x [..., in_features], blocks [out_features,
     row_bytes] uint8, bias [out_features] or None) -> [..., out_features]. Built once per
-    layer (the variant and the format are read here)."""
+    layer (the variant and the format are read here). `activations`: "float32", or "int8"
+    (x quantized per group of 32, `activations.py`; a format without integer codes keeps
+    float32)."""
 
-    def __init__(self, ggml_type: int, in_features: int):
+    def __init__(self, ggml_type: int, in_features: int, activations: str = "float32"):
         self.ggml_type, self.in_features, self._variant = ggml_type, in_features, isa.selected_variant()
-        self._kernel = build().quant_linear_call(ggml_type, in_features, self._variant)
+        self.int8 = activations == "int8" and ggml_type in INT8_TYPE_IDS
+        if self.int8:
+            self._kernel = build().quant_matmul_call(ggml_type, in_features, int8_variant(self._variant), "int8")
+        else:
+            self._kernel = build().quant_linear_call(ggml_type, in_features, self._variant)
 
     def __call__(self, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # the kernel reads raw float32 memory: anything else multiplies the decoded weight (as
@@ -90,7 +98,7 @@ class QuantLinear:
             weight = dequantize(blocks, self.ggml_type, self.in_features)
             return F.linear(x, weight.to(x.device, x.dtype), None if bias is None else bias.to(x.device, x.dtype))
         flat = x.reshape(-1, self.in_features).contiguous()  # [rows, in_features]
-        if flat.shape[0] <= SMALL_ROWS or not many_rows_onednn():
+        if self.int8 or flat.shape[0] <= SMALL_ROWS or not many_rows_onednn():
             out = self._kernel(flat, blocks, bias)
         else:  # CHUNK_LLAMA_LINEAR=onednn: decode once, multiply with oneDNN
             out = _onednn(flat, build().dequantize(blocks, self.ggml_type, self.in_features, self._variant), bias)

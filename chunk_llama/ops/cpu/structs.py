@@ -4,8 +4,10 @@ pool checks every struct that points into a K/V pool is made after.
 What is fixed for a step or a layer crosses the C boundary as one of these, made once: a
 plan's parameters (`PlanParams`, once per step), a made plan as its calls name it
 (`Planned`), a layer's pool with its scale and window (`Kv`, once per pool), a decoder
-layer's weights (`DecoderLayer`, once per description) and a model's layers in a row
-(`DecoderStackArgs`). Keep the fields in c_api.h's order.
+layer's weights (`DecoderLayer`, once per description), a model's layers in a row
+(`DecoderStackArgs`), an adapter's LoRA factors for them (`LoraFactor`s, once per adapter
+and layers) and a step's rows by adapter (`LoraSegment`s in `LoraRowsArgs`, once per step).
+Keep the fields in c_api.h's order.
 """
 
 from __future__ import annotations
@@ -33,7 +35,19 @@ class DecoderLayer(ctypes.Structure):
                 ("intermediate_size", I64), ("activation", I64), ("norm_eps", F64), ("norm_offset", F64),
                 *((name, P) for name in ("input_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_norm",
                                          "mlp_out_norm")),
-                *((name, Weight) for name in ("q", "k", "v", "o", "gate", "up", "down"))]
+                *((name, Weight) for name in ("q", "k", "v", "o", "gate", "up", "down")),
+                ("activations", I64)]  # ACTIVATIONS' code
+
+
+# chunk_llama_cpu_quant_matmul's activations (CHUNK_LLAMA_ACTIVATIONS_* in c_api.h)
+ACTIVATIONS = {"float32": 0, "int8": 1}
+
+
+class QuantMatmulArgs(ctypes.Structure):
+    """chunk_llama_cpu_quant_matmul_args: y = x W^T (+ bias) on GGML blocks, activations as named."""
+    _fields_ = [("x", P), ("rows", I64), ("in_features", I64), ("weight", P), ("weight_bytes", I64), ("type", I64),
+                ("out_features", I64), ("bias", P), ("y", P), ("activations", I64), ("isa", STR),
+                ("num_threads", I64)]
 
 
 class PlanParams(ctypes.Structure):
@@ -59,6 +73,21 @@ class Kv(ctypes.Structure):
 class DecoderStackArgs(ctypes.Structure):
     """chunk_llama_cpu_decoder_stack: layers and their Kv structs, in a row."""
     _fields_ = [("layers", P), ("kvs", P), ("num_layers", I64)]
+
+
+class LoraFactor(ctypes.Structure):
+    """chunk_llama_cpu_lora_factor: a [rank, in_features] and b [out_features, rank], float32."""
+    _fields_ = [("a", P), ("b", P), ("rank", I64), ("in_features", I64), ("out_features", I64), ("scale", F64)]
+
+
+class LoraSegment(ctypes.Structure):
+    """chunk_llama_cpu_lora_segment: rows under one adapter and its factors' table."""
+    _fields_ = [("row_start", I64), ("row_end", I64), ("factors", P), ("index", P), ("num_layers", I64)]
+
+
+class LoraRowsArgs(ctypes.Structure):
+    """chunk_llama_cpu_lora_rows: a step's segments."""
+    _fields_ = [("segments", P), ("num_segments", I64)]
 
 
 def extent(cache: torch.Tensor) -> int:

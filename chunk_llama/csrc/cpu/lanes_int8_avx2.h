@@ -1,0 +1,83 @@
+// Integer lanes for the int8-activation linear layers (quant_act.h) on AVX2: eight int32
+// lanes of a YMM register. No VNNI here: vpmaddubsw multiplies the unsigned codes by the
+// signed activations into pairs of 16 bits (which saturate beyond 32,767: exact for codes
+// up to 127 against |s| <= 127), vpmaddwd with ones widens the pairs to 32 bits. The lane
+// API is listed in lanes_int8_avx512.h. Included by kernel_avx2.cpp after lanes_avx2.h.
+#pragma once
+
+namespace chunk_attn_cpu {
+namespace avx2 {
+
+struct IVec {
+  __m256i v;
+};
+
+inline IVec iset1(int32_t v) { return {_mm256_set1_epi32(v)}; }
+inline IVec iload(const void* p) { return {_mm256_loadu_si256(static_cast<const __m256i*>(p))}; }
+inline void istore(void* p, IVec a) { _mm256_storeu_si256(static_cast<__m256i*>(p), a.v); }
+inline IVec ibroadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return {_mm256_set1_epi32(v)};
+}
+inline __m256i pairs_to_lanes(__m256i pairs) { return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)); }
+template <bool kWide>
+inline IVec idot4(IVec acc, IVec u, IVec s) {
+  if constexpr (kWide) {  // codes up to 255: their low 7 bits and their top bit apart (each pair fits 16 bits)
+    const __m256i low = _mm256_and_si256(u.v, _mm256_set1_epi8(0x7F));
+    const __m256i top = _mm256_and_si256(u.v, _mm256_set1_epi8(static_cast<char>(0x80)));
+    return {_mm256_add_epi32(acc.v, _mm256_add_epi32(pairs_to_lanes(_mm256_maddubs_epi16(low, s.v)),
+                                                     pairs_to_lanes(_mm256_maddubs_epi16(top, s.v))))};
+  } else {
+    return {_mm256_add_epi32(acc.v, pairs_to_lanes(_mm256_maddubs_epi16(u.v, s.v)))};
+  }
+}
+inline Vec icvt(IVec a) { return {_mm256_cvtepi32_ps(a.v)}; }
+inline void quantize_store(int8_t* p, Vec a) {  // (vcvtps2dq rounds to nearest even; the values fit int8)
+  const __m256i q = _mm256_cvtps_epi32(a.v);
+  const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(words, words));
+}
+inline void itranspose8(const uint8_t* rows, int64_t stride, IVec* out) {
+  __m256i r[8], t[8], u[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + i * stride));
+  for (int i = 0; i < 8; i += 2) {  // within each 128-bit half: pairs of rows by dword
+    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {  // four rows by dword: u[i + k] holds steps k (low half), k + 4 (high)
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {  // rows 0-3 and 4-7 of step k, then of step k + 4
+    out[k].v = _mm256_permute2x128_si256(u[k], u[4 + k], 0x20);
+    out[k + 4].v = _mm256_permute2x128_si256(u[k], u[4 + k], 0x31);
+  }
+}
+inline IVec igather(const uint8_t* base, IVec offsets) {
+  return {_mm256_i32gather_epi32(reinterpret_cast<const int*>(base), offsets.v, 1)};
+}
+inline IVec iand(IVec a, IVec b) { return {_mm256_and_si256(a.v, b.v)}; }
+inline IVec ior(IVec a, IVec b) { return {_mm256_or_si256(a.v, b.v)}; }
+inline IVec ixor(IVec a, IVec b) { return {_mm256_xor_si256(a.v, b.v)}; }
+inline IVec ibytes(uint8_t v) { return {_mm256_set1_epi8(static_cast<char>(v))}; }
+inline IVec ishr8(IVec a, int n) {
+  return {_mm256_and_si256(_mm256_srli_epi16(a.v, n), _mm256_set1_epi8(static_cast<char>(0xFF >> n)))};
+}
+inline IVec ishl8(IVec a, int n) {
+  return {_mm256_and_si256(_mm256_slli_epi16(a.v, n), _mm256_set1_epi8(static_cast<char>((0xFF << n) & 0xFF)))};
+}
+inline IVec ishr32(IVec a, int n) { return {_mm256_srli_epi32(a.v, n)}; }
+inline IVec ishl32(IVec a, int n) { return {_mm256_slli_epi32(a.v, n)}; }
+inline IVec isra32(IVec a, int n) { return {_mm256_srai_epi32(a.v, n)}; }
+inline IVec imul32(IVec a, IVec b) { return {_mm256_mullo_epi32(a.v, b.v)}; }
+inline Vec ihalf_lo(IVec a) {  // (the low halves packed: 16-bit lanes 0, 2, 4, 6 of each 128-bit half)
+  const __m256i low = _mm256_shuffle_epi8(a.v, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1));
+  return {_mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(low, 0x08)))};
+}
+
+}  // namespace avx2
+}  // namespace chunk_attn_cpu

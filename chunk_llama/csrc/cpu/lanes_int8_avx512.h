@@ -1,0 +1,107 @@
+// Integer lanes for the int8-activation linear layers (quant_act.h) on AVX-512 with VNNI:
+// sixteen int32 lanes of a ZMM register, each the dot product of four unsigned weight
+// codes and four signed activations (vpdpbusd: exact, no 16-bit intermediate). Included by
+// kernel_avx512.cpp inside a target region that adds avx512bw, avx512vl and avx512vnni,
+// after lanes_avx512.h; the variant runs it only where the CPU has them (variants.h).
+//
+// The integer lane API (the same in every lanes_int8_<isa>.h):
+//   IVec                         kLanes int32 lanes (4 * kLanes bytes)
+//   iset1(v), iload(p), istore(p, a)
+//   ibroadcast4(p)               every lane: the 4 bytes at p
+//   idot4<kWide>(acc, u, s)      lane i: acc + sum_j u[4i + j] * s[4i + j], u unsigned codes,
+//                                s int8 in [-127, 127]; exact for codes up to 127, and up to
+//                                255 with kWide
+//   icvt(a)                      int32 -> float, exactly (|a| < 2^24)
+//   quantize_store(p, a)         kLanes floats rounded to nearest even, stored as int8
+//   itranspose8(rows, stride, out)  8 dwords at rows + c * stride for each of kLanes rows ->
+//                                out[s] (s < 8): dword s of row c in lane c
+//   igather(base, offsets)       lane c: the dword at base + offsets[c] (any alignment)
+//   iand, ior, ixor, ibytes(v)   bitwise; every byte v
+//   ishr8(a, n), ishl8(a, n)     each byte shifted (logical; the bits leaving the byte dropped)
+//   ishr32, ishl32, isra32, imul32  int32 lane shifts (logical, arithmetic), low product
+//   ihalf_lo(a)                  the fp16 in each lane's low 16 bits, as a float
+#pragma once
+
+namespace chunk_attn_cpu {
+namespace avx512 {
+
+struct IVec {
+  __m512i v;
+};
+
+inline IVec iset1(int32_t v) { return {_mm512_set1_epi32(v)}; }
+inline IVec iload(const void* p) { return {_mm512_loadu_si512(p)}; }
+inline void istore(void* p, IVec a) { _mm512_storeu_si512(p, a.v); }
+inline IVec ibroadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return {_mm512_set1_epi32(v)};
+}
+template <bool kWide>
+inline IVec idot4(IVec acc, IVec u, IVec s) {
+  return {_mm512_dpbusd_epi32(acc.v, u.v, s.v)};
+}
+inline Vec icvt(IVec a) { return {_mm512_cvtepi32_ps(a.v)}; }
+inline void quantize_store(int8_t* p, Vec a) {  // (vcvtps2dq rounds to nearest even; the values fit int8)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(a.v)));
+}
+
+// Indices of the three levels of itranspose8 (16 rows x 8 dwords; see there).
+struct TransposeIndex {
+  int32_t level[3][2][16];
+};
+constexpr TransposeIndex make_transpose_index() {
+  TransposeIndex t{};
+  for (int half = 0; half < 2; ++half)
+    for (int k = 0; k < 16; ++k) {
+      // level 1: 4 rows (2 from each input) x 4 steps (half: steps 0-3 or 4-7)
+      const int row1 = k / 4;
+      t.level[0][half][k] = (row1 < 2 ? 0 : 16) + (row1 % 2) * 8 + 4 * half + k % 4;
+      // level 2: 8 rows (4 from each) x 2 steps (half: the first or second pair of 4)
+      const int row2 = k / 2;
+      t.level[1][half][k] = (row2 < 4 ? 0 : 16) + (row2 % 4) * 4 + 2 * half + k % 2;
+      // level 3: 16 rows (8 from each) x 1 step (half: the first or second of 2)
+      t.level[2][half][k] = (k < 8 ? 0 : 16) + (k % 8) * 2 + half;
+    }
+  return t;
+}
+alignas(64) static constexpr TransposeIndex kTransposeIndex = make_transpose_index();
+
+inline void itranspose8(const uint8_t* rows, int64_t stride, IVec* out) {
+  __m512i a[8], b[8], c[8];
+  for (int p = 0; p < 8; ++p)  // rows 2p, 2p + 1
+    a[p] = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + 2 * p * stride))),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + (2 * p + 1) * stride)), 1);
+  const auto pair = [](__m512i x, __m512i y, const int32_t* lo, const int32_t* hi, __m512i* to_lo, __m512i* to_hi) {
+    *to_lo = _mm512_permutex2var_epi32(x, _mm512_load_si512(lo), y);
+    *to_hi = _mm512_permutex2var_epi32(x, _mm512_load_si512(hi), y);
+  };
+  const auto& t = kTransposeIndex.level;
+  for (int i = 0; i < 4; ++i)  // b[4 h + i]: rows 4i .. 4i + 3, steps 4h .. 4h + 3
+    pair(a[2 * i], a[2 * i + 1], t[0][0], t[0][1], &b[i], &b[4 + i]);
+  for (int h = 0; h < 2; ++h)  // c[2 sp + q]: rows 8q .. 8q + 7, steps 2sp, 2sp + 1
+    for (int q = 0; q < 2; ++q)
+      pair(b[4 * h + 2 * q], b[4 * h + 2 * q + 1], t[1][0], t[1][1], &c[(2 * h) * 2 + q], &c[(2 * h + 1) * 2 + q]);
+  for (int sp = 0; sp < 4; ++sp)  // all 16 rows, steps 2sp and 2sp + 1
+    pair(c[2 * sp], c[2 * sp + 1], t[2][0], t[2][1], &out[2 * sp].v, &out[2 * sp + 1].v);
+}
+inline IVec igather(const uint8_t* base, IVec offsets) { return {_mm512_i32gather_epi32(offsets.v, base, 1)}; }
+inline IVec iand(IVec a, IVec b) { return {_mm512_and_si512(a.v, b.v)}; }
+inline IVec ior(IVec a, IVec b) { return {_mm512_or_si512(a.v, b.v)}; }
+inline IVec ixor(IVec a, IVec b) { return {_mm512_xor_si512(a.v, b.v)}; }
+inline IVec ibytes(uint8_t v) { return {_mm512_set1_epi8(static_cast<char>(v))}; }
+inline IVec ishr8(IVec a, int n) {
+  return {_mm512_and_si512(_mm512_srli_epi16(a.v, n), _mm512_set1_epi8(static_cast<char>(0xFF >> n)))};
+}
+inline IVec ishl8(IVec a, int n) {
+  return {_mm512_and_si512(_mm512_slli_epi16(a.v, n), _mm512_set1_epi8(static_cast<char>((0xFF << n) & 0xFF)))};
+}
+inline IVec ishr32(IVec a, int n) { return {_mm512_srli_epi32(a.v, n)}; }
+inline IVec ishl32(IVec a, int n) { return {_mm512_slli_epi32(a.v, n)}; }
+inline IVec isra32(IVec a, int n) { return {_mm512_srai_epi32(a.v, n)}; }
+inline IVec imul32(IVec a, IVec b) { return {_mm512_mullo_epi32(a.v, b.v)}; }
+inline Vec ihalf_lo(IVec a) { return {_mm512_cvtph_ps(_mm512_cvtepi32_epi16(a.v))}; }
+
+}  // namespace avx512
+}  // namespace chunk_attn_cpu

@@ -1,0 +1,102 @@
+// Integer lanes for the int8-activation linear layers (quant_act.h) in plain C++, for the
+// variants without their own (generic, neon): kLanes int32 lanes as an array, each the
+// exact dot product of four codes and four activations. The lane API is listed in
+// lanes_int8_avx512.h. Included by kernel_<isa>.cpp inside its namespace, after its
+// lanes_<isa>.h (whose kLanes, Vec, vload and vstore it uses).
+#pragma once
+
+struct IVec {
+  int32_t v[kLanes];
+};
+
+inline IVec iset1(int32_t v) {
+  IVec r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = v;
+  return r;
+}
+inline IVec iload(const void* p) {
+  IVec r;
+  std::memcpy(r.v, p, sizeof r.v);
+  return r;
+}
+inline void istore(void* p, IVec a) { std::memcpy(p, a.v, sizeof a.v); }
+inline IVec ibroadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return iset1(v);
+}
+template <bool kWide>
+inline IVec idot4(IVec acc, IVec u, IVec s) {
+  uint8_t codes[4 * kLanes];
+  int8_t values[4 * kLanes];
+  std::memcpy(codes, u.v, sizeof codes);
+  std::memcpy(values, s.v, sizeof values);
+  for (int i = 0; i < kLanes; ++i)
+    for (int j = 0; j < 4; ++j) acc.v[i] += int32_t{codes[4 * i + j]} * int32_t{values[4 * i + j]};
+  return acc;
+}
+inline Vec icvt(IVec a) {
+  alignas(64) float lanes[kLanes];
+  for (int i = 0; i < kLanes; ++i) lanes[i] = static_cast<float>(a.v[i]);
+  return vload(lanes);
+}
+inline void quantize_store(int8_t* p, Vec a) {  // nearest, ties to even (the default rounding mode)
+  alignas(64) float lanes[kLanes];
+  vstore(lanes, a);
+  for (int i = 0; i < kLanes; ++i) p[i] = static_cast<int8_t>(__builtin_nearbyintf(lanes[i]));
+}
+inline void itranspose8(const uint8_t* rows, int64_t stride, IVec* out) {
+  for (int c = 0; c < kLanes; ++c)
+    for (int s = 0; s < 8; ++s) std::memcpy(&out[s].v[c], rows + c * stride + 4 * s, 4);
+}
+inline IVec igather(const uint8_t* base, IVec offsets) {
+  IVec r;
+  for (int c = 0; c < kLanes; ++c) std::memcpy(&r.v[c], base + offsets.v[c], 4);
+  return r;
+}
+inline IVec iand(IVec a, IVec b) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] &= b.v[i];
+  return a;
+}
+inline IVec ior(IVec a, IVec b) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] |= b.v[i];
+  return a;
+}
+inline IVec ixor(IVec a, IVec b) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] ^= b.v[i];
+  return a;
+}
+inline IVec ibytes(uint8_t v) { return iset1(static_cast<int32_t>(v * 0x01010101u)); }
+inline IVec ishr8(IVec a, int n) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] = static_cast<int32_t>((static_cast<uint32_t>(a.v[i]) >> n) & ((0xFFu >> n) * 0x01010101u));
+  return a;
+}
+inline IVec ishl8(IVec a, int n) {
+  for (int i = 0; i < kLanes; ++i)
+    a.v[i] = static_cast<int32_t>((static_cast<uint32_t>(a.v[i]) << n) & (((0xFFu << n) & 0xFFu) * 0x01010101u));
+  return a;
+}
+inline IVec ishr32(IVec a, int n) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] = static_cast<int32_t>(static_cast<uint32_t>(a.v[i]) >> n);
+  return a;
+}
+inline IVec ishl32(IVec a, int n) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] = static_cast<int32_t>(static_cast<uint32_t>(a.v[i]) << n);
+  return a;
+}
+inline IVec isra32(IVec a, int n) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] >>= n;  // (arithmetic for negative values: C++20, and GCC/Clang before)
+  return a;
+}
+inline IVec imul32(IVec a, IVec b) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] = static_cast<int32_t>(static_cast<uint32_t>(a.v[i]) * static_cast<uint32_t>(b.v[i]));
+  return a;
+}
+inline Vec ihalf_lo(IVec a) {
+  alignas(64) float lanes[kLanes];
+  for (int i = 0; i < kLanes; ++i) {
+    const uint16_t h = static_cast<uint16_t>(a.v[i]);
+    lanes[i] = fp16_to_float(reinterpret_cast<const uint8_t*>(&h));
+  }
+  return vload(lanes);
+}

@@ -1,0 +1,270 @@
+// Linear layers on GGML blocks with int8 activations (quant_act_params.h has the arithmetic),
+// written once for every variant against the float lane API and the integer one
+// (lanes_int8_<isa>.h): included by kernel_<isa>.cpp after kernel.h.
+//
+// A work item is kI8Cols weight rows ("columns" of y). Its groups are decoded once into a
+// per-thread buffer laid out for the integer tile: per group, 8 steps of 4 weights, each
+// step one vector per kLanes columns (lane c: column c's 4 codes), then the columns' scales
+// and offsets. The tile takes kI8Rows rows of x and kI8ColVecs vectors of columns: per step,
+// each row's 4 activation codes broadcast to every lane and multiplied into each column
+// vector (idot4: 4 products summed per lane), so a group's sums come out one column per
+// lane, ready for its scales: per group one conversion, a multiply and an FMA per row and
+// column vector (the scale factored out of the group's sum), and an FMA for the offset.
+// Decode steps and prefills run the same tile (a last tile of fewer rows alike), so every
+// output's operations do not depend on the rows beside it.
+#pragma once
+
+namespace chunk_attn_cpu {
+namespace CHUNK_ATTN_ISA {
+
+constexpr int kI8ColVecs = kLanes >= 16 ? 2 : 1;  // column vectors per item
+constexpr int kI8Cols = kI8ColVecs * kLanes;       // weight rows per item
+constexpr int kI8Rows = 4;                         // rows of x per tile
+static_assert(kI8Cols <= kInt8MaxCols, "an item must fit the caller's scratch");
+
+}  // namespace CHUNK_ATTN_ISA
+}  // namespace chunk_attn_cpu
+
+#include "quant_act_decode.h"
+
+namespace chunk_attn_cpu {
+namespace CHUNK_ATTN_ISA {
+
+// A decoded group in the item's buffer: its codes (8 steps of kI8Cols columns' 4 bytes), then
+// its scales [kSubs][kI8Cols] and offsets [kI8Cols] (formats with a minimum).
+template <int Type>
+constexpr int64_t kI8GroupBytes = kI8Cols * (32 + 4 * (kSubs<Type> + (kHasOffset<Type> ? 1 : 0)));
+
+// The item of kI8Cols weight rows from `w` (rows row_bytes apart) into buf [groups,
+// kI8GroupBytes<Type>], the next item's rows (`next_bytes` from `next`) prefetched meanwhile.
+template <int Type>
+__attribute__((nothrow)) inline void decode_item(const uint8_t* w, int64_t row_bytes, int64_t groups, uint8_t* buf,
+                                                 const uint8_t* next, int64_t next_bytes) {
+  const int64_t units = groups / kUnitGroups<Type>;
+  for (int64_t unit = 0; unit < units; ++unit) {
+    prefetch_step(next, next_bytes, unit, units);
+    for (int cv = 0; cv < kI8ColVecs; ++cv)
+      decode_unit<Type>(columns(w + cv * kLanes * row_bytes, row_bytes), unit,
+                        [&](int j, const IVec* codes, const Vec* scales, Vec offset) {
+                          uint8_t* group = buf + (unit * kUnitGroups<Type> + j) * kI8GroupBytes<Type>;
+                          float* tail = reinterpret_cast<float*>(group + 32 * kI8Cols) + cv * kLanes;
+                          for (int s = 0; s < 8; ++s) istore(group + (s * kI8Cols + cv * kLanes) * 4, codes[s]);
+                          for (int sub = 0; sub < kSubs<Type>; ++sub) vstore(tail + sub * kI8Cols, scales[sub]);
+                          if constexpr (kHasOffset<Type>) vstore(tail + kSubs<Type> * kI8Cols, offset);
+                        });
+  }
+}
+
+// The rows' quantized form (quant_act_params.h's scratch, row strides in_features, groups and
+// in_features / 16).
+struct Int8Rows {
+  const int8_t* codes;
+  const float* scales;    // dx per group
+  const float* sums;      // exact sums of x per group (the offsets' factor)
+  const int32_t* sums16;  // the codes' sums per 16
+};
+
+// One row of x into its codes, scales and sums (the same operations on every instruction set:
+// a maximum, a division, a reciprocal, products rounded to nearest even, sums in order).
+__attribute__((nothrow)) inline void quantize_row(const float* x, int64_t in_features, int8_t* codes, float* scales,
+                                                  float* sums, int32_t* sums16) {
+  for (int64_t g = 0; g < in_features / kGroup; ++g) {
+    const float* xg = x + g * kGroup;
+    Vec top = vzero();
+    for (int v = 0; v < kGroupVecs; ++v) {
+      const Vec a = vload(xg + v * kLanes);
+      top = vmax(top, vmax(a, vsub(vzero(), a)));
+    }
+    const float d = vreduce_max(top) / 127.f, inverse = d != 0.f ? 1.f / d : 0.f;
+    for (int v = 0; v < kGroupVecs; ++v)
+      quantize_store(codes + g * kGroup + v * kLanes, vmul(vload(xg + v * kLanes), vset1(inverse)));
+    float sum = 0.f;
+    for (int i = 0; i < kGroup; ++i) sum += xg[i];
+    scales[g] = d;
+    sums[g] = sum;
+    for (int half = 0; half < 2; ++half) {
+      int32_t s = 0;
+      for (int i = 0; i < 16; ++i) s += codes[g * kGroup + 16 * half + i];
+      sums16[2 * g + half] = s;
+    }
+  }
+}
+
+// Group g's share of MR rows (from row0) against one column vector: its codes[8] (lane c:
+// column c's), scales and offset (lane c: column c's), into acc[MR]. Per sub-group the exact
+// integer dot product, less the zero point times the codes' sum, converted once and scaled by
+// scale * dx; then the offset times the group's exact sum of x. Every row count, decoded in
+// registers or from the item's buffer, runs this for each group in order: a row's outputs do
+// not depend on the rows beside it.
+template <int Type, int MR>
+__attribute__((nothrow, always_inline)) inline void group_fmas(const IVec* codes, const Vec* scales, Vec offset,
+                                                              const Int8Rows& x, int64_t row0, int64_t g,
+                                                              int64_t in_features, Vec* acc) {
+  constexpr int kSub = kSubs<Type>, kStepsPerSub = 8 / kSub;
+  const int64_t groups = in_features / kGroup, per16 = in_features / 16;
+#pragma GCC unroll 2
+  for (int sub = 0; sub < kSub; ++sub) {
+    IVec dot[MR];
+    for (int r = 0; r < MR; ++r) {
+      const int32_t* s16 = x.sums16 + (row0 + r) * per16 + 2 * g;
+      dot[r] = iset1(-kZero<Type> * (kSub == 2 ? s16[sub] : s16[0] + s16[1]));
+    }
+#pragma GCC unroll 8
+    for (int s = sub * kStepsPerSub; s < (sub + 1) * kStepsPerSub; ++s)
+      for (int r = 0; r < MR; ++r)
+        dot[r] = idot4<kWideCodes<Type>>(dot[r], codes[s], ibroadcast4(x.codes + (row0 + r) * in_features + g * kGroup + 4 * s));
+    for (int r = 0; r < MR; ++r)
+      acc[r] = vfma(icvt(dot[r]), vmul(scales[sub], vset1(x.scales[(row0 + r) * groups + g])), acc[r]);
+  }
+  if constexpr (kHasOffset<Type>)
+    for (int r = 0; r < MR; ++r) acc[r] = vfma(offset, vset1(x.sums[(row0 + r) * groups + g]), acc[r]);
+}
+
+// An MR x kI8Cols tile on a decoded item (buf) into out[r][kI8Cols] (no bias).
+template <int Type, int MR>
+__attribute__((nothrow, noinline)) void int8_tile(const uint8_t* __restrict__ buf, const Int8Rows& x,
+                                                  int64_t row0, int64_t in_features, float* __restrict__ out) {
+  Vec acc[kI8ColVecs][MR];
+  for (int cv = 0; cv < kI8ColVecs; ++cv)
+    for (int r = 0; r < MR; ++r) acc[cv][r] = vzero();
+  for (int64_t g = 0; g < in_features / kGroup; ++g) {
+    const uint8_t* group = buf + g * kI8GroupBytes<Type>;
+    const float* tail = reinterpret_cast<const float*>(group + 32 * kI8Cols);
+    for (int cv = 0; cv < kI8ColVecs; ++cv) {
+      IVec codes[8];
+      Vec scales[kSubs<Type>];
+      for (int s = 0; s < 8; ++s) codes[s] = iload(group + (s * kI8Cols + cv * kLanes) * 4);
+      for (int sub = 0; sub < kSubs<Type>; ++sub) scales[sub] = vload(tail + sub * kI8Cols + cv * kLanes);
+      const Vec offset = kHasOffset<Type> ? vload(tail + kSubs<Type> * kI8Cols + cv * kLanes) : vzero();
+      group_fmas<Type, MR>(codes, scales, offset, x, row0, g, in_features, acc[cv]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int cv = 0; cv < kI8ColVecs; ++cv) vstore(out + r * kI8Cols + cv * kLanes, acc[cv][r]);
+}
+
+// The same tile for a decode step's few rows (MR <= kI8Rows: all of them), each group decoded
+// from the blocks in registers just before its products (no buffer), the next item prefetched.
+template <int Type, int MR>
+__attribute__((nothrow, noinline)) void int8_few_rows(const uint8_t* __restrict__ w, int64_t row_bytes,
+                                                      const Int8Rows& x, int64_t in_features,
+                                                      const uint8_t* next, int64_t next_bytes,
+                                                      float* __restrict__ out) {
+  Vec acc[kI8ColVecs][MR];
+  for (int cv = 0; cv < kI8ColVecs; ++cv)
+    for (int r = 0; r < MR; ++r) acc[cv][r] = vzero();
+  const int64_t units = in_features / kGroup / kUnitGroups<Type>;
+  // (unit by unit, both column vectors of each: the item's rows are read once, in order,
+  // while the next item's stream in)
+  for (int64_t unit = 0; unit < units; ++unit) {
+    prefetch_step(next, next_bytes, unit, units);
+    for (int cv = 0; cv < kI8ColVecs; ++cv)
+      decode_unit<Type>(columns(w + cv * kLanes * row_bytes, row_bytes), unit,
+                        [&](int j, const IVec* codes, const Vec* scales, Vec offset) {
+                          group_fmas<Type, MR>(codes, scales, offset, x, 0, unit * kUnitGroups<Type> + j,
+                                               in_features, acc[cv]);
+                        });
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int cv = 0; cv < kI8ColVecs; ++cv) vstore(out + r * kI8Cols + cv * kLanes, acc[cv][r]);
+}
+
+template <int Type, int MR = kI8Rows>
+__attribute__((nothrow)) inline void any_int8_tile(int mr, const uint8_t* buf, const Int8Rows& x, int64_t row0,
+                                                   int64_t in_features, float* out) {
+  if constexpr (MR >= 1) {
+    if (mr < MR) return any_int8_tile<Type, MR - 1>(mr, buf, x, row0, in_features, out);
+    int8_tile<Type, MR>(buf, x, row0, in_features, out);
+  }
+}
+
+template <int Type, int MR = kI8Rows>
+__attribute__((nothrow)) inline void any_int8_few_rows(int mr, const uint8_t* w, int64_t row_bytes, const Int8Rows& x,
+                                                       int64_t in_features, const uint8_t* next, int64_t next_bytes,
+                                                       float* out) {
+  if constexpr (MR >= 1) {
+    if (mr < MR) return any_int8_few_rows<Type, MR - 1>(mr, w, row_bytes, x, in_features, next, next_bytes, out);
+    int8_few_rows<Type, MR>(w, row_bytes, x, in_features, next, next_bytes, out);
+  }
+}
+
+template <int Type>
+void quant_int8_of(const QuantInt8Params& p) {
+  const QuantFormat f = quant_format(Type);
+  const int64_t row_bytes = p.in_features / f.block_elems * f.block_bytes, groups = p.in_features / kGroup;
+  const Int8Scratch layout = int8_scratch(p.rows, p.in_features, p.num_threads);
+  int8_t* codes = reinterpret_cast<int8_t*>(p.scratch + layout.codes);
+  float* scales = reinterpret_cast<float*>(p.scratch + layout.scales);
+  float* sums = reinterpret_cast<float*>(p.scratch + layout.sums);
+  int32_t* sums16 = reinterpret_cast<int32_t*>(p.scratch + layout.sums16);
+  const Int8Rows x{codes, scales, sums, sums16};
+  const int64_t num_items = (p.out_features + kI8Cols - 1) / kI8Cols;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(p.num_threads)
+#endif
+  {
+#ifdef _OPENMP
+    const int64_t thread = omp_get_thread_num(), threads = omp_get_num_threads();
+#else
+    const int64_t thread = 0, threads = 1;
+#endif
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (int64_t r = 0; r < p.rows; ++r)
+      quantize_row(p.x + r * p.in_features, p.in_features, codes + r * p.in_features, scales + r * groups,
+                   sums + r * groups, sums16 + r * (p.in_features / 16));
+    // (implicit barrier) each thread its share of the items, every row against each
+    uint8_t* buf = p.scratch + layout.threads + thread * layout.per_thread;
+    uint8_t* pad = buf + layout.item_bytes;  // [kI8Cols, row_bytes]
+    const int64_t first = num_items * thread / threads, last = num_items * (thread + 1) / threads;
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t col = item * kI8Cols;
+      const int nc = static_cast<int>(p.out_features - col < kI8Cols ? p.out_features - col : kI8Cols);
+      const uint8_t* rows = p.w + col * row_bytes;
+      if (item == num_items - 1) {  // the last item: padded with copies of its last row, and 64 bytes more (the
+                                    // 32-weight formats' decode reads 32 bytes from each block's first)
+        for (int c = 0; c < kI8Cols; ++c) std::memcpy(pad + c * row_bytes, rows + (c < nc ? c : nc - 1) * row_bytes,
+                                                      row_bytes);
+        rows = pad;
+      }
+      const int64_t next_rows = item + 1 < last ? std::min<int64_t>(kI8Cols, p.out_features - col - kI8Cols) : 0;
+      const uint8_t* next = p.w + (col + kI8Cols) * row_bytes;
+      alignas(64) float out[kI8Rows * kI8Cols];
+      const auto store = [&](int64_t row, int mr) {
+        for (int r = 0; r < mr; ++r)  // (the bias as the float32 kernel adds it)
+          for (int c = 0; c < nc; ++c)
+            p.y[(row + r) * p.out_features + col + c] = out[r * kI8Cols + c] + (p.bias ? p.bias[col + c] : 0.f);
+      };
+      if (p.rows <= kI8Rows) {  // a decode step: in registers
+        any_int8_few_rows<Type>(static_cast<int>(p.rows), rows, row_bytes, x, p.in_features, next,
+                                next_rows * row_bytes, out);
+        store(0, static_cast<int>(p.rows));
+        continue;
+      }
+      decode_item<Type>(rows, row_bytes, groups, buf, next, next_rows * row_bytes);
+      for (int64_t row = 0; row < p.rows; row += kI8Rows) {
+        const int mr = static_cast<int>(p.rows - row < kI8Rows ? p.rows - row : kI8Rows);
+        any_int8_tile<Type>(mr, buf, x, row, p.in_features, out);
+        store(row, mr);
+      }
+    }
+  }
+}
+
+void quant_linear_int8(const QuantInt8Params& p) {
+  switch (p.type) {
+    case kQ4_0: return quant_int8_of<kQ4_0>(p);
+    case kQ4_1: return quant_int8_of<kQ4_1>(p);
+    case kQ5_0: return quant_int8_of<kQ5_0>(p);
+    case kQ5_1: return quant_int8_of<kQ5_1>(p);
+    case kQ8_0: return quant_int8_of<kQ8_0>(p);
+    case kQ4_K: return quant_int8_of<kQ4_K>(p);
+    case kQ5_K: return quant_int8_of<kQ5_K>(p);
+    case kQ6_K: return quant_int8_of<kQ6_K>(p);
+    default: return;
+  }
+}
+
+}  // namespace CHUNK_ATTN_ISA
+}  // namespace chunk_attn_cpu

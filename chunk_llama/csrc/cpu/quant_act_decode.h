@@ -1,0 +1,169 @@
+// The weights' side of the int8-activation layers (quant_act.h): GGML blocks decoded, a
+// column vector (kLanes weight rows) at a time, into each group's integer codes laid out for
+// the integer tile (codes[s], s < 8: lane c holds column c's codes 4s .. 4s + 3) with its
+// scales and offset as float vectors (lane c: column c's), handed to a sink in group order:
+//   sink(group, codes, scales, offset)   scales[kSubs<Type>], offset (formats with a minimum)
+// Written once for every variant against the lane APIs; included by quant_act.h.
+//
+// No weight goes through a scalar: the rows' bytes are transposed 32 at a time (itranspose8:
+// each lane one row's 8 dwords), then the codes taken out of them with byte operations, and
+// the scales computed for all lanes at once, with the products k_scales and decode_group make.
+#pragma once
+
+namespace chunk_attn_cpu {
+namespace CHUNK_ATTN_ISA {
+
+// A format's codes' zero point (its own, or the middle of the codes of one with a minimum,
+// which keeps the codes' products with the activations' rounding small), its scales per
+// group of 32 (Q6_K: one per 16), and whether codes exceed 127 (Q8_0's, biased by 128).
+template <int Type>
+constexpr int kZero = (Type == kQ4_0 || Type == kQ4_1 || Type == kQ4_K) ? 8
+                      : (Type == kQ5_0 || Type == kQ5_1 || Type == kQ5_K) ? 16
+                      : Type == kQ6_K ? 32 : 128;
+template <int Type>
+constexpr int kSubs = Type == kQ6_K ? 2 : 1;
+template <int Type>
+constexpr bool kWideCodes = Type == kQ8_0;
+// Groups decoded together: a K-quant's super-block (its scales once), else one block.
+template <int Type>
+constexpr int kUnitGroups = kIsKQuant<Type> ? 8 : 1;
+
+// A column vector's kLanes weight rows: the first, the distance between them, and lane c's
+// offset c * stride from the first (for igather).
+struct Columns {
+  const uint8_t* first;
+  int64_t stride;
+  IVec offsets;
+};
+__attribute__((nothrow)) inline Columns columns(const uint8_t* first, int64_t stride) {
+  alignas(64) int32_t offsets[kLanes];
+  for (int c = 0; c < kLanes; ++c) offsets[c] = static_cast<int32_t>(c * stride);
+  return {first, stride, iload(offsets)};
+}
+
+// The K-quants' super-block `block` of the column vector: 8 groups to the sink.
+template <int Type, typename Sink>
+__attribute__((nothrow, always_inline)) inline void decode_k_block(const Columns& cols, int64_t block, Sink&& sink) {
+  const int64_t at = block * quant_format(Type).block_bytes;
+  IVec raw[8], codes[8];
+  if constexpr (Type == kQ4_K || Type == kQ5_K) {
+    IVec head[8];  // d and dmin, then 12 bytes of 6-bit scales and mins (see k_scales)
+    itranspose8(cols.first + at, cols.stride, head);
+    const IVec w0 = head[1], w1 = head[2], w2 = head[3];
+    const Vec d = ihalf_lo(head[0]), dmin = ihalf_lo(ishr32(head[0], 16));
+    const IVec low6 = iset1(63), low4 = iset1(15), low2 = iset1(3);
+    Vec scale[8], offset[8];
+    for (int j = 0; j < 8; ++j) {
+      IVec sc, min;
+      if (j < 4) {
+        sc = iand(ishr32(w0, 8 * j), low6);
+        min = iand(ishr32(w1, 8 * j), low6);
+      } else {
+        const int k = 8 * (j - 4);
+        sc = ior(iand(ishr32(w2, k), low4), ishl32(iand(ishr32(w0, k + 6), low2), 4));
+        min = ior(iand(ishr32(w2, k + 4), low4), ishl32(iand(ishr32(w1, k + 6), low2), 4));
+      }
+      scale[j] = vmul(d, icvt(sc));  // the weight of code z, z d sc - dmin m: the offset
+      offset[j] = vsub(vmul(vset1(static_cast<float>(kZero<Type>)), scale[j]), vmul(dmin, icvt(min)));
+    }
+    IVec fifth[8];  // Q5_K: bit j of byte l is group j's weight l
+    if constexpr (Type == kQ5_K) itranspose8(cols.first + at + 16, cols.stride, fifth);
+    const IVec nibble = ibytes(15), one = ibytes(1);
+    for (int pair = 0; pair < 4; ++pair) {
+      itranspose8(cols.first + at + (Type == kQ5_K ? 48 : 16) + 32 * pair, cols.stride, raw);
+      for (int half = 0; half < 2; ++half) {
+        const int j = 2 * pair + half;
+        for (int s = 0; s < 8; ++s) {
+          codes[s] = half ? ishr8(raw[s], 4) : iand(raw[s], nibble);
+          if constexpr (Type == kQ5_K) codes[s] = ior(codes[s], ishl8(iand(ishr8(fifth[s], j), one), 4));
+        }
+        sink(j, codes, &scale[j], offset[j]);
+      }
+    }
+  } else if constexpr (Type == kQ6_K) {
+    IVec tail[8];  // bytes 178 .. 209: the 16 int8 scales at 192, the fp16 d at 208
+    itranspose8(cols.first + at + 178, cols.stride, tail);
+    const Vec d = ihalf_lo(ishr32(tail[7], 16));
+    Vec scale[16];  // of weights 16 i .. 16 i + 15: group i / 2's half i % 2
+    for (int q = 0; q < 4; ++q) {  // int8 scales 4q .. 4q + 3: bytes 192 + 4q = 178 + 14 + 4q
+      const IVec four = ior(ishr32(tail[3 + q], 16), ishl32(tail[4 + q], 16));
+      for (int b = 0; b < 4; ++b) scale[4 * q + b] = vmul(d, icvt(isra32(ishl32(four, 24 - 8 * b), 24)));
+    }
+    const IVec nibble = ibytes(15), two = ibytes(3);
+    IVec low[2][8], high[8];
+    for (int h = 0; h < 2; ++h) {  // groups 4h + t: low 4 bits from ql[64h + 32 (t % 2)] >> 4 (t / 2)
+      itranspose8(cols.first + at + 64 * h, cols.stride, low[0]);
+      itranspose8(cols.first + at + 64 * h + 32, cols.stride, low[1]);
+      itranspose8(cols.first + at + 128 + 32 * h, cols.stride, high);
+      for (int t = 0; t < 4; ++t) {
+        for (int s = 0; s < 8; ++s) {
+          const IVec bits = t / 2 ? ishr8(low[t % 2][s], 4) : iand(low[t % 2][s], nibble);
+          codes[s] = ior(bits, ishl8(iand(ishr8(high[s], 2 * t), two), 4));
+        }
+        sink(4 * h + t, codes, &scale[2 * (4 * h + t)], vzero());
+      }
+    }
+  }
+}
+
+// Block g of the 32-weight formats of the column vector to the sink. Reads the block's first 32
+// bytes whatever its size: the caller makes sure memory follows (quant_int8_of pads the last item).
+template <int Type, typename Sink>
+__attribute__((nothrow, always_inline)) inline void decode_block32(const Columns& cols, int64_t g, Sink&& sink) {
+  constexpr bool kMin = Type == kQ4_1 || Type == kQ5_1, kFifth = Type == kQ5_0 || Type == kQ5_1;
+  const int64_t at = g * quant_format(Type).block_bytes;
+  IVec head[8], codes[8];
+  itranspose8(cols.first + at, cols.stride, head);
+  // dword k from byte `from` on (2-byte offsets: two dwords joined)
+  const auto dword = [&](int from, int k) {
+    const int b = from + 4 * k;
+    return b % 4 == 0 ? head[b / 4] : ior(ishr32(head[b / 4], 16), ishl32(head[b / 4 + 1], 16));
+  };
+  const IVec halves = Type == kQ8_0 ? igather(cols.first + at, cols.offsets) : head[0];  // d (and m)
+  const Vec d = ihalf_lo(halves);
+  // the weight of code z: m + z d
+  const Vec offset = kMin ? vadd(ihalf_lo(ishr32(halves, 16)), vmul(vset1(static_cast<float>(kZero<Type>)), d)) : vzero();
+  if constexpr (Type == kQ8_0) {
+    itranspose8(cols.first + at + 2, cols.stride, codes);
+    const IVec top = ibytes(0x80);
+    for (int s = 0; s < 8; ++s) codes[s] = ixor(codes[s], top);  // q + 128
+  } else {
+    // 16 bytes of nibbles: weight i < 16 the low nibble of byte i, weight 16 + i its high one;
+    // Q5's fifth bits: bit i of 32, here per lane the 4 bits of a step spread to its 4 bytes
+    constexpr int kNibbles = (kMin ? 4 : 2) + (kFifth ? 4 : 0);
+    const IVec nibble = ibytes(15);
+    for (int s = 0; s < 4; ++s) {
+      const IVec raw = dword(kNibbles, s);
+      codes[s] = iand(raw, nibble);
+      codes[s + 4] = ishr8(raw, 4);
+    }
+    if constexpr (kFifth) {
+      // bits 4s .. 4s + 3 to bytes 0 .. 3 (times 0x00204081: bit k lands at bit 8k + k, the mask keeps it), as 16
+      const IVec fifth = dword(kMin ? 4 : 2, 0), spread = iset1(0x00204081), bit = iset1(0x01010101);
+      for (int s = 0; s < 8; ++s)
+        codes[s] = ior(codes[s], ishl32(iand(imul32(iand(ishr32(fifth, 4 * s), iset1(15)), spread), bit), 4));
+    }
+  }
+  sink(0, codes, &d, offset);
+}
+
+// Unit `unit` (kUnitGroups<Type> groups from group unit * kUnitGroups) of the column vector.
+template <int Type, typename Sink>
+__attribute__((nothrow, always_inline)) inline void decode_unit(const Columns& cols, int64_t unit, Sink&& sink) {
+  if constexpr (kIsKQuant<Type>)
+    decode_k_block<Type>(cols, unit, sink);
+  else
+    decode_block32<Type>(cols, unit, sink);
+}
+
+// Prefetches share `step` of `bytes` bytes from `next` (the next item's rows, contiguous), one of
+// `steps`: a decode reads its rows once, from memory, and the hardware's own prefetch left it
+// waiting on them.
+__attribute__((nothrow)) inline void prefetch_step(const uint8_t* next, int64_t bytes, int64_t step, int64_t steps) {
+  const int64_t share = (bytes + steps - 1) / steps;
+  for (int64_t at = step * share & ~int64_t{63}; at < (step + 1) * share && at < bytes; at += 64)
+    __builtin_prefetch(next + at);
+}
+
+}  // namespace CHUNK_ATTN_ISA
+}  // namespace chunk_attn_cpu

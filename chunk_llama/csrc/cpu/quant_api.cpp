@@ -1,0 +1,89 @@
+// The C interface of the linear layers on GGML blocks with a choice of activations
+// (c_api.h: chunk_llama_cpu_quant_matmul, _int8_variant): float32 (quant_linear.h) or int8
+// (quant_act.h), checks, the int8 kernel's variant and its scratch. Baseline code, like
+// c_api.cpp; failed checks are reported as chunk_llama/api_errors.h says.
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "api_internal.h"
+#include "c_api.h"
+#include "chunk_llama/api_errors.h"
+#include "quant_act_params.h"
+#include "quant_params.h"
+#include "variants.h"
+
+namespace chunk_llama_cpu_internal {
+
+using chunk_attn_cpu::Variant;
+
+// The variant whose int8 kernel runs for `isa`: itself where this CPU runs its integer code,
+// else the next one down the list that does (AVX-512 without VNNI: AVX2's).
+const Variant& int8_variant_for(const char* isa) {
+  const Variant& requested = variant_for(isa);
+  bool after = false;
+  for (const Variant& v : chunk_attn_cpu::kVariants) {
+    after = after || &v == &requested;
+    if (after && v.host_runs() && v.int8_host_runs()) return v;
+  }
+  return requested;  // (generic's always runs: not reached)
+}
+
+// A 64-byte aligned buffer of at least `bytes`, kept per calling thread between calls (the
+// integer kernel's scratch: a decode step makes about 7 calls per layer).
+uint8_t* int8_scratch_buffer(int64_t bytes) {
+  thread_local std::unique_ptr<uint8_t[]> buffer;
+  thread_local int64_t size = 0;
+  if (bytes > size) {
+    buffer.reset(new uint8_t[bytes + 64]);
+    size = bytes;
+  }
+  const uintptr_t at = reinterpret_cast<uintptr_t>(buffer.get());
+  return buffer.get() + ((64 - at % 64) % 64);
+}
+
+void quant_int8_linear(const char* isa, const chunk_attn_cpu::QuantInt8Params& params) {
+  CHECK_VALUE(chunk_attn_cpu::quant_int8_supports(params.type), "int8 activations: GGML type ", params.type,
+              " has no integer codes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K have)");
+  chunk_attn_cpu::QuantInt8Params p = params;
+  p.scratch = int8_scratch_buffer(chunk_attn_cpu::quant_int8_scratch_bytes(p.rows, p.in_features, p.num_threads));
+  int8_variant_for(isa).quant_linear_int8(p);
+}
+
+}  // namespace chunk_llama_cpu_internal
+
+using chunk_llama_api::guarded;
+using namespace chunk_llama_cpu_internal;
+
+extern "C" {
+
+int chunk_llama_cpu_quant_matmul(const chunk_llama_cpu_quant_matmul_args* args) {
+  return guarded([&] {
+    const chunk_llama_cpu_quant_matmul_args& a = *args;
+    CHECK_VALUE(a.rows >= 0 && a.out_features >= 0 && a.num_threads >= 1 && a.num_threads <= INT32_MAX,
+                "quant_matmul: bad sizes (", a.rows, " rows, ", a.out_features, " out, ", a.num_threads, " threads)");
+    CHECK_VALUE(a.activations == CHUNK_LLAMA_ACTIVATIONS_FLOAT32 || a.activations == CHUNK_LLAMA_ACTIVATIONS_INT8,
+                "quant_matmul: activations ", a.activations, " is not 0 (float32) or 1 (int8)");
+    const int type = static_cast<int>(a.type);
+    const int64_t row_bytes = row_bytes_of("quant_matmul", type, a.in_features);
+    CHECK_VALUE(a.weight_bytes == row_bytes * a.out_features, "quant_matmul: the weight holds ", a.weight_bytes,
+                " bytes, not ", a.out_features, " rows of ", row_bytes);
+    const int threads = static_cast<int>(a.num_threads);
+    if (a.activations == CHUNK_LLAMA_ACTIVATIONS_INT8) {
+      quant_int8_linear(a.isa, chunk_attn_cpu::QuantInt8Params{a.x, a.weight, type, a.bias, a.y, a.rows,
+                                                                a.out_features, a.in_features, threads, nullptr});
+      return;
+    }
+    std::unique_ptr<float[]> scratch(new float[chunk_attn_cpu::quant_scratch_floats(a.rows, a.in_features) * threads]);
+    variant_for(a.isa).quant_linear(chunk_attn_cpu::QuantLinearParams{
+        a.x, a.weight, type, a.bias, a.y, a.rows, a.out_features, a.in_features, threads, scratch.get()});
+  });
+}
+
+const char* chunk_llama_cpu_int8_variant(const char* isa) {
+  const char* name = nullptr;
+  guarded([&] { name = int8_variant_for(isa).name; });
+  return name;
+}
+
+}  // extern "C"

@@ -1,0 +1,114 @@
+"""`--gguf-activations` on whole layers and models: `float32` is the path the blocks ran before the
+option existed, bit for bit (the same C function, `chunk_llama_cpu_quant_linear`, and the fused
+layer's float32 branch); `auto` picks `int8` only where its error on the default model is within
+the issue's bound against the float64 truth of the same dequantized weights (top-1 agreement with
+float32 at least 99.5%, worst logit error no larger than stock bfloat16's), measured over the
+shipped prompts as `scripts/gguf_activation_errors.py` measures it; the option reaches every
+entry point."""
+
+import os
+import sys
+
+import pytest
+import torch
+from test_quant_act import FORMATS, layer_case
+
+from chunk_llama.gguf.weights import GGUFLinear, set_gguf_activations
+from chunk_llama.ops.cpu import activations, isa
+from chunk_llama.ops.cpu import quant_linear as ops
+from chunk_llama.ops.cpu.attention import build
+from chunk_llama.settings import EngineArgs
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+ALL_FORMATS = tuple(sorted(set(FORMATS) | {"F16", "BF16"}))
+
+
+@pytest.mark.parametrize("ggml_type", ALL_FORMATS)
+@pytest.mark.parametrize("rows", [1, 17, 123])
+def test_float32_mode_is_the_previous_path_bit_for_bit(ggml_type, rows):
+    """A GGUFLinear in float32 mode, and quant_matmul asked for float32, give exactly what the
+    float32 kernel gave before the option (quant_linear's C entry point, unchanged)."""
+    x, blocks, bias = layer_case(ggml_type, rows, 37, 3 if ggml_type.endswith("_K") else 5, rows)
+    weight, variant = torch.from_numpy(blocks), isa.selected_variant()
+    ggml_id = ops.GGML_TYPES[ggml_type]
+    before = build().quant_linear_call(ggml_id, x.shape[1], variant)(x, weight, bias)
+    layer = GGUFLinear(weight, ggml_type, x.shape[1], bias, activations="float32")
+    assert layer.activations == "float32"
+    assert torch.equal(layer(x), before), f"{ggml_type}, {rows} rows: the float32 mode changed the numbers"
+    matmul = build().quant_matmul_call(ggml_id, x.shape[1], variant, "float32")(x, weight, bias)
+    assert torch.equal(matmul, before), f"{ggml_type}, {rows} rows: quant_matmul(float32) differs from quant_linear"
+    set_gguf_activations(torch.nn.Sequential(layer), "int8")
+    set_gguf_activations(torch.nn.Sequential(layer), "float32")  # (back and forth: the same op again)
+    assert torch.equal(layer(x), before)
+
+
+@pytest.mark.slow
+def test_switching_the_default_model_to_int8_and_back_gives_float32s_numbers_again():
+    """set_gguf_activations re-describes what it changes (a fused layer's struct included): int8
+    changes the logits, float32 after it gives float32's again, bit for bit."""
+    from chunk_llama.loading import load_model
+
+    if activations.int8_variant() is None:
+        pytest.skip("no CPU kernels")
+    model, tokenizer = load_model(None, device="cpu", dtype=torch.float32, gguf_activations="float32")
+    ids = tokenizer("The chunk pool holds every layer's keys and values.", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        first = model(input_ids=ids).logits
+        set_gguf_activations(model, "int8")
+        int8 = model(input_ids=ids).logits
+        set_gguf_activations(model, "float32")
+        back = model(input_ids=ids).logits
+    assert not torch.equal(int8, first), "int8 mode left the logits as float32's"
+    assert torch.equal(back, first), "float32 after int8 is not float32's numbers"
+
+
+@pytest.mark.slow
+def test_auto_picks_int8_only_where_its_error_is_within_the_bound(capsys, monkeypatch):
+    """Teacher-forced over the shipped prompts (the tool manual and the first questions): the
+    bound is int8's top-1 agreeing with float32's on at least 99.5% of positions and its worst
+    logit error against the float64 truth no larger than stock bfloat16's. Where int8 misses it
+    on the default model, `auto` must keep float32 on this CPU."""
+    if activations.int8_variant() is None:
+        pytest.skip("no CPU kernels")
+    sys.path.insert(0, SCRIPTS)
+    try:
+        import gguf_activation_errors as errors
+    finally:
+        sys.path.remove(SCRIPTS)
+    scores, positions = errors.measure(None, num_questions=4)
+    int8, bf16 = scores["int8"], scores["stock bf16"]
+    agreement = int8.same_top / int8.count
+    within = agreement >= 0.995 and int8.worst <= bf16.worst
+    with capsys.disabled():
+        print(f"\nint8 on the default model, {positions} positions: top-1 = float32's {agreement:.2%}, worst "
+              f"{int8.worst:.4f} (stock bfloat16 {bf16.worst:.4f}): {'within' if within else 'outside'} the bound")
+    assert scores["float32"].worst < 1e-3  # (float32 sits on the truth: the measure measures)
+    assert int8.worst > scores["float32"].worst  # (and int8 is measured, not float32 again)
+    monkeypatch.delenv(activations.ENV, raising=False)
+    if not within:
+        assert activations.resolve("auto") == "float32", (
+            f"auto picks int8 here, whose top-1 agreement is {agreement:.2%} and worst error {int8.worst:.4f} "
+            f"(stock bfloat16 {bf16.worst:.4f})")
+
+
+def test_every_entry_point_takes_the_option_and_the_environment_sets_it(monkeypatch):
+    """EngineArgs (generate, serve, eval) declares it once; its default leaves the choice to
+    CHUNK_LLAMA_GGUF_ACTIVATIONS (then auto), as load_model and the engine do."""
+    import argparse
+    import inspect
+
+    from chunk_llama.engine import ChunkLlamaEngine
+    from chunk_llama.loading import load_model
+    from chunk_llama.settings import add_arguments
+
+    assert EngineArgs().gguf_activations is None
+    assert inspect.signature(load_model).parameters["gguf_activations"].default is None
+    assert inspect.signature(ChunkLlamaEngine).parameters["gguf_activations"].default is None
+    monkeypatch.setenv(activations.ENV, "int8")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, EngineArgs)
+    assert parser.parse_args([]).gguf_activations == "int8"
+    assert parser.parse_args(["--gguf-activations", "float32"]).gguf_activations == "float32"
+    assert activations.resolve(EngineArgs().gguf_activations) == "int8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--gguf-activations", "int4"])
