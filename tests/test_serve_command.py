@@ -126,7 +126,7 @@ def test_server_options_from_flags_and_environment(model_folder, tmp_path):
     import re
 
     stamp = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} "
-    assert re.search(stamp + r"INFO chunk_llama\.server: chunk-llama: cpu .*, float32; .*KV pool [\d.]+ GiB, "
+    assert re.search(stamp + r"INFO chunk_llama\.server: chunk-llama: cpu .*, float32, weights [\d.]+ GiB; .*KV pool [\d.]+ GiB, "
                      r"bfloat16 \(", output, re.M), output[-3000:]
     assert re.search(stamp + r"INFO chunk_llama\.server: engine: [\d.]+ tokens/s generated, \d+ running, \d+ "
                      r"waiting, KV [\d.]+% used", output, re.M), output[-3000:]
