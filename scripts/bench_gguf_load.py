@@ -1,17 +1,22 @@
 """Loading a .gguf model: peak memory and time of chunk-llama's tensor-by-tensor load
-(`gguf/load.py`), of transformers' `from_pretrained` followed by keeping the blocks (the
-path before it, still the fallback), and of stock `from_pretrained` (float32), each in its
-own process, on the same file.
+(`gguf/load.py`; `load_model`: that and the config and tokenizer, what a user waits for), of
+transformers' `from_pretrained` followed by keeping the blocks (the
+path before it, still the fallback), of stock `from_pretrained` (float32) and of llama.cpp's
+`llama-server` (start to ready on /health, one slot of 512 tokens), each in its own process,
+on the same file.
 
     python scripts/bench_gguf_load.py                  # the default model
     python scripts/bench_gguf_load.py --model gemma3-270m
     python scripts/bench_gguf_load.py --synthetic 2048 16 --type Q4_0   # a random Llama: hidden size, layers
+    python scripts/bench_gguf_load.py --model big.gguf --ways tensor_by_tensor llama.cpp
 
 `--synthetic H L` writes a random Llama of hidden size H and L layers (MLP 4H, 4x fewer KV
 heads, a 32,000-token vocabulary, untied) to a temporary GGUF file first (gguf-py's
 quantizer; tests/gguf_files.py). Peak is the process's maximum resident set (VmHWM, reset
 after importing everything) minus what it had then, so the reader's metadata, the file's
 mapped pages and every transient count (not the tokenizer: none of the three loads it).
+llama.cpp's peak is its server's VmHWM once ready (its imports are its binary's), with the
+file's pages mapped (`--no-mmap` is not passed: its default).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WAYS = ("tensor_by_tensor", "from_pretrained_then_blocks", "stock_float32")
+WAYS = ("load_model", "tensor_by_tensor", "from_pretrained_then_blocks", "stock_float32", "llama.cpp")
 
 
 def _measure(path: str, way: str) -> dict:
@@ -37,12 +42,16 @@ def _measure(path: str, way: str) -> dict:
     from chunk_llama.gguf import load as gguf_load
     from chunk_llama.gguf import weights as gguf_weights
     from chunk_llama.hf.support import check_supported
+    from chunk_llama.loading import load_model
 
     folder, name = os.path.split(path)
     with open("/proc/self/clear_refs", "w") as f:  # the peak (VmHWM) starts again from here (Linux >= 4.0)
         f.write("5")
     base = _status_kb("VmHWM")
     start = time.perf_counter()
+    if way == "load_model":
+        model, _ = load_model(path, device="cpu")
+        return _result(model, base, time.perf_counter() - start)
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     check_supported(config)
     if way == "tensor_by_tensor":
@@ -52,15 +61,35 @@ def _measure(path: str, way: str) -> dict:
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
         if way == "from_pretrained_then_blocks":
             gguf_weights.keep_gguf_quantized(model, path)
-    seconds = time.perf_counter() - start
-    peak = _status_kb("VmHWM") - base
+    return _result(model, base, time.perf_counter() - start)
+
+
+def _result(model, base_kb: int, seconds: float) -> dict:
+    peak = _status_kb("VmHWM") - base_kb
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for t in [*model.parameters(), *model.buffers()]}
     return {"peak_mb": peak / 1024, "seconds": seconds, "weights_mb": sum(storages.values()) / 1e6}
 
 
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
+def _measure_llama_cpp(path: str) -> dict:
+    """llama-server on `path` (the cached build, scripts/build_llama_cpp.sh): seconds from start to
+    ready and its peak resident MB then."""
+    import time
+
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from llama_cpp_peer import LlamaServer, find_bin
+
+    with tempfile.NamedTemporaryFile(suffix=".log") as log:
+        start = time.perf_counter()
+        with LlamaServer(find_bin(), path, slots=1, ctx_per_slot=512, threads=os.cpu_count() or 1,
+                         log_path=log.name) as server:
+            seconds = time.perf_counter() - start
+            peak = _status_kb("VmHWM", server.proc.pid)
+    return {"peak_mb": peak / 1024, "seconds": seconds, "weights_mb": None}
+
+
+def _status_kb(field: str, pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
@@ -93,7 +122,8 @@ def main() -> None:
     parser.add_argument("--measure", nargs=2, help=argparse.SUPPRESS)  # child: path, way
     args = parser.parse_args()
     if args.measure:
-        print(json.dumps(_measure(*args.measure)))
+        path, way = args.measure
+        print(json.dumps(_measure_llama_cpp(path) if way == "llama.cpp" else _measure(path, way)))
         return
     from chunk_llama.loading import model_path
 
@@ -114,7 +144,8 @@ def main() -> None:
                 continue
             result = json.loads(child.stdout.strip().splitlines()[-1])
             print(f"| {way} | {result['peak_mb']:.0f} | {result['peak_mb'] / file_mb:.1f} | "
-                  f"{result['seconds']:.1f} | {result['weights_mb']:.0f} |", flush=True)
+                  f"{result['seconds']:.1f} | {'-' if result['weights_mb'] is None else round(result['weights_mb'])} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from chunk_llama.gguf import weights
-from chunk_llama.gguf.file import FileTensor, release_pages
+from chunk_llama.gguf.file import FileTensor, populate_pages, release_pages
 from chunk_llama.ops.cpu import quant_linear as ops
 
 SAMPLE_ROWS = 16  # rows decoded both ways per tensor: the first, the last and evenly between
@@ -49,7 +49,11 @@ def keep_file_blocks(model: nn.Module, name: str | None, tensor: FileTensor, pro
     if permutation is None:
         return None
     blocks = torch.empty(data.shape, dtype=torch.uint8)
-    np.take(data, permutation, axis=0, out=blocks.numpy())
+    populate_pages(data)
+    if np.array_equal(permutation, np.arange(rows)):
+        blocks.numpy()[...] = data  # one copy (np.take row by row ran at a third of its speed)
+    else:
+        np.take(data, permutation, axis=0, out=blocks.numpy())
     if not _sample_matches(blocks, data, permutation, ggml_type, in_features):
         return None
     release_pages(data)

@@ -118,12 +118,26 @@ def release_pages(data: np.ndarray) -> None:
     """Drop the file pages `data` (a slice of the memory-mapped file) holds from this process's
     resident set (they are read again if touched): a loader that copies each tensor out of the
     file then peaks at the copies, not at the copies and the file."""
-    libc = _libc()
     page = mmap.PAGESIZE
     start = -(-data.ctypes.data // page) * page  # whole pages inside the slice only
-    end = (data.ctypes.data + data.nbytes) // page * page
-    if libc is not None and end > start:
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED)
+    _madvise(start, (data.ctypes.data + data.nbytes) // page * page, mmap.MADV_DONTNEED)
+
+
+def populate_pages(data: np.ndarray) -> None:
+    """Map every page of `data` (a slice of the memory-mapped file) in one call before it is
+    copied: page by page, the faults of a 4.6 GB file took 10 s of an 8B model's load
+    (MADV_POPULATE_READ, Linux 5.14; elsewhere the copy faults them in as before)."""
+    page = mmap.PAGESIZE
+    _madvise(data.ctypes.data // page * page, data.ctypes.data + data.nbytes, _MADV_POPULATE_READ)
+
+
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # (Python 3.13 names it; Linux's value)
+
+
+def _madvise(start: int, end: int, advice: int) -> None:
+    libc = _libc()
+    if libc is not None and end > start:  # advice only: a kernel that refuses it changes no result
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice)
 
 
 @functools.cache

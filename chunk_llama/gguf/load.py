@@ -58,11 +58,7 @@ def load_gguf_model(gguf_path: str, config, dtype: torch.dtype = torch.float32, 
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
     from transformers.integrations.gguf import is_gguf_arch_supported
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS,
-        TensorProcessor,
-        get_gguf_hf_weights_map,
-    )
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     device = torch.device(device)
     blocks = device.type == "cpu" and dtype is torch.float32
@@ -86,7 +82,7 @@ def load_gguf_model(gguf_path: str, config, dtype: torch.dtype = torch.float32, 
     model.tie_weights()  # tied parameters are one Parameter, loaded once under each name
     processor = processor_class(config=model.config.to_dict())
     try:
-        parameter_of = get_gguf_hf_weights_map(model, processor)  # GGUF tensor name -> the model's name
+        parameter_of = gguf_weights.hf_weights_map(model, processor)  # GGUF tensor name -> the model's name
     except NotImplementedError as error:  # gguf-py does not know the model type
         return None, str(error)
     tied = {}  # parameter name -> all names of its Parameter (tied weights share one)
