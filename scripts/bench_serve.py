@@ -9,6 +9,8 @@
         --ignore-eos --systems generate http llama.cpp      # against llama.cpp on the same GGUF
     python scripts/bench_serve.py --workload shared --systems generate http --api chat responses \
         --ignore-eos                                        # the Responses API against chat completions
+    python scripts/bench_serve.py --model llama-1b-q4km.gguf --gguf-activations int8 --ignore-eos \
+        --systems generate llama.cpp                        # another GGUF file (scripts/synthetic_gguf.py)
 
 Workloads (chat requests, greedy):
   shared   `--num-requests` chats whose system prompt is `--n-shared` tokens of the shipped tool
@@ -74,7 +76,7 @@ from transformers import GenerationConfig
 
 import chunk_llama
 from chunk_llama.cli import DEFAULT_PROMPTS, DEFAULT_SYSTEM, read_prompts
-from chunk_llama.loading import default_model_path
+from chunk_llama.loading import model_path
 from chunk_llama.server.replicas import free_port
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -431,6 +433,10 @@ def main() -> None:
                         help="the http system's API(s), each on a fresh server (see above)")
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
+    parser.add_argument("--model", default=None,
+                        help="a .gguf file or gemma3-270m, for every system (default: the default model)")
+    parser.add_argument("--gguf-activations", default=None,
+                        help="chunk-llama's --gguf-activations (generate and http; default: its own default)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server-timeout", type=float, default=600, help="seconds for a server to start")
@@ -447,7 +453,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    model, tokenizer = chunk_llama.load_default_model(getattr(torch, args.dtype))
+    model, tokenizer = chunk_llama.load_model(args.model, dtype=getattr(torch, args.dtype),
+                                              gguf_activations=args.gguf_activations)
     chats = (
         shared_chats(tokenizer, args.n_shared, args.num_requests)
         if args.workload == "shared"
@@ -459,7 +466,7 @@ def main() -> None:
     rows, reference = [], None
     logs = tempfile.mkdtemp(prefix="bench_serve_")
     if "hf-serve" in args.systems:  # transformers' own float32 load (the engine's model holds GGUF blocks)
-        stock = chunk_llama.load_model(None, dtype=getattr(torch, args.dtype), gguf_weights="dequantized")[0]
+        stock = chunk_llama.load_model(args.model, dtype=getattr(torch, args.dtype), gguf_weights="dequantized")[0]
         save_local_copy(stock, tokenizer, os.path.join(logs, "model"))
         del stock
     engine = chunk_llama.ChunkLlamaEngine(
@@ -490,6 +497,8 @@ def main() -> None:
             str(args.max_batch_size),
             "--kv-cache-bytes",
             str(args.kv_cache_bytes),
+            *(["--model", args.model] if args.model else []),
+            *(["--gguf-activations", args.gguf_activations] if args.gguf_activations else []),
         ]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))  # torch's intra-op threads there
         log_path = os.path.join(logs, f"chunk_llama_serve_{api}.log")
@@ -515,7 +524,9 @@ def main() -> None:
         f"{args.workload}: {len(chats)} chat requests (prompts {min(lengths)}-{max(lengths)} tokens), "
         f"{args.max_new_tokens} new tokens{' (EOS ignored)' if args.ignore_eos else ''}, greedy, "
         f"rps {args.rps:g}, "
-        f"{args.num_clients} clients, {args.dtype}, SmolLM2-135M-Instruct, torch {torch.__version__}, "
+        f"{args.num_clients} clients, {args.dtype}, "
+        f"{os.path.basename(args.model) if args.model else 'SmolLM2-135M-Instruct'}"
+        f"{', gguf_activations ' + args.gguf_activations if args.gguf_activations else ''}, torch {torch.__version__}, "
         f"{args.threads} threads; {peer.cpu_summary()}{'; ' + llama_desc if llama_desc else ''}"
     )
     print("\n" + table(rows, header))
@@ -532,14 +543,14 @@ def main() -> None:
 
 
 def llama_cpp_rows(prompt_ids, arrivals, args, tokenizer, reference, logs) -> tuple[dict, dict | None, str]:
-    """`llama-server -np <num-clients>` on the default model's GGUF file, the chats as our token ids;
+    """`llama-server -np <num-clients>` on the model's GGUF file, the chats as our token ids;
     then (shared workload) `llama-batched-bench -pps` at the mean prompt length. Returns the row,
     the best case (None if not run; {"error": ...} if it failed) and a description of the build."""
     try:
         bin_dir = peer.find_bin(build=args.build_llama_cpp)
     except peer.Unavailable as error:
         return dict(system="llama.cpp", error=str(error)), None, ""
-    gguf = default_model_path()
+    gguf = model_path(args.model)
     slots = min(args.num_clients, len(prompt_ids))
     name = f"llama.cpp -np {slots}"
     server = peer.LlamaServer(bin_dir, gguf, slots=slots, threads=args.threads,
