@@ -1,19 +1,22 @@
 """Per-request LoRA on the CPU: issue 47's targets, with the baseline in the same run.
 
     flock /tmp/cpu.lock .venv/bin/python scripts/bench_lora.py
-    flock /tmp/cpu.lock .venv/bin/python scripts/bench_lora.py --new-tokens 32 --repeats 3
+    flock /tmp/cpu.lock .venv/bin/python scripts/bench_lora.py --new-tokens 32 --rounds 5
 
 The default model with its GGUF blocks kept. 16 requests: 4 groups of 4, each group sharing
 a 2,000-token system prompt of its own (a ToolQA app's prompt, then the flights manual, cut
-at 2,000 tokens) and asking its own questions (ToolQA's, of that app). Runs, alternating,
+at 2,000 tokens) and asking its own questions (ToolQA's, of that app). Rounds of two runs,
 each on a fresh engine (nothing cached before it), all requests submitted at once:
   base   the 16 requests with no adapter
   lora   the same 16 requests, group g under adapter g (4 adapters: rank 16, lora_alpha 32,
          every linear target: q, k, v, o, gate, up, down; random weights, PEFT's file format)
-Printed: each run's wall time and throughput (generated tokens / s), lora / base (target:
->= 0.8), and the prompt tokens each computed (target: 4 x 2,000 plus the questions, not 16 x
-2,000); then 8 such adapters loaded into one engine: the bytes resident against their files'
-(target: at most 1.1x), and the process's resident memory before and after loading them.
+The two runs of a round follow each other (which goes first alternates by round), so the
+machine's drift (up to 20% on a shared VM) moves both alike: the figure is the median over
+rounds of each round's lora / base throughput (target: >= 0.8). Printed: each run's wall time
+and throughput (generated tokens / s), the prompt tokens each computed (target: 4 x 2,000
+plus the questions, not 16 x 2,000); then 8 such adapters loaded into one engine: the bytes
+resident against their files' (target: at most 1.1x), and the process's resident memory
+before and after loading them.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import subprocess
 import tempfile
 import time
@@ -123,7 +127,7 @@ def main() -> None:
     parser.add_argument("--system-tokens", type=int, default=2000)
     parser.add_argument("--per-group", type=int, default=4)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     model, tokenizer = chunk_llama.load_default_model(torch.float32)
     requests = workload(tokenizer, args.system_tokens, args.per_group)
@@ -134,24 +138,30 @@ def main() -> None:
     print(f"{cpu_name()}, {torch.get_num_threads()} threads; default model, GGUF blocks kept; "
           f"{len(requests)} requests, 4 groups x {args.per_group} sharing {args.system_tokens} tokens each, "
           f"{args.new_tokens} new tokens; adapters rank {args.rank} on {', '.join(TARGETS)}")
-    results: dict[str, list[dict]] = {"base": [], "lora": []}
-    for _ in range(args.repeats):
-        for kind in ("base", "lora"):
-            results[kind].append(run(model, tokenizer, requests, args.new_tokens,
-                                     adapters if kind == "lora" else None))
-            print(f"  {kind}: {results[kind][-1]['seconds']:.2f} s, {results[kind][-1]['tokens_per_s']:.1f} tok/s")
-    best = {kind: min(runs, key=lambda r: r["seconds"]) for kind, runs in results.items()}
+    rounds: list[dict[str, dict]] = []
+    print(f"\n{'round':6} {'base s':>8} {'lora s':>8} {'base tok/s':>11} {'lora tok/s':>11} {'lora / base':>12}")
+    for number in range(args.rounds):
+        results = {}
+        for kind in ("base", "lora") if number % 2 == 0 else ("lora", "base"):
+            results[kind] = run(model, tokenizer, requests, args.new_tokens, adapters if kind == "lora" else None)
+        rounds.append(results)
+        base, lora = results["base"], results["lora"]
+        print(f"{number + 1:<6} {base['seconds']:8.2f} {lora['seconds']:8.2f} {base['tokens_per_s']:11.1f} "
+              f"{lora['tokens_per_s']:11.1f} {lora['tokens_per_s'] / base['tokens_per_s']:12.3f}", flush=True)
+    ratios = [r["lora"]["tokens_per_s"] / r["base"]["tokens_per_s"] for r in rounds]
+    median = {kind: statistics.median(r[kind]["tokens_per_s"] for r in rounds) for kind in ("base", "lora")}
+    print(f"median over {len(rounds)} rounds: base {median['base']:.1f} tok/s, lora {median['lora']:.1f} tok/s; "
+          f"lora / base {statistics.median(ratios):.3f} (target >= 0.8; rounds {min(ratios):.3f} to "
+          f"{max(ratios):.3f})")
+    last = rounds[-1]
     groups = [[p for p, g in requests if g == group] for group in range(4)]
     expected = sum(distinct_prefixes(group) for group in groups)
     questions = sum(len(p) - args.system_tokens for p, _ in requests)
-    print(f"\n{'run':6} {'seconds':>8} {'tok/s':>8} {'prompt tokens computed':>24}")
-    for kind, r in best.items():
-        print(f"{kind:6} {r['seconds']:8.2f} {r['tokens_per_s']:8.1f} {r['computed']:24d}")
-    print(f"lora / base throughput: {best['lora']['tokens_per_s'] / best['base']['tokens_per_s']:.2f} (target >= 0.8)")
-    print(f"prompt tokens computed under adapters: {best['lora']['computed']} = 4 x {args.system_tokens} + "
-          f"{best['lora']['computed'] - 4 * args.system_tokens} of the questions' {questions} (each group's distinct "
-          f"prefixes: {expected}; one copy per request would be {sum(len(p) for p, _ in requests)})")
-    changed = sum(a != b for a, b in zip(best["lora"]["tokens"], best["base"]["tokens"]))
+    print(f"prompt tokens computed: base {last['base']['computed']}, under adapters {last['lora']['computed']} = "
+          f"4 x {args.system_tokens} + {last['lora']['computed'] - 4 * args.system_tokens} of the questions' "
+          f"{questions} (each group's distinct prefixes: {expected}; one copy per request would be "
+          f"{sum(len(p) for p, _ in requests)})")
+    changed = sum(a != b for a, b in zip(last["lora"]["tokens"], last["base"]["tokens"]))
     print(f"answers the adapters changed: {changed} of {len(requests)}")
     figures = memory(model, tokenizer, folders, sizes)
     print(f"8 adapters resident: {figures['resident'] / 2**20:.1f} MiB of weights for {figures['files'] / 2**20:.1f} "

@@ -174,6 +174,24 @@ def test_at_most_max_loras_adapters_are_resident(setup):
     assert sum(d["resident"] for d in sizes.values()) <= 2
 
 
+def test_an_adapter_replaced_or_unloaded_takes_no_resident_place(setup):
+    """Requests resolved under "a" and "b" before "a" is replaced in place and "b" unloaded
+    still get those weights when admitted, but outside the `max_loras` places: those hold
+    what requests can name (the new "a", then "c"), and nothing of it is evicted."""
+    _, folders, _, folders_again = setup
+    engine = engine_for(setup, max_loras=2, lora_modules={"a": folders["a"], "b": folders["b"]})
+    registry = engine.adapters
+    queued = [registry.resolve("a"), registry.resolve("b")]
+    engine.load_adapter("a", folders_again)
+    engine.unload_adapter("b")
+    for entry in queued:
+        assert registry.acquire(entry, set()) is entry.adapter is not None
+    assert registry.num_resident == 1
+    engine.load_adapter("c", folders["c"])
+    assert {d["name"]: d["resident"] for d in registry.describe()} == {"a": True, "c": True}
+    assert registry.num_resident == 2 and engine.stats["adapters_resident"] == 2
+
+
 def test_bad_adapters_are_refused_naming_the_problem(setup, tmp_path):
     import peft
 

@@ -15,6 +15,7 @@ import httpx
 import psutil
 import pytest
 from helpers import tiny_llama, tiny_tokenizer
+from lora_adapters import SPECS, make_adapter
 from transformers import GenerationConfig
 
 pytest.importorskip("sglang_router", reason="the router of --data-parallel (pip install sglang-router)")
@@ -169,6 +170,42 @@ def test_a_worker_killed_mid_run_and_the_rest_serves(model_folder, prompts, expe
     finally:
         replicas.stop()
     assert not [c for c in replicas.children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_each_worker_serves_the_lora_modules_and_the_router_matches_text_only(model_folder, prompts, tmp_path):
+    """`--lora-modules` with `--data-parallel 2`: every worker's command line carries the
+    adapters, and a request's `model` selects its adapter behind the router (the answers
+    `engine.generate` gives under it). sglang-router 0.3's cache-aware policy keeps one
+    radix tree per worker model, and these workers are one model: it matches the request's
+    text, not its `model` (docs/adapters.md). So the same prompt under the base and two
+    adapters goes to the worker that computed it first, whose prefix tree keeps their K/V
+    apart: that worker computes the prompt once per adapter."""
+    pytest.importorskip("peft")
+    model, tokenizer = load_model(str(model_folder), device="cpu")
+    folders = {name: make_adapter(model, str(tmp_path / name), seed=i, scale=3.0, **SPECS[name])
+               for i, name in enumerate("ab")}
+    engine = ChunkLlamaEngine(model, tokenizer, max_batch_size=4, lora_modules=folders)
+    config = GenerationConfig(max_new_tokens=MAX_TOKENS, do_sample=False)
+    expected = {name: engine.generate([prompts[0]], config, adapter=name)[0].text for name in ("a", "b", None)}
+    assert len(set(expected.values())) == 3
+    replicas = Replicas(str(model_folder), model_folder.name, "cache_aware", "--kv-cache-bytes", str(16 << 20),
+                        "--lora-modules", *(f"{name}={folder}" for name, folder in folders.items()))
+    try:
+        workers = [c.cmdline() for c in replicas.children if "serve" in c.cmdline() and "--port" in c.cmdline()]
+        assert len(workers) == 2 and all(f"a={folders['a']}" in argv and f"b={folders['b']}" in argv
+                                         for argv in workers)
+        answers = {}
+        for name in ("a", "b", None):
+            replicas.model = name or model_folder.name
+            answers[name] = replicas.complete(prompts[0])
+            assert answers[name].status_code == 200, answers[name].text
+            assert answers[name].json()["choices"][0]["text"] == expected[name], name
+        routed = {a.headers["X-Chunk-Llama-Worker"] for a in answers.values()}
+        assert len(routed) == 1
+        prompt_tokens = len(tokenizer(prompts[0])["input_ids"])
+        assert worker_metric(routed.pop(), "chunk_llama_prefill_tokens_computed_total") >= 3 * prompt_tokens
+    finally:
+        replicas.stop()
 
 
 def test_without_the_router_installed_it_says_so(monkeypatch):

@@ -118,7 +118,8 @@ class ChunkCache(GenerateRows, AdapterRows, CacheApi, Cache):
         self.adapters = adapters
         buffers = StaticBuffers(self.pool.device)  # the steps' inputs and plans, and the kernels' workspace
         self._builder = StepBuilder(self.tree, config.num_attention_heads // num_kv_heads,
-                                    CacheBackends(self.geometry, buffers), buffers, lora_rows=self._lora_rows)
+                                    CacheBackends(self.geometry, buffers), buffers,
+                                    lora_rows=self._lora_rows if self.rows_managed else None)
         # (PEFT's adapters applied to every row: a change forgets everything; not where the engine
         # assigns adapters per row, whose K/V are keyed by each adapter's identity)
         self._weights_key = WeightsKey(model) if isinstance(model, torch.nn.Module) and not self.rows_managed \

@@ -40,7 +40,9 @@ class StepBuilder:
     """Makes the `StepContext`s of one tree; owns the decode plan between steps and the
     step's buffers (`buffers`: given to share them with the backends' workspace).
     `lora_rows(runs, num_rows)`: the step's rows by adapter (`ops/lora.py`'s `LoraRows`) from
-    (seq_id, first row, rows) in row order, or None (the layers compute as they are)."""
+    an iterable of (seq_id, first row, rows) in row order; None where no registry assigns
+    adapters per row (`step.lora` None: the layers compute as they are, and the runs are not
+    listed)."""
 
     def __init__(self, tree: PrefixTree, group: int, backends: StepBackends, buffers: StaticBuffers | None = None,
                  lora_rows: Callable[[list[tuple[int, int, int]], int], object] | None = None):
@@ -50,7 +52,7 @@ class StepBuilder:
         self.group = group  # query heads per KV head
         self.backends = backends
         self.buffers = buffers or StaticBuffers(self.device)
-        self.lora_rows = lora_rows or (lambda runs, num_rows: None)
+        self.lora_rows = lora_rows
         self.plan: DecodePlan | None = None
         self.num_plan_rebuilds = 0
         self.num_plan_updates = 0
@@ -79,7 +81,8 @@ class StepBuilder:
             buffers=self.buffers,
         )
         writes, _, _ = self._writes(index, chunks, offsets)
-        lora = self.lora_rows([(s, token_start, n) for s, token_start, _, n, _ in segments], num_q_tokens)
+        lora = None if self.lora_rows is None else \
+            self.lora_rows(((s, token_start, n) for s, token_start, _, n, _ in segments), num_q_tokens)
         return self._context(self._inputs(inputs, (1, num_q_tokens)), writes, prefill=plan, past_len=past_len,
                              columns=columns, lora=lora)
 
@@ -106,7 +109,8 @@ class StepBuilder:
         reordered = rows != list(range(len(order)))
         writes, row_order, inverse = self._writes(rows, [slot[s][0] for s in order], [slot[s][1] for s in order],
                                                   reordered)
-        lora = self.lora_rows([(s, row, 1) for row, s in enumerate(order)], len(order))
+        lora = None if self.lora_rows is None else \
+            self.lora_rows(((s, row, 1) for row, s in enumerate(order)), len(order))
         return self._context(self._inputs(inputs, (len(order), 1)), writes, decode=plan, row_order=row_order,
                              inverse_row_order=inverse, past_len=past_len, columns=columns, lora=lora)
 

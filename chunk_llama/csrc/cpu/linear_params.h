@@ -37,12 +37,24 @@ struct GateParams {
   int num_threads;
 };
 
+// A LoRA delta's second product, added (layer_ops.h, for lora.cpp): y[r] += scale * (t[r] B^T)
+// for each of `rows` rows, from bt = B^T [rank, out] (B is PEFT's lora_B [out, rank]).
+struct LoraExpandParams {
+  const float* t;   // [rows, rank]
+  const float* bt;  // [rank, out]
+  float* y;         // [rows, out]
+  int64_t rows, rank, out;
+  float scale;
+  int num_threads;
+};
+
 // Entry points of the variants (kernel_<isa>.cpp), beside tpp_decode and tpp_prefill.
 #define CHUNK_ATTN_DECLARE_LAYER_OPS(isa)      \
   namespace isa {                              \
   void small_linear(const LinearParams& p);    \
   void rms_norm(const NormParams& p);          \
   void gate_mul(const GateParams& p);          \
+  void lora_expand(const LoraExpandParams& p); \
   }
 CHUNK_ATTN_DECLARE_LAYER_OPS(avx512)
 CHUNK_ATTN_DECLARE_LAYER_OPS(avx2)

@@ -2,10 +2,12 @@
 // c_api.h): per-request adapters in a shared batch, as punica's and S-LoRA's segmented GEMM
 // compute them. The base product runs once for every row (layer.cpp, whatever the weight's
 // form: float32 or GGML blocks); each segment of rows under an adapter then gains
-// scale * (x A^T) B^T: two small products through the variant's small_linear, the same
-// kernel the op-by-op path (ops/lora.py add_lora_deltas through the step's linear) runs,
-// so every output is one dot product in a fixed order whatever rows come with it: a row's
-// numbers do not depend on which other adapters (or none) share its step (batch
+// scale * (x A^T) B^T: the first product through the variant's small_linear (the kernel of
+// the op-by-op path, ops/lora.py add_lora_deltas through the step's linear), the second
+// through its lora_expand (layer_ops.h: an outer product over B^T, which small_linear's
+// tiles compute at a third of the speed for so short a rank), B transposed here once per
+// call. Each output of either is a fixed sequence of FMAs whatever rows come with it, so a
+// row's numbers do not depend on which other adapters (or none) share its step (batch
 // invariance). The sum is rounded as PEFT's `result + delta * scaling` rounds it.
 // Torch-free; baseline flags, like layer.cpp.
 #include <algorithm>
@@ -63,7 +65,7 @@ int64_t check_lora(const chunk_llama_cpu_lora_rows* lora, int64_t layer, const c
                     "LoRA segment ", s, " (rows ", seg.row_start, " to ", seg.row_end, "), layer ", layer, ": a factor of ",
                     kTargetNames[t], " maps ", factor.in_features, " -> ", factor.out_features, " features with rank ",
                     factor.rank, ", the layer's ", kTargetNames[t], " ", w.in_features, " -> ", w.out_features);
-        floats = std::max(floats, n * (factor.rank + factor.out_features));
+        floats = std::max(floats, (n + factor.out_features) * factor.rank);
       }
     }
   }
@@ -80,19 +82,14 @@ void add_lora(const chunk_llama_cpu_plan& plan, const chunk_llama_cpu_lora_rows*
     for (int64_t f = index[0]; f < index[1]; ++f) {
       const chunk_llama_cpu_lora_factor& factor = seg.factors[f];
       const int64_t in = factor.in_features, out = factor.out_features, rank = factor.rank;
-      float *t = scratch, *delta = scratch + n * rank;
-      // t [n, rank] = x[rows] A^T, then delta [n, out] = t B^T
+      float *t = scratch, *bt = scratch + n * rank;
+      // t [n, rank] = x[rows] A^T; bt [rank, out] = B^T; then y[rows] += (t bt) * scale
       plan.variant->linear(chunk_attn_cpu::LinearParams{x + seg.row_start * in, factor.a, nullptr, t, n, rank, in,
                                                         plan.num_threads});
-      plan.variant->linear(chunk_attn_cpu::LinearParams{t, factor.b, nullptr, delta, n, out, rank,
-                                                        plan.num_threads});
-      // y += delta * scale, row by row (the loop's split into vectors never depends on n)
-      const float scale = static_cast<float>(factor.scale);
-      for (int64_t r = 0; r < n; ++r) {
-        float* y_row = y + (seg.row_start + r) * out;
-        const float* d_row = delta + r * out;
-        for (int64_t j = 0; j < out; ++j) y_row[j] = y_row[j] + d_row[j] * scale;
-      }
+      for (int64_t j = 0; j < out; ++j)
+        for (int64_t k = 0; k < rank; ++k) bt[k * out + j] = factor.b[j * rank + k];
+      plan.variant->lora_expand(chunk_attn_cpu::LoraExpandParams{t, bt, y + seg.row_start * out, n, rank, out,
+                                                                 static_cast<float>(factor.scale), plan.num_threads});
     }
   }
 }

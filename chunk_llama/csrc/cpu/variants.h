@@ -24,6 +24,7 @@ struct Variant {
   bool (*host_runs)();
   void (*quant_linear_int8)(const QuantInt8Params&);  // int8 activations (quant_act.h)
   bool (*int8_host_runs)();                            // whether this CPU runs the one above
+  void (*lora_expand)(const LoraExpandParams&);        // a LoRA delta's second product (layer_ops.h)
 };
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -51,15 +52,16 @@ static inline bool host_runs_always() { return true; }
 static const Variant kVariants[] = {
 #if defined(__x86_64__) || defined(_M_X64)
     {"avx512", avx512::tpp_decode, avx512::tpp_prefill, avx512::small_linear, avx512::quant_linear, avx512::dequantize, avx512::rms_norm, avx512::gate_mul,
-     host_runs_avx512, avx512::quant_linear_int8, host_runs_avx512_int8},
+     host_runs_avx512, avx512::quant_linear_int8, host_runs_avx512_int8,
+     avx512::lora_expand},
     {"avx2", avx2::tpp_decode, avx2::tpp_prefill, avx2::small_linear, avx2::quant_linear, avx2::dequantize, avx2::rms_norm, avx2::gate_mul,
-     host_runs_avx2, avx2::quant_linear_int8, host_runs_avx2},
+     host_runs_avx2, avx2::quant_linear_int8, host_runs_avx2, avx2::lora_expand},
 #elif defined(__aarch64__)
     {"neon", neon::tpp_decode, neon::tpp_prefill, neon::small_linear, neon::quant_linear, neon::dequantize, neon::rms_norm, neon::gate_mul,
-     host_runs_always, neon::quant_linear_int8, host_runs_always},  // Advanced SIMD is part of ARMv8-A
+     host_runs_always, neon::quant_linear_int8, host_runs_always, neon::lora_expand},  // Advanced SIMD is part of ARMv8-A
 #endif
     {"generic", generic::tpp_decode, generic::tpp_prefill, generic::small_linear, generic::quant_linear, generic::dequantize, generic::rms_norm, generic::gate_mul,
-     host_runs_always, generic::quant_linear_int8, host_runs_always},
+     host_runs_always, generic::quant_linear_int8, host_runs_always, generic::lora_expand},
 };
 constexpr int kNumVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 

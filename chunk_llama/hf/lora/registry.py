@@ -194,14 +194,19 @@ class AdapterRegistry:
         """The weights of a request's adapter (`resolve`'s result) as it is admitted, made
         resident if they are not (evicting the least recently used adapter not in `busy`, the
         entries running requests use), or None if every resident place is in use (wait).
+        An entry unloaded or replaced since the request resolved it is no longer registered:
+        its weights serve the requests that hold it but take no resident place (they would
+        count toward `max_loras` until evicted, and no later request can name them).
         Raises `AdapterUnavailable` if a folder no longer reads as an adapter that fits."""
         if not isinstance(ref, AdapterEntry):
             return ref
         with self._lock:
+            registered = self._entries.get(ref.name) is ref
             if ref.adapter is not None:
-                self._make_resident(ref, busy)  # (the most recently used now)
+                if registered:
+                    self._make_resident(ref, busy)  # (the most recently used now)
                 return ref.adapter
-            if not self._room(busy):
+            if registered and not self._room(busy):
                 return None
         try:
             adapter = self._read(ref.name, ref.path)
@@ -211,7 +216,8 @@ class AdapterRegistry:
         with self._lock:
             ref.identity, ref.nbytes = adapter.identity, adapter.nbytes
             ref.adapter = adapter
-            self._make_resident(ref, busy)
+            if self._entries.get(ref.name) is ref:
+                self._make_resident(ref, busy)
         return adapter
 
     def _room(self, busy: set) -> bool:

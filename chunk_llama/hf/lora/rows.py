@@ -12,6 +12,7 @@ adapter PEFT wrote in place, everything when PEFT merged adapters into the base.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 from chunk_llama.ops.lora import LoraRows
 
@@ -68,10 +69,11 @@ class AdapterRows:
         rank = {key: i for i, key in enumerate(self.tree.keys())}
         return sorted(seq_ids, key=lambda s: (rank[self.tree.key_of(s)], tokens_of[s]))
 
-    def _lora_rows(self, runs: list[tuple[int, int, int]], num_rows: int) -> LoraRows | None:
-        """The step's rows by adapter from (seq_id, first row, rows) in row order, or None
-        where the layers compute as they are (no registry managing rows)."""
-        if not self.rows_managed:
-            return None
+    def _lora_rows(self, runs: Iterable[tuple[int, int, int]], num_rows: int) -> LoraRows:
+        """The step's rows by adapter from (seq_id, first row, rows) in row order (the step
+        builder's, where `rows_managed`, which a cache's registry fixes when it is made). With
+        no sequence under an adapter (a base-only engine) the runs are not read."""
+        if not self._lora_of:
+            return LoraRows((), num_rows)
         return LoraRows.from_runs([(start, start + count, self._lora_of.get(s)) for s, start, count in runs],
                                   num_rows)
