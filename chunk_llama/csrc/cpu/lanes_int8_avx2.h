@@ -38,6 +38,17 @@ inline void quantize_store(int8_t* p, Vec a) {  // (vcvtps2dq rounds to nearest 
   const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
   _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(words, words));
 }
+inline IVec iadd(IVec a, IVec b) { return {_mm256_add_epi32(a.v, b.v)}; }
+inline IVec imul255(IVec a) { return {_mm256_sub_epi32(_mm256_slli_epi32(a.v, 8), a.v)}; }
+inline void quantize_split(int8_t* hi, int8_t* lo, Vec a) {  // (never a tie: see avx512's)
+  const __m256i q = _mm256_cvtps_epi32(a.v);
+  const __m256i high = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(1.f / 255.f)));
+  const __m256i low = _mm256_sub_epi32(q, imul255({high}).v);
+  const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+  const __m128i low_words = _mm_packs_epi32(_mm256_castsi256_si128(low), _mm256_extracti128_si256(low, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(hi), _mm_packs_epi16(words, words));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(lo), _mm_packs_epi16(low_words, low_words));
+}
 inline void itranspose8(const uint8_t* rows, int64_t stride, IVec* out) {
   __m256i r[8], t[8], u[8];
   for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + i * stride));

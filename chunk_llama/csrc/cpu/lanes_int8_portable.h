@@ -45,6 +45,24 @@ inline void quantize_store(int8_t* p, Vec a) {  // nearest, ties to even (the de
   vstore(lanes, a);
   for (int i = 0; i < kLanes; ++i) p[i] = static_cast<int8_t>(__builtin_nearbyintf(lanes[i]));
 }
+inline void quantize_split(int8_t* hi, int8_t* lo, Vec a) {  // (never a tie: see avx512's)
+  alignas(64) float lanes[kLanes];
+  vstore(lanes, a);
+  for (int i = 0; i < kLanes; ++i) {
+    const int32_t q = static_cast<int32_t>(__builtin_nearbyintf(lanes[i]));
+    const int32_t high = static_cast<int32_t>(__builtin_nearbyintf(static_cast<float>(q) * (1.f / 255.f)));
+    hi[i] = static_cast<int8_t>(high);
+    lo[i] = static_cast<int8_t>(q - 255 * high);  // (|lo| <= 127)
+  }
+}
+inline IVec iadd(IVec a, IVec b) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] += b.v[i];
+  return a;
+}
+inline IVec imul255(IVec a) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] *= 255;
+  return a;
+}
 inline void itranspose8(const uint8_t* rows, int64_t stride, IVec* out) {
   for (int c = 0; c < kLanes; ++c)
     for (int s = 0; s < 8; ++s) std::memcpy(&out[s].v[c], rows + c * stride + 4 * s, 4);

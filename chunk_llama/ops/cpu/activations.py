@@ -32,13 +32,15 @@ from chunk_llama.ops.cpu import isa
 
 logger = logging.getLogger(__name__)
 ENV = "CHUNK_LLAMA_GGUF_ACTIVATIONS"
-CHOICES = ("auto", "float32", "int8")
+CHOICES = ("auto", "float32", "int8", "int16")
+# the modes that quantize x (the integer kernel, csrc/cpu/quant_act.h)
+INTEGER_MODES = ("int8", "int16")
 # the GGML formats with integer codes (csrc/cpu/quant_act_params.h's quant_int8_supports)
 INT8_TYPES = frozenset(("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"))
-# where `auto` picks int8, by the variant whose integer kernel runs: the variants whose kernel
-# was measured faster than float32 at every row count and whose error on the default model kept
-# the bound (module doc: none yet)
-AUTO_INT8: frozenset[str] = frozenset()
+# what `auto` picks, by the variant whose integer kernel runs: a mode measured faster than
+# float32 in prefill, no slower at one row, and within the error bound on the default model
+# and Gemma 3 270M (module doc); float32 on the variants not named
+AUTO: dict[str, str] = {}
 
 
 def requested(value: str | None = None) -> str:
@@ -51,23 +53,23 @@ def requested(value: str | None = None) -> str:
 
 
 def resolve(value: str | None = None) -> str:
-    """"float32" or "int8": what `value` (see `requested`) means on this CPU."""
+    """"float32", "int8" or "int16": what `value` (see `requested`) means on this CPU."""
     choice = requested(value)
     if choice != "auto":
         return choice
     variant = int8_variant()
     if variant is None:
         return "float32"
-    if variant not in AUTO_INT8:
-        log_once(logger, "chunk-llama: GGUF activations: %s",
-                 f"auto keeps float32: int8 on the {variant} kernel is not measured both faster and within the "
-                 f"error bound here (ops/cpu/activations.py); --gguf-activations int8 asks for it")
-        return "float32"
-    return "int8"
+    mode = AUTO.get(variant, "float32")
+    log_once(logger, "chunk-llama: GGUF activations: %s",
+             f"auto picks {mode} on the {variant} kernel (ops/cpu/activations.py)" if mode != "float32" else
+             f"auto keeps float32: no integer mode on the {variant} kernel is measured both faster and within "
+             f"the error bound here (ops/cpu/activations.py); --gguf-activations int8 or int16 asks for one")
+    return mode
 
 
 def int8_variant(variant: str | None = None) -> str | None:
-    """The variant whose int8 kernel runs for `variant` (default: the selected one) on this CPU,
+    """The variant whose integer (int8 and int16) kernel runs for `variant` (default: the selected one) on this CPU,
     logged once where it is a slower one; None without the CPU kernels."""
     return _int8_variant(variant or isa.selected_variant())
 
@@ -82,6 +84,6 @@ def _int8_variant(variant: str) -> str | None:
     runs = library.int8_variant(variant)
     if runs != variant:
         log_once(logger, "chunk-llama: GGUF activations: %s",
-                 f"int8 runs the {runs} variant's kernel: this CPU lacks the {variant} variant's integer instructions "
+                 f"int8 and int16 run the {runs} variant's kernel: this CPU lacks the {variant} variant's integer instructions "
                  f"(AVX512-BW/VL/VNNI)")
     return runs
