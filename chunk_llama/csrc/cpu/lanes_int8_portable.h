@@ -20,19 +20,14 @@ inline IVec iload(const void* p) {
   return r;
 }
 inline void istore(void* p, IVec a) { std::memcpy(p, a.v, sizeof a.v); }
-inline IVec ibroadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof v);
-  return iset1(v);
-}
-template <bool kWide>
-inline IVec idot4(IVec acc, IVec u, IVec s) {
-  uint8_t codes[4 * kLanes];
-  int8_t values[4 * kLanes];
-  std::memcpy(codes, u.v, sizeof codes);
-  std::memcpy(values, s.v, sizeof values);
-  for (int i = 0; i < kLanes; ++i)
-    for (int j = 0; j < 4; ++j) acc.v[i] += int32_t{codes[4 * i + j]} * int32_t{values[4 * i + j]};
+template <int kMaxCode, int kSteps>
+inline IVec idot(IVec acc, const IVec* u, const int8_t* s) {
+  for (int t = 0; t < kSteps; ++t) {
+    uint8_t codes[4 * kLanes];
+    std::memcpy(codes, u[t].v, sizeof codes);
+    for (int i = 0; i < kLanes; ++i)
+      for (int j = 0; j < 4; ++j) acc.v[i] += int32_t{codes[4 * i + j]} * int32_t{s[4 * t + j]};
+  }
   return acc;
 }
 inline Vec icvt(IVec a) {

@@ -7,7 +7,7 @@
 // step one vector per kLanes columns (lane c: column c's 4 codes), then the columns' scales
 // and offsets. The tile takes kI8Rows rows of x and kI8ColVecs vectors of columns: per step,
 // each row's 4 activation codes broadcast to every lane and multiplied into each column
-// vector (idot4: 4 products summed per lane), so a group's sums come out one column per
+// vector (idot: 4 products a step summed per lane), so a group's sums come out one column per
 // lane, ready for its scales: per group one conversion, a multiply and an FMA per row and
 // column vector (the scale factored out of the group's sum), and an FMA for the offset.
 // int16 (kInt16) runs each step's products twice, on the high and the low halves of the codes,
@@ -119,16 +119,12 @@ __attribute__((nothrow, always_inline)) inline void group_fmas(const IVec* codes
     IVec dot[MR], high[MR];
     for (int r = 0; r < MR; ++r) {
       const int32_t* s16 = x.sums16 + (row0 + r) * per16 + 2 * g;
-      dot[r] = iset1(-kZero<Type> * (kSub == 2 ? s16[sub] : s16[0] + s16[1]));
-      if constexpr (kInt16) high[r] = iset1(0);
+      const int64_t at = (row0 + r) * in_features + g * kGroup + 4 * sub * kStepsPerSub;
+      dot[r] = idot<kMaxCode<Type>, kStepsPerSub>(iset1(-kZero<Type> * (kSub == 2 ? s16[sub] : s16[0] + s16[1])),
+                                                  codes + sub * kStepsPerSub, x.codes + at);
+      if constexpr (kInt16)
+        high[r] = idot<kMaxCode<Type>, kStepsPerSub>(iset1(0), codes + sub * kStepsPerSub, x.high + at);
     }
-#pragma GCC unroll 8
-    for (int s = sub * kStepsPerSub; s < (sub + 1) * kStepsPerSub; ++s)
-      for (int r = 0; r < MR; ++r) {
-        const int64_t at = (row0 + r) * in_features + g * kGroup + 4 * s;
-        dot[r] = idot4<kWideCodes<Type>>(dot[r], codes[s], ibroadcast4(x.codes + at));
-        if constexpr (kInt16) high[r] = idot4<kWideCodes<Type>>(high[r], codes[s], ibroadcast4(x.high + at));
-      }
     if constexpr (kInt16)
       for (int r = 0; r < MR; ++r) dot[r] = iadd(dot[r], imul255(high[r]));
     for (int r = 0; r < MR; ++r)
