@@ -105,9 +105,9 @@ __attribute__((nothrow)) inline void quantize_row(const float* x, int64_t in_fea
 // Group g's share of MR rows (from row0) against one column vector: its codes[8] (lane c:
 // column c's), scales and offset (lane c: column c's), into acc[MR]. Per sub-group the exact
 // integer dot product (int16: 255 times the high halves' plus the low halves'), less the zero
-// point times the codes' sum, converted once and scaled by scale * dx; then the offset times the group's exact sum of x. Every row count, decoded in
-// registers or from the item's buffer, runs this for each group in order: a row's outputs do
-// not depend on the rows beside it.
+// point times the codes' sum, converted once and scaled by scale * dx; then the offset times
+// the group's exact sum of x. Every row count, decoded in registers or from the item's buffer,
+// runs this for each group in order: a row's outputs do not depend on the rows beside it.
 template <int Type, bool kInt16, int MR>
 __attribute__((nothrow, always_inline)) inline void group_fmas(const IVec* codes, const Vec* scales, Vec offset,
                                                               const Int8Rows& x, int64_t row0, int64_t g,
