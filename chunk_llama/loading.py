@@ -147,7 +147,7 @@ def load_model(name_or_path: str | None = None, *, device: str | torch.device | 
     float32 keeps its linear weights and embedding in that dtype the same way (exactly the
     float32 weights, widened in registers: `gguf_weights.keep_half_precision`) unless
     "dequantized". `gguf_activations` (blocks kept from a `.gguf` file): what they multiply
-    their inputs with, "auto", "float32" or "int8" (`ops/cpu/activations.py`; None:
+    their inputs with, "auto", "float32", "int8" or "int16" (`ops/cpu/activations.py`; None:
     `CHUNK_LLAMA_GGUF_ACTIVATIONS`, else auto)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

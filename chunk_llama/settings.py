@@ -53,9 +53,10 @@ class EngineArgs:
     gguf_activations: str | None = option(
         None, "what a .gguf model's quantized blocks multiply their inputs with: float32 (the dequantized "
               "model's numbers, as stock computes them), int8 (quantized per group of 32 as llama.cpp does: "
-              "integer dot products, faster prefill, a larger error), auto: int8 where it was measured faster "
-              "and within the error bound, else float32 (today: float32; default: auto)",
-        choices=("auto", "float32", "int8"))
+              "integer dot products, faster prefill, a larger error), int16 (the same with 255 times finer "
+              "steps: two int8 products per weight), auto: an integer mode where it was measured faster and "
+              "within the error bound, else float32 (ops/cpu/activations.py; default: auto)",
+        choices=("auto", "float32", "int8", "int16"))  # (activations.CHOICES, without importing torch here)
     max_batch_size: int = option(32, "most sequences decoded at once")
     chunk_size: int = option(64, "tokens per KV chunk")
     kv_cache_bytes: int | None = option(None, "K/V budget of all layers in bytes (default: from free memory)")

@@ -4,7 +4,7 @@
     python scripts/bench_quant_linear.py --rows 1 --model path/to/model.gguf
     python scripts/bench_quant_linear.py --rows 1 --model gemma3-270m --by-type   # each format's share
     python scripts/bench_quant_linear.py --rows 1 --random Q4_K Q6_K --shape 4096x4096  # one matrix per format
-    python scripts/bench_quant_linear.py --rows 1 300 --activations float32 int8 --model 1b.gguf  # both modes
+    python scripts/bench_quant_linear.py --rows 1 300 --activations float32 int8 int16 --model 1b.gguf  # the modes
 
 Every Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/K-quant/F16/BF16 matrix of the file (the layers' projections
 and the LM head; an embedding tied to the head counts once), each called once per pass with
@@ -19,7 +19,7 @@ matrix (a few microseconds) is included.
 bit pattern of the packed weights, the fp16 scales finite, as the tests draw them; copies
 of it, 256 MB in all, taken in turn so that each call reads its blocks from memory): the
 median and fastest call, GB/s of blocks and Gweights/s, for a model size no file here has.
-`--activations`: what the blocks multiply (`--gguf-activations`'s float32 and int8), each in turn.
+`--activations`: what the blocks multiply (`--gguf-activations`'s float32, int8 and int16), each in turn.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from chunk_llama.gguf.file import file_tensors
 from chunk_llama.loading import model_path
 from chunk_llama.ops.cpu import isa
+from chunk_llama.ops.cpu.activations import INTEGER_MODES
 from chunk_llama.ops.cpu.attention import build
 from chunk_llama.ops.cpu.quant_linear import GGML_TYPES, QuantLinear
 
@@ -50,7 +51,7 @@ def main() -> None:
     parser.add_argument("--random", nargs="+", metavar="FORMAT", choices=sorted([*RANDOM_SCALES, *HALF_DTYPES]),
                         help="time one matrix of random blocks per format instead of a file's")
     parser.add_argument("--shape", default="4096x4096", help="--random's matrix: OUTxIN (out_features x in_features)")
-    parser.add_argument("--activations", nargs="+", default=["float32"], choices=["float32", "int8"])
+    parser.add_argument("--activations", nargs="+", default=["float32"], choices=["float32", *INTEGER_MODES])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if build() is None:

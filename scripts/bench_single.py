@@ -50,6 +50,7 @@ from transformers.generation.streamers import BaseStreamer
 import chunk_llama
 from chunk_llama.cli import DEFAULT_PROMPTS, DEFAULT_SYSTEM, read_prompts
 from chunk_llama.loading import load_model, model_path
+from chunk_llama.ops.cpu import activations
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama_cpp_peer as peer  # noqa: E402
@@ -230,7 +231,7 @@ def main() -> None:
     parser.add_argument("--gguf-weights", nargs="+", choices=("quantized", "dequantized"),
                         help="chunk-llama: load_model(..., gguf_weights=X), one system per value "
                              "(default: the keyword is not passed)")
-    parser.add_argument("--gguf-activations", nargs="+", choices=("auto", "float32", "int8"),
+    parser.add_argument("--gguf-activations", nargs="+", choices=activations.CHOICES,
                         help="chunk-llama: load_model(..., gguf_activations=X), one system per value (and per "
                              "--gguf-weights value)")
     parser.add_argument("--chunk-llama-arg", type=_kwarg, action="append", default=[], metavar="KEY=VALUE",

@@ -1,4 +1,4 @@
-"""The error of `--gguf-activations int8` (and of stock bfloat16 beside it) against the float64
+"""The error of `--gguf-activations int8` and `int16` (and of stock bfloat16 beside them) against the float64
 truth of the same dequantized weights, teacher-forced over the shipped prompts.
 
     python scripts/gguf_activation_errors.py                      # the default model
@@ -11,12 +11,12 @@ question continues from its K/V (a copy of the cache per question), so every pos
 prompt is scored once. Systems, each on the model's logits at every position:
   truth          the float32-dequantized weights (what transformers loads the file as) in float64
   float32        chunk-llama's GGUF blocks on float32 activations (`--gguf-activations float32`)
-  int8           the blocks on int8 activations (`--gguf-activations int8`, what `auto` picks on
-                 x86-64 with AVX-512 VNNI or AVX2)
+  int8           the blocks on int8 activations (`--gguf-activations int8`)
+  int16          the blocks on int16 activations (`--gguf-activations int16`)
   stock bf16     stock transformers on those weights cast to bfloat16
 Prints, per system: worst and mean |logit - truth| and the top-1 agreement with float32's and
-with the truth's argmax. The issue's bound: int8's top-1 agreement with float32 >= 99.5% and its
-worst error no larger than stock bfloat16's.
+with the truth's argmax. The issue's bound for a mode `auto` may pick: its top-1 agreement with
+float32 >= 99.5% and its worst error no larger than stock bfloat16's.
 """
 
 from __future__ import annotations
@@ -105,12 +105,13 @@ def measure(model: str | None, num_questions: int = 16, keep_float32: tuple[tupl
     dequantized = load_model(model, device="cpu", dtype=torch.float32, gguf_weights="dequantized")[0]
     system, tails = prompt_parts(tokenizer)
     tails = tails[:num_questions]
-    int8 = copy.deepcopy(blocks)
-    set_gguf_activations(int8, "int8")
-    models = {"truth": cast(dequantized, torch.float64), "float32": blocks, "int8": int8,
-              "stock bf16": cast(dequantized, torch.bfloat16)}
+    models = {"truth": cast(dequantized, torch.float64), "float32": blocks}
+    for mode in activations.INTEGER_MODES:
+        models[mode] = copy.deepcopy(blocks)
+        set_gguf_activations(models[mode], mode)
+    models["stock bf16"] = cast(dequantized, torch.bfloat16)
     for names in keep_float32:
-        mixed = copy.deepcopy(int8)
+        mixed = copy.deepcopy(models["int8"])
         for name, module in mixed.named_modules():
             if name.rpartition(".")[2] in names and hasattr(module, "set_activations"):
                 set_gguf_activations(module, "float32")
@@ -127,7 +128,7 @@ def main() -> None:
     args = parser.parse_args()
     scores, positions = measure(args.model, args.questions, tuple(tuple(k.split(",")) for k in args.keep_float32))
     print(f"# {args.model or 'default model'}: {positions} positions ({args.questions} questions); "
-          f"{isa.describe_host()}, int8 kernel {activations.int8_variant()}")
+          f"{isa.describe_host()}, integer kernel {activations.int8_variant()}")
     print("| system | worst abs error | mean abs error | top-1 = float32's | top-1 = truth's |")
     print("|---|---|---|---|---|")
     for name, s in scores.items():

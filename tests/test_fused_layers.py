@@ -178,16 +178,18 @@ def test_gguf_block_layers_fuse(family, monkeypatch, fused_calls):
                                  f"{family} GGUF blocks")
 
 
+@pytest.mark.parametrize("mode", ["int8", "int16"])
 @pytest.mark.parametrize("family", list(GGUF_FORMATS))
-def test_gguf_block_layers_fuse_on_int8_activations(family, monkeypatch, fused_calls):
-    """--gguf-activations int8: the fused layer multiplies with the same int8 kernel as the op-by-op
-    GGUFLinear (`layer.cpp`'s int8 branch), so the two paths agree as closely as in float32."""
+def test_gguf_block_layers_fuse_on_integer_activations(family, mode, monkeypatch, fused_calls):
+    """--gguf-activations int8 / int16: the fused layer multiplies with the same integer kernel as
+    the op-by-op GGUFLinear (`layer.cpp`'s integer branch), so the two paths agree as closely as in
+    float32."""
     if build().int8_variant(isa.selected_variant()) is None:
-        pytest.skip("no int8 kernel")
+        pytest.skip("no integer kernel")
     model, truth_model = gguf_model(family)
-    assert set_gguf_activations(model, "int8") == "int8"
+    assert set_gguf_activations(model, mode) == mode
     check_fused_against_op_by_op(model, truth_model, prompts(seed=3), monkeypatch, fused_calls,
-                                 f"{family} GGUF blocks, int8 activations")
+                                 f"{family} GGUF blocks, {mode} activations")
 
 
 def test_where_float32_layers_run_f_linear_they_stay_op_by_op(monkeypatch, fused_calls):

@@ -70,8 +70,8 @@ class ChunkLlamaEngine(Delivery, EngineAdapters):
         max_loras: most loaded adapters whose weights stay in memory at once (the least recently
             used one not in use gives its place; default: all).
         max_lora_rank: largest rank an adapter may have (default: any).
-        gguf_activations: what a GGUF model's blocks multiply their inputs with: "auto", "float32"
-            or "int8" (`ops/cpu/activations.py`); None keeps the model's (set by `load_model`).
+        gguf_activations: what a GGUF model's blocks multiply their inputs with: "auto", "float32",
+            "int8" or "int16" (`ops/cpu/activations.py`); None keeps the model's (set by `load_model`).
         enforce_eager: run every decode step eagerly (the default); False: on a GPU, decode steps
             replay CUDA graphs captured here per batch-size bucket (`engine/graphs.py`; the
             start-up logs the time and memory the capture took). Experimental: off by default

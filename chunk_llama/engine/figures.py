@@ -67,7 +67,7 @@ def weight_bytes(model) -> int:
 
 
 def gguf_activations(model) -> str:
-    """What the model's GGUF blocks multiply ("int8", "float32", or both where formats differ)."""
+    """What the model's GGUF blocks multiply ("int16", "int8", "float32", or two where formats differ)."""
     kinds = sorted({m.activations for m in model.modules() if isinstance(m, GGUFLinear)})
     return " and ".join(kinds) or "float32"
 

@@ -44,7 +44,7 @@ class GGUFLinear(nn.Module):
     """`nn.Linear` whose weight stays in GGML blocks: `blocks` [out_features, row_bytes]
     uint8 of format `ggml_type` (gguf-py's name); x [..., in_features] -> [..., out_features].
     `weight` decodes a float32 copy on each access (for code that reads it; not the forward's
-    path). `activations`: what the blocks multiply x with, "float32" or "int8" once resolved
+    path). `activations`: what the blocks multiply x with, "float32", "int8" or "int16" once resolved
     (`ops/cpu/activations.py`: "auto", or None for `CHUNK_LLAMA_GGUF_ACTIVATIONS`, else auto;
     `set_activations` changes it); a format without integer codes keeps float32."""
 
@@ -116,8 +116,8 @@ class GGUFEmbedding(nn.Module):
 
 def set_gguf_activations(model: nn.Module, activations: str | None = None) -> str:
     """Make every `GGUFLinear` of `model` multiply with `activations` (`ops/cpu/activations.py`:
-    auto, float32 or int8; None: `CHUNK_LLAMA_GGUF_ACTIVATIONS`, else auto), resolved for this
-    CPU; returns what it resolved to ("float32" or "int8")."""
+    auto, float32, int8 or int16; None: `CHUNK_LLAMA_GGUF_ACTIVATIONS`, else auto), resolved for
+    this CPU; returns what it resolved to ("float32", "int8" or "int16")."""
     resolved = resolve_activations(activations)
     changed = [m.set_activations(resolved) for m in model.modules() if isinstance(m, GGUFLinear)]
     if any(changed):

@@ -148,9 +148,9 @@ CHUNK_LLAMA_API int chunk_llama_cpu_dequantize(const uint8_t* weight, int64_t we
 CHUNK_LLAMA_API int64_t chunk_llama_cpu_quant_row_bytes(int type, int64_t in_features);
 
 /* What a layer on GGML blocks multiplies its weights with: x as it is (float32), or x
- * quantized to int8 per group of 32 (quant_act_params.h; the formats with integer codes:
- * Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K). */
-enum { CHUNK_LLAMA_ACTIVATIONS_FLOAT32 = 0, CHUNK_LLAMA_ACTIVATIONS_INT8 = 1 };
+ * quantized to int8 or int16 per group of 32 (quant_act_params.h; the formats with integer
+ * codes: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K). */
+enum { CHUNK_LLAMA_ACTIVATIONS_FLOAT32 = 0, CHUNK_LLAMA_ACTIVATIONS_INT8 = 1, CHUNK_LLAMA_ACTIVATIONS_INT16 = 2 };
 
 /* quant_linear's product with a choice of activations, its arguments in one struct. */
 typedef struct {
@@ -161,11 +161,11 @@ typedef struct {
   const float* bias;       /* [out_features] or NULL */
   float* y;                /* [rows, out_features] */
   int64_t activations;     /* CHUNK_LLAMA_ACTIVATIONS_* */
-  const char* isa;         /* the variant; int8 runs chunk_llama_cpu_int8_variant(isa)'s kernel */
+  const char* isa;         /* the variant; int8 and int16 run chunk_llama_cpu_int8_variant(isa)'s kernel */
   int64_t num_threads;
 } chunk_llama_cpu_quant_matmul_args;
 CHUNK_LLAMA_API int chunk_llama_cpu_quant_matmul(const chunk_llama_cpu_quant_matmul_args* args);
-/* The variant whose int8 kernel runs for variant `isa` on this CPU: `isa` itself, or the
+/* The variant whose integer (int8 and int16) kernel runs for variant `isa` on this CPU: `isa` itself, or the
  * next one that runs its integer code (AVX-512 without VNNI: avx2); NULL (and an error) for
  * a variant this CPU cannot run. */
 CHUNK_LLAMA_API const char* chunk_llama_cpu_int8_variant(const char* isa);
@@ -195,7 +195,7 @@ typedef struct {
   const float* mlp_norm;      /* [hidden_size] */
   const float* mlp_out_norm;  /* [hidden_size] or NULL */
   chunk_llama_cpu_weight q, k, v, o, gate, up, down;
-  int64_t activations; /* CHUNK_LLAMA_ACTIVATIONS_*: int8 for the weights in formats with integer codes */
+  int64_t activations; /* CHUNK_LLAMA_ACTIVATIONS_*: int8 or int16 for the weights in formats with integer codes */
 } chunk_llama_cpu_decoder_layer;
 
 /* One adapter's LoRA on one projection: the projection's output gains

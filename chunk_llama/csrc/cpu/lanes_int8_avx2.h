@@ -1,8 +1,11 @@
 // Integer lanes for the int8-activation linear layers (quant_act.h) on AVX2: eight int32
 // lanes of a YMM register. No VNNI here: vpmaddubsw multiplies the unsigned codes by the
 // signed activations into pairs of 16 bits (which saturate beyond 32,767: exact for codes
-// up to 127 against |s| <= 127), vpmaddwd with ones widens the pairs to 32 bits. The lane
-// API is listed in lanes_int8_avx512.h. Included by kernel_avx2.cpp after lanes_avx2.h.
+// up to 127 against |s| <= 127), vpmaddwd with ones widens the pairs to 32 bits. Small codes
+// add several steps' pairs in 16 bits before one widening (as many as cannot reach 32,767:
+// codes up to 15, 8 steps; 31, 4; 63, 2), which saves most of the widenings and adds, the
+// port-bound part of a step (int16 activations run two steps' worth per step). The lane API
+// is listed in lanes_int8_avx512.h. Included by kernel_avx2.cpp after lanes_avx2.h.
 #pragma once
 
 namespace chunk_attn_cpu {
@@ -15,28 +18,50 @@ struct IVec {
 inline IVec iset1(int32_t v) { return {_mm256_set1_epi32(v)}; }
 inline IVec iload(const void* p) { return {_mm256_loadu_si256(static_cast<const __m256i*>(p))}; }
 inline void istore(void* p, IVec a) { _mm256_storeu_si256(static_cast<__m256i*>(p), a.v); }
-inline IVec ibroadcast4(const int8_t* p) {
+inline __m256i broadcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, sizeof v);
-  return {_mm256_set1_epi32(v)};
+  return _mm256_set1_epi32(v);
 }
 inline __m256i pairs_to_lanes(__m256i pairs) { return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)); }
-template <bool kWide>
-inline IVec idot4(IVec acc, IVec u, IVec s) {
-  if constexpr (kWide) {  // codes up to 255: their low 7 bits and their top bit apart (each pair fits 16 bits)
-    const __m256i low = _mm256_and_si256(u.v, _mm256_set1_epi8(0x7F));
-    const __m256i top = _mm256_and_si256(u.v, _mm256_set1_epi8(static_cast<char>(0x80)));
-    return {_mm256_add_epi32(acc.v, _mm256_add_epi32(pairs_to_lanes(_mm256_maddubs_epi16(low, s.v)),
-                                                     pairs_to_lanes(_mm256_maddubs_epi16(top, s.v))))};
+template <int kMaxCode, int kSteps>
+inline IVec idot(IVec acc, const IVec* u, const int8_t* s) {
+  if constexpr (kMaxCode > 127) {  // codes up to 255: their low 7 bits and their top bit apart (each pair fits 16 bits)
+    for (int t = 0; t < kSteps; ++t) {
+      const __m256i low = _mm256_and_si256(u[t].v, _mm256_set1_epi8(0x7F));
+      const __m256i top = _mm256_and_si256(u[t].v, _mm256_set1_epi8(static_cast<char>(0x80)));
+      const __m256i x = broadcast4(s + 4 * t);
+      acc.v = _mm256_add_epi32(acc.v, _mm256_add_epi32(pairs_to_lanes(_mm256_maddubs_epi16(low, x)),
+                                                       pairs_to_lanes(_mm256_maddubs_epi16(top, x))));
+    }
   } else {
-    return {_mm256_add_epi32(acc.v, pairs_to_lanes(_mm256_maddubs_epi16(u.v, s.v)))};
+    constexpr int kRun = 32767 / (2 * kMaxCode * 127);  // steps whose pairs' sum fits 16 bits
+    static_assert(kRun >= 1, "a step's pairs must fit 16 bits");
+    for (int t = 0; t < kSteps; t += kRun) {
+      __m256i pairs = _mm256_maddubs_epi16(u[t].v, broadcast4(s + 4 * t));
+      for (int k = 1; k < kRun && t + k < kSteps; ++k)
+        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u[t + k].v, broadcast4(s + 4 * (t + k))));
+      acc.v = _mm256_add_epi32(acc.v, pairs_to_lanes(pairs));
+    }
   }
+  return acc;
 }
 inline Vec icvt(IVec a) { return {_mm256_cvtepi32_ps(a.v)}; }
 inline void quantize_store(int8_t* p, Vec a) {  // (vcvtps2dq rounds to nearest even; the values fit int8)
   const __m256i q = _mm256_cvtps_epi32(a.v);
   const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
   _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(words, words));
+}
+inline IVec iadd(IVec a, IVec b) { return {_mm256_add_epi32(a.v, b.v)}; }
+inline IVec imul255(IVec a) { return {_mm256_sub_epi32(_mm256_slli_epi32(a.v, 8), a.v)}; }
+inline void quantize_split(int8_t* hi, int8_t* lo, Vec a) {  // (never a tie: see avx512's)
+  const __m256i q = _mm256_cvtps_epi32(a.v);
+  const __m256i high = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(1.f / 255.f)));
+  const __m256i low = _mm256_sub_epi32(q, imul255({high}).v);
+  const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+  const __m128i low_words = _mm_packs_epi32(_mm256_castsi256_si128(low), _mm256_extracti128_si256(low, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(hi), _mm_packs_epi16(words, words));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(lo), _mm_packs_epi16(low_words, low_words));
 }
 inline void itranspose8(const uint8_t* rows, int64_t stride, IVec* out) {
   __m256i r[8], t[8], u[8];

@@ -7,12 +7,15 @@
 // The integer lane API (the same in every lanes_int8_<isa>.h):
 //   IVec                         kLanes int32 lanes (4 * kLanes bytes)
 //   iset1(v), iload(p), istore(p, a)
-//   ibroadcast4(p)               every lane: the 4 bytes at p
-//   idot4<kWide>(acc, u, s)      lane i: acc + sum_j u[4i + j] * s[4i + j], u unsigned codes,
-//                                s int8 in [-127, 127]; exact for codes up to 127, and up to
-//                                255 with kWide
+//   idot<kMaxCode, kSteps>(acc, u, s)  lane i: acc + sum over steps t < kSteps and j < 4 of
+//                                u[t][4i + j] * s[4t + j]: u unsigned codes up to kMaxCode (at
+//                                most 255), s int8 in [-127, 127] (each step's 4 to every lane);
+//                                exact
 //   icvt(a)                      int32 -> float, exactly (|a| < 2^24)
 //   quantize_store(p, a)         kLanes floats rounded to nearest even, stored as int8
+//   quantize_split(hi, lo, a)    kLanes floats (|a| <= 32385.5) rounded to nearest even, q, stored
+//                                as two int8 halves: hi = q / 255 rounded to nearest, lo = q - 255 hi
+//   iadd(a, b), imul255(a)       int32 lane sum, a * 255
 //   itranspose8(rows, stride, out)  8 dwords at rows + c * stride for each of kLanes rows ->
 //                                out[s] (s < 8): dword s of row c in lane c
 //   igather(base, offsets)       lane c: the dword at base + offsets[c] (any alignment)
@@ -32,18 +35,29 @@ struct IVec {
 inline IVec iset1(int32_t v) { return {_mm512_set1_epi32(v)}; }
 inline IVec iload(const void* p) { return {_mm512_loadu_si512(p)}; }
 inline void istore(void* p, IVec a) { _mm512_storeu_si512(p, a.v); }
-inline IVec ibroadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof v);
-  return {_mm512_set1_epi32(v)};
-}
-template <bool kWide>
-inline IVec idot4(IVec acc, IVec u, IVec s) {
-  return {_mm512_dpbusd_epi32(acc.v, u.v, s.v)};
+template <int kMaxCode, int kSteps>
+inline IVec idot(IVec acc, const IVec* u, const int8_t* s) {
+  for (int t = 0; t < kSteps; ++t) {
+    int32_t four;
+    std::memcpy(&four, s + 4 * t, sizeof four);
+    acc.v = _mm512_dpbusd_epi32(acc.v, u[t].v, _mm512_set1_epi32(four));
+  }
+  return acc;
 }
 inline Vec icvt(IVec a) { return {_mm512_cvtepi32_ps(a.v)}; }
 inline void quantize_store(int8_t* p, Vec a) {  // (vcvtps2dq rounds to nearest even; the values fit int8)
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(a.v)));
+}
+
+inline IVec iadd(IVec a, IVec b) { return {_mm512_add_epi32(a.v, b.v)}; }
+inline IVec imul255(IVec a) { return {_mm512_sub_epi32(_mm512_slli_epi32(a.v, 8), a.v)}; }
+// (q / 255 is never within 1 / 510 of a tie, so q * (1 / 255), off by less than 2^-16, rounds as it)
+inline void quantize_split(int8_t* hi, int8_t* lo, Vec a) {
+  const __m512i q = _mm512_cvtps_epi32(a.v);
+  const __m512i high = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(1.f / 255.f)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm512_cvtepi32_epi8(high));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(lo),
+                   _mm512_cvtepi32_epi8(_mm512_sub_epi32(q, imul255({high}).v)));
 }
 
 // Indices of the three levels of itranspose8 (16 rows x 8 dwords; see there).

@@ -20,19 +20,14 @@ inline IVec iload(const void* p) {
   return r;
 }
 inline void istore(void* p, IVec a) { std::memcpy(p, a.v, sizeof a.v); }
-inline IVec ibroadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof v);
-  return iset1(v);
-}
-template <bool kWide>
-inline IVec idot4(IVec acc, IVec u, IVec s) {
-  uint8_t codes[4 * kLanes];
-  int8_t values[4 * kLanes];
-  std::memcpy(codes, u.v, sizeof codes);
-  std::memcpy(values, s.v, sizeof values);
-  for (int i = 0; i < kLanes; ++i)
-    for (int j = 0; j < 4; ++j) acc.v[i] += int32_t{codes[4 * i + j]} * int32_t{values[4 * i + j]};
+template <int kMaxCode, int kSteps>
+inline IVec idot(IVec acc, const IVec* u, const int8_t* s) {
+  for (int t = 0; t < kSteps; ++t) {
+    uint8_t codes[4 * kLanes];
+    std::memcpy(codes, u[t].v, sizeof codes);
+    for (int i = 0; i < kLanes; ++i)
+      for (int j = 0; j < 4; ++j) acc.v[i] += int32_t{codes[4 * i + j]} * int32_t{s[4 * t + j]};
+  }
   return acc;
 }
 inline Vec icvt(IVec a) {
@@ -44,6 +39,24 @@ inline void quantize_store(int8_t* p, Vec a) {  // nearest, ties to even (the de
   alignas(64) float lanes[kLanes];
   vstore(lanes, a);
   for (int i = 0; i < kLanes; ++i) p[i] = static_cast<int8_t>(__builtin_nearbyintf(lanes[i]));
+}
+inline void quantize_split(int8_t* hi, int8_t* lo, Vec a) {  // (never a tie: see avx512's)
+  alignas(64) float lanes[kLanes];
+  vstore(lanes, a);
+  for (int i = 0; i < kLanes; ++i) {
+    const int32_t q = static_cast<int32_t>(__builtin_nearbyintf(lanes[i]));
+    const int32_t high = static_cast<int32_t>(__builtin_nearbyintf(static_cast<float>(q) * (1.f / 255.f)));
+    hi[i] = static_cast<int8_t>(high);
+    lo[i] = static_cast<int8_t>(q - 255 * high);  // (|lo| <= 127)
+  }
+}
+inline IVec iadd(IVec a, IVec b) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] += b.v[i];
+  return a;
+}
+inline IVec imul255(IVec a) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] *= 255;
+  return a;
 }
 inline void itranspose8(const uint8_t* rows, int64_t stride, IVec* out) {
   for (int c = 0; c < kLanes; ++c)

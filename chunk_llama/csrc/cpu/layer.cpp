@@ -24,14 +24,15 @@ namespace {
 using chunk_attn_cpu::Variant;
 
 // y [rows, out] = x [rows, in] W^T (+ bias) with the variant's kernel for the weight's form
-// (int8: GGML blocks with integer codes multiply x quantized to int8, quant_act.h).
+// (activations int8 or int16: GGML blocks with integer codes multiply x quantized so, quant_act.h).
 void linear(const Variant& variant, const chunk_llama_cpu_weight& w, const float* x, float* y, int64_t rows,
-            float* quant_scratch, int num_threads, bool int8) {
-  if (int8 && w.type != 0 && chunk_attn_cpu::quant_int8_supports(static_cast<int>(w.type))) {
+            float* quant_scratch, int num_threads, int64_t activations) {
+  if (activations != CHUNK_LLAMA_ACTIVATIONS_FLOAT32 && w.type != 0 && chunk_attn_cpu::quant_int8_supports(static_cast<int>(w.type))) {
     quant_int8_linear(variant.name, chunk_attn_cpu::QuantInt8Params{x, static_cast<const uint8_t*>(w.data),
                                                                     static_cast<int>(w.type), w.bias, y, rows,
                                                                     w.out_features, w.in_features, num_threads,
-                                                                    nullptr});
+                                                                    nullptr,
+                                                                    activations == CHUNK_LLAMA_ACTIVATIONS_INT16});
   } else if (w.type == 0) {
     variant.linear(chunk_attn_cpu::LinearParams{x, static_cast<const float*>(w.data), w.bias, y, rows,
                                                 w.out_features, w.in_features, num_threads});
@@ -101,9 +102,9 @@ void run_layer(const chunk_llama_cpu_plan& plan, const chunk_llama_cpu_decoder_l
               hidden, ", intermediate ", inter, ", head_dim ", d, ")");
   CHECK_VALUE(L.activation == 0 || L.activation == 1, "decoder layer: activation ", L.activation,
               " is not 0 (SiLU) or 1 (GELU, tanh)");
-  CHECK_VALUE(L.activations == CHUNK_LLAMA_ACTIVATIONS_FLOAT32 || L.activations == CHUNK_LLAMA_ACTIVATIONS_INT8,
-              "decoder layer: activations ", L.activations, " is not 0 (float32) or 1 (int8)");
-  const bool int8 = L.activations == CHUNK_LLAMA_ACTIVATIONS_INT8;
+  CHECK_VALUE(L.activations == CHUNK_LLAMA_ACTIVATIONS_FLOAT32 || L.activations == CHUNK_LLAMA_ACTIVATIONS_INT8 ||
+                  L.activations == CHUNK_LLAMA_ACTIVATIONS_INT16,
+              "decoder layer: activations ", L.activations, " is not 0 (float32), 1 (int8) or 2 (int16)");
   CHECK_VALUE(L.input_norm != nullptr && L.mlp_norm != nullptr && (L.q_norm == nullptr) == (L.k_norm == nullptr),
               "decoder layer: the input and MLP norms are needed, q and k norms both or neither");
   check_weight(L.q, "q_proj", q_width, hidden);
@@ -126,7 +127,7 @@ void run_layer(const chunk_llama_cpu_plan& plan, const chunk_llama_cpu_decoder_l
   float *quant_scratch = up + rows * inter, *lora_scratch = quant_scratch + quant_floats;
   // a projection, then its rows' LoRA deltas (target: c_api.h's order q, k, v, o, gate, up, down)
   const auto project = [&](const chunk_llama_cpu_weight& w, int target, const float* x, float* y) {
-    linear(variant, w, x, y, rows, quant_scratch, num_threads, int8);
+    linear(variant, w, x, y, rows, quant_scratch, num_threads, L.activations);
     add_lora(plan, lora, layer, target, x, y, lora_scratch);
   };
 

@@ -1,4 +1,4 @@
-// Linear layers on GGML blocks with int8 activations (quant_act_params.h has the arithmetic),
+// Linear layers on GGML blocks with int8 or int16 activations (quant_act_params.h has the arithmetic),
 // written once for every variant against the float lane API and the integer one
 // (lanes_int8_<isa>.h): included by kernel_<isa>.cpp after kernel.h.
 //
@@ -7,11 +7,12 @@
 // step one vector per kLanes columns (lane c: column c's 4 codes), then the columns' scales
 // and offsets. The tile takes kI8Rows rows of x and kI8ColVecs vectors of columns: per step,
 // each row's 4 activation codes broadcast to every lane and multiplied into each column
-// vector (idot4: 4 products summed per lane), so a group's sums come out one column per
+// vector (idot: 4 products a step summed per lane), so a group's sums come out one column per
 // lane, ready for its scales: per group one conversion, a multiply and an FMA per row and
 // column vector (the scale factored out of the group's sum), and an FMA for the offset.
-// Decode steps and prefills run the same tile (a last tile of fewer rows alike), so every
-// output's operations do not depend on the rows beside it.
+// int16 (kInt16) runs each step's products twice, on the high and the low halves of the codes,
+// against the same decoded weights. Decode steps and prefills run the same tile (a last tile of
+// fewer rows alike), so every output's operations do not depend on the rows beside it.
 #pragma once
 
 namespace chunk_attn_cpu {
@@ -58,7 +59,8 @@ __attribute__((nothrow)) inline void decode_item(const uint8_t* w, int64_t row_b
 // The rows' quantized form (quant_act_params.h's scratch, row strides in_features, groups and
 // in_features / 16).
 struct Int8Rows {
-  const int8_t* codes;
+  const int8_t* codes;    // int8: the codes; int16: their low halves
+  const int8_t* high;     // int16: the high halves (q = 255 high + codes)
   const float* scales;    // dx per group
   const float* sums;      // exact sums of x per group (the offsets' factor)
   const int32_t* sums16;  // the codes' sums per 16
@@ -66,8 +68,9 @@ struct Int8Rows {
 
 // One row of x into its codes, scales and sums (the same operations on every instruction set:
 // a maximum, a division, a reciprocal, products rounded to nearest even, sums in order).
-__attribute__((nothrow)) inline void quantize_row(const float* x, int64_t in_features, int8_t* codes, float* scales,
-                                                  float* sums, int32_t* sums16) {
+template <bool kInt16>
+__attribute__((nothrow)) inline void quantize_row(const float* x, int64_t in_features, int8_t* codes, int8_t* high,
+                                                  float* scales, float* sums, int32_t* sums16) {
   for (int64_t g = 0; g < in_features / kGroup; ++g) {
     const float* xg = x + g * kGroup;
     Vec top = vzero();
@@ -75,16 +78,25 @@ __attribute__((nothrow)) inline void quantize_row(const float* x, int64_t in_fea
       const Vec a = vload(xg + v * kLanes);
       top = vmax(top, vmax(a, vsub(vzero(), a)));
     }
-    const float d = vreduce_max(top) / 127.f, inverse = d != 0.f ? 1.f / d : 0.f;
-    for (int v = 0; v < kGroupVecs; ++v)
-      quantize_store(codes + g * kGroup + v * kLanes, vmul(vload(xg + v * kLanes), vset1(inverse)));
+    const float d = vreduce_max(top) / (kInt16 ? 127.f * 255.f : 127.f), inverse = d != 0.f ? 1.f / d : 0.f;
+    for (int v = 0; v < kGroupVecs; ++v) {
+      const int64_t at = g * kGroup + v * kLanes;
+      const Vec scaled = vmul(vload(xg + v * kLanes), vset1(inverse));
+      if constexpr (kInt16)
+        quantize_split(high + at, codes + at, scaled);
+      else
+        quantize_store(codes + at, scaled);
+    }
     float sum = 0.f;
     for (int i = 0; i < kGroup; ++i) sum += xg[i];
     scales[g] = d;
     sums[g] = sum;
     for (int half = 0; half < 2; ++half) {
       int32_t s = 0;
-      for (int i = 0; i < 16; ++i) s += codes[g * kGroup + 16 * half + i];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t at = g * kGroup + 16 * half + i;
+        s += kInt16 ? 255 * high[at] + codes[at] : codes[at];
+      }
       sums16[2 * g + half] = s;
     }
   }
@@ -92,11 +104,11 @@ __attribute__((nothrow)) inline void quantize_row(const float* x, int64_t in_fea
 
 // Group g's share of MR rows (from row0) against one column vector: its codes[8] (lane c:
 // column c's), scales and offset (lane c: column c's), into acc[MR]. Per sub-group the exact
-// integer dot product, less the zero point times the codes' sum, converted once and scaled by
-// scale * dx; then the offset times the group's exact sum of x. Every row count, decoded in
-// registers or from the item's buffer, runs this for each group in order: a row's outputs do
-// not depend on the rows beside it.
-template <int Type, int MR>
+// integer dot product (int16: 255 times the high halves' plus the low halves'), less the zero
+// point times the codes' sum, converted once and scaled by scale * dx; then the offset times
+// the group's exact sum of x. Every row count, decoded in registers or from the item's buffer,
+// runs this for each group in order: a row's outputs do not depend on the rows beside it.
+template <int Type, bool kInt16, int MR>
 __attribute__((nothrow, always_inline)) inline void group_fmas(const IVec* codes, const Vec* scales, Vec offset,
                                                               const Int8Rows& x, int64_t row0, int64_t g,
                                                               int64_t in_features, Vec* acc) {
@@ -104,15 +116,17 @@ __attribute__((nothrow, always_inline)) inline void group_fmas(const IVec* codes
   const int64_t groups = in_features / kGroup, per16 = in_features / 16;
 #pragma GCC unroll 2
   for (int sub = 0; sub < kSub; ++sub) {
-    IVec dot[MR];
+    IVec dot[MR], high[MR];
     for (int r = 0; r < MR; ++r) {
       const int32_t* s16 = x.sums16 + (row0 + r) * per16 + 2 * g;
-      dot[r] = iset1(-kZero<Type> * (kSub == 2 ? s16[sub] : s16[0] + s16[1]));
+      const int64_t at = (row0 + r) * in_features + g * kGroup + 4 * sub * kStepsPerSub;
+      dot[r] = idot<kMaxCode<Type>, kStepsPerSub>(iset1(-kZero<Type> * (kSub == 2 ? s16[sub] : s16[0] + s16[1])),
+                                                  codes + sub * kStepsPerSub, x.codes + at);
+      if constexpr (kInt16)
+        high[r] = idot<kMaxCode<Type>, kStepsPerSub>(iset1(0), codes + sub * kStepsPerSub, x.high + at);
     }
-#pragma GCC unroll 8
-    for (int s = sub * kStepsPerSub; s < (sub + 1) * kStepsPerSub; ++s)
-      for (int r = 0; r < MR; ++r)
-        dot[r] = idot4<kWideCodes<Type>>(dot[r], codes[s], ibroadcast4(x.codes + (row0 + r) * in_features + g * kGroup + 4 * s));
+    if constexpr (kInt16)
+      for (int r = 0; r < MR; ++r) dot[r] = iadd(dot[r], imul255(high[r]));
     for (int r = 0; r < MR; ++r)
       acc[r] = vfma(icvt(dot[r]), vmul(scales[sub], vset1(x.scales[(row0 + r) * groups + g])), acc[r]);
   }
@@ -121,7 +135,7 @@ __attribute__((nothrow, always_inline)) inline void group_fmas(const IVec* codes
 }
 
 // An MR x kI8Cols tile on a decoded item (buf) into out[r][kI8Cols] (no bias).
-template <int Type, int MR>
+template <int Type, bool kInt16, int MR>
 __attribute__((nothrow, noinline)) void int8_tile(const uint8_t* __restrict__ buf, const Int8Rows& x,
                                                   int64_t row0, int64_t in_features, float* __restrict__ out) {
   Vec acc[kI8ColVecs][MR];
@@ -136,7 +150,7 @@ __attribute__((nothrow, noinline)) void int8_tile(const uint8_t* __restrict__ bu
       for (int s = 0; s < 8; ++s) codes[s] = iload(group + (s * kI8Cols + cv * kLanes) * 4);
       for (int sub = 0; sub < kSubs<Type>; ++sub) scales[sub] = vload(tail + sub * kI8Cols + cv * kLanes);
       const Vec offset = kHasOffset<Type> ? vload(tail + kSubs<Type> * kI8Cols + cv * kLanes) : vzero();
-      group_fmas<Type, MR>(codes, scales, offset, x, row0, g, in_features, acc[cv]);
+      group_fmas<Type, kInt16, MR>(codes, scales, offset, x, row0, g, in_features, acc[cv]);
     }
   }
   for (int r = 0; r < MR; ++r)
@@ -145,7 +159,7 @@ __attribute__((nothrow, noinline)) void int8_tile(const uint8_t* __restrict__ bu
 
 // The same tile for a decode step's few rows (MR <= kI8Rows: all of them), each group decoded
 // from the blocks in registers just before its products (no buffer), the next item prefetched.
-template <int Type, int MR>
+template <int Type, bool kInt16, int MR>
 __attribute__((nothrow, noinline)) void int8_few_rows(const uint8_t* __restrict__ w, int64_t row_bytes,
                                                       const Int8Rows& x, int64_t in_features,
                                                       const uint8_t* next, int64_t next_bytes,
@@ -161,7 +175,7 @@ __attribute__((nothrow, noinline)) void int8_few_rows(const uint8_t* __restrict_
     for (int cv = 0; cv < kI8ColVecs; ++cv)
       decode_unit<Type>(columns(w + cv * kLanes * row_bytes, row_bytes), unit,
                         [&](int j, const IVec* codes, const Vec* scales, Vec offset) {
-                          group_fmas<Type, MR>(codes, scales, offset, x, 0, unit * kUnitGroups<Type> + j,
+                          group_fmas<Type, kInt16, MR>(codes, scales, offset, x, 0, unit * kUnitGroups<Type> + j,
                                                in_features, acc[cv]);
                         });
   }
@@ -169,35 +183,37 @@ __attribute__((nothrow, noinline)) void int8_few_rows(const uint8_t* __restrict_
     for (int cv = 0; cv < kI8ColVecs; ++cv) vstore(out + r * kI8Cols + cv * kLanes, acc[cv][r]);
 }
 
-template <int Type, int MR = kI8Rows>
+template <int Type, bool kInt16, int MR = kI8Rows>
 __attribute__((nothrow)) inline void any_int8_tile(int mr, const uint8_t* buf, const Int8Rows& x, int64_t row0,
                                                    int64_t in_features, float* out) {
   if constexpr (MR >= 1) {
-    if (mr < MR) return any_int8_tile<Type, MR - 1>(mr, buf, x, row0, in_features, out);
-    int8_tile<Type, MR>(buf, x, row0, in_features, out);
+    if (mr < MR) return any_int8_tile<Type, kInt16, MR - 1>(mr, buf, x, row0, in_features, out);
+    int8_tile<Type, kInt16, MR>(buf, x, row0, in_features, out);
   }
 }
 
-template <int Type, int MR = kI8Rows>
+template <int Type, bool kInt16, int MR = kI8Rows>
 __attribute__((nothrow)) inline void any_int8_few_rows(int mr, const uint8_t* w, int64_t row_bytes, const Int8Rows& x,
                                                        int64_t in_features, const uint8_t* next, int64_t next_bytes,
                                                        float* out) {
   if constexpr (MR >= 1) {
-    if (mr < MR) return any_int8_few_rows<Type, MR - 1>(mr, w, row_bytes, x, in_features, next, next_bytes, out);
-    int8_few_rows<Type, MR>(w, row_bytes, x, in_features, next, next_bytes, out);
+    if (mr < MR) return any_int8_few_rows<Type, kInt16, MR - 1>(mr, w, row_bytes, x, in_features, next, next_bytes,
+                                                                out);
+    int8_few_rows<Type, kInt16, MR>(w, row_bytes, x, in_features, next, next_bytes, out);
   }
 }
 
-template <int Type>
+template <int Type, bool kInt16>
 void quant_int8_of(const QuantInt8Params& p) {
   const QuantFormat f = quant_format(Type);
   const int64_t row_bytes = p.in_features / f.block_elems * f.block_bytes, groups = p.in_features / kGroup;
-  const Int8Scratch layout = int8_scratch(p.rows, p.in_features, p.num_threads);
+  const Int8Scratch layout = int8_scratch(p.rows, p.in_features, p.num_threads, kInt16);
   int8_t* codes = reinterpret_cast<int8_t*>(p.scratch + layout.codes);
+  int8_t* high = kInt16 ? reinterpret_cast<int8_t*>(p.scratch + layout.high) : nullptr;
   float* scales = reinterpret_cast<float*>(p.scratch + layout.scales);
   float* sums = reinterpret_cast<float*>(p.scratch + layout.sums);
   int32_t* sums16 = reinterpret_cast<int32_t*>(p.scratch + layout.sums16);
-  const Int8Rows x{codes, scales, sums, sums16};
+  const Int8Rows x{codes, high, scales, sums, sums16};
   const int64_t num_items = (p.out_features + kI8Cols - 1) / kI8Cols;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(p.num_threads)
@@ -212,8 +228,9 @@ void quant_int8_of(const QuantInt8Params& p) {
 #pragma omp for schedule(static)
 #endif
     for (int64_t r = 0; r < p.rows; ++r)
-      quantize_row(p.x + r * p.in_features, p.in_features, codes + r * p.in_features, scales + r * groups,
-                   sums + r * groups, sums16 + r * (p.in_features / 16));
+      quantize_row<kInt16>(p.x + r * p.in_features, p.in_features, codes + r * p.in_features,
+                           kInt16 ? high + r * p.in_features : nullptr, scales + r * groups, sums + r * groups,
+                           sums16 + r * (p.in_features / 16));
     // (implicit barrier) each thread its share of the items, every row against each
     uint8_t* buf = p.scratch + layout.threads + thread * layout.per_thread;
     uint8_t* pad = buf + layout.item_bytes;  // [kI8Cols, row_bytes]
@@ -237,7 +254,7 @@ void quant_int8_of(const QuantInt8Params& p) {
             p.y[(row + r) * p.out_features + col + c] = out[r * kI8Cols + c] + (p.bias ? p.bias[col + c] : 0.f);
       };
       if (p.rows <= kI8Rows) {  // a decode step: in registers
-        any_int8_few_rows<Type>(static_cast<int>(p.rows), rows, row_bytes, x, p.in_features, next,
+        any_int8_few_rows<Type, kInt16>(static_cast<int>(p.rows), rows, row_bytes, x, p.in_features, next,
                                 next_rows * row_bytes, out);
         store(0, static_cast<int>(p.rows));
         continue;
@@ -245,26 +262,29 @@ void quant_int8_of(const QuantInt8Params& p) {
       decode_item<Type>(rows, row_bytes, groups, buf, next, next_rows * row_bytes);
       for (int64_t row = 0; row < p.rows; row += kI8Rows) {
         const int mr = static_cast<int>(p.rows - row < kI8Rows ? p.rows - row : kI8Rows);
-        any_int8_tile<Type>(mr, buf, x, row, p.in_features, out);
+        any_int8_tile<Type, kInt16>(mr, buf, x, row, p.in_features, out);
         store(row, mr);
       }
     }
   }
 }
 
-void quant_linear_int8(const QuantInt8Params& p) {
+template <bool kInt16>
+void quant_act_of(const QuantInt8Params& p) {
   switch (p.type) {
-    case kQ4_0: return quant_int8_of<kQ4_0>(p);
-    case kQ4_1: return quant_int8_of<kQ4_1>(p);
-    case kQ5_0: return quant_int8_of<kQ5_0>(p);
-    case kQ5_1: return quant_int8_of<kQ5_1>(p);
-    case kQ8_0: return quant_int8_of<kQ8_0>(p);
-    case kQ4_K: return quant_int8_of<kQ4_K>(p);
-    case kQ5_K: return quant_int8_of<kQ5_K>(p);
-    case kQ6_K: return quant_int8_of<kQ6_K>(p);
+    case kQ4_0: return quant_int8_of<kQ4_0, kInt16>(p);
+    case kQ4_1: return quant_int8_of<kQ4_1, kInt16>(p);
+    case kQ5_0: return quant_int8_of<kQ5_0, kInt16>(p);
+    case kQ5_1: return quant_int8_of<kQ5_1, kInt16>(p);
+    case kQ8_0: return quant_int8_of<kQ8_0, kInt16>(p);
+    case kQ4_K: return quant_int8_of<kQ4_K, kInt16>(p);
+    case kQ5_K: return quant_int8_of<kQ5_K, kInt16>(p);
+    case kQ6_K: return quant_int8_of<kQ6_K, kInt16>(p);
     default: return;
   }
 }
+
+void quant_linear_int8(const QuantInt8Params& p) { p.int16 ? quant_act_of<true>(p) : quant_act_of<false>(p); }
 
 }  // namespace CHUNK_ATTN_ISA
 }  // namespace chunk_attn_cpu

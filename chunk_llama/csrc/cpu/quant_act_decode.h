@@ -15,7 +15,7 @@ namespace CHUNK_ATTN_ISA {
 
 // A format's codes' zero point (its own, or the middle of the codes of one with a minimum,
 // which keeps the codes' products with the activations' rounding small), its scales per
-// group of 32 (Q6_K: one per 16), and whether codes exceed 127 (Q8_0's, biased by 128).
+// group of 32 (Q6_K: one per 16), and its largest code (Q8_0's biased by 128).
 template <int Type>
 constexpr int kZero = (Type == kQ4_0 || Type == kQ4_1 || Type == kQ4_K) ? 8
                       : (Type == kQ5_0 || Type == kQ5_1 || Type == kQ5_K) ? 16
@@ -23,7 +23,9 @@ constexpr int kZero = (Type == kQ4_0 || Type == kQ4_1 || Type == kQ4_K) ? 8
 template <int Type>
 constexpr int kSubs = Type == kQ6_K ? 2 : 1;
 template <int Type>
-constexpr bool kWideCodes = Type == kQ8_0;
+constexpr int kMaxCode = (Type == kQ4_0 || Type == kQ4_1 || Type == kQ4_K) ? 15
+                         : (Type == kQ5_0 || Type == kQ5_1 || Type == kQ5_K) ? 31
+                         : Type == kQ6_K ? 63 : 255;
 // Groups decoded together: a K-quant's super-block (its scales once), else one block.
 template <int Type>
 constexpr int kUnitGroups = kIsKQuant<Type> ? 8 : 1;

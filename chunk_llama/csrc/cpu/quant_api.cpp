@@ -1,6 +1,6 @@
 // The C interface of the linear layers on GGML blocks with a choice of activations
-// (c_api.h: chunk_llama_cpu_quant_matmul, _int8_variant): float32 (quant_linear.h) or int8
-// (quant_act.h), checks, the int8 kernel's variant and its scratch. Baseline code, like
+// (c_api.h: chunk_llama_cpu_quant_matmul, _int8_variant): float32 (quant_linear.h) or int8 /
+// int16 (quant_act.h), checks, the integer kernel's variant and its scratch. Baseline code, like
 // c_api.cpp; failed checks are reported as chunk_llama/api_errors.h says.
 #include <cstdint>
 #include <cstring>
@@ -43,10 +43,11 @@ uint8_t* int8_scratch_buffer(int64_t bytes) {
 }
 
 void quant_int8_linear(const char* isa, const chunk_attn_cpu::QuantInt8Params& params) {
-  CHECK_VALUE(chunk_attn_cpu::quant_int8_supports(params.type), "int8 activations: GGML type ", params.type,
+  CHECK_VALUE(chunk_attn_cpu::quant_int8_supports(params.type), "integer activations: GGML type ", params.type,
               " has no integer codes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K have)");
   chunk_attn_cpu::QuantInt8Params p = params;
-  p.scratch = int8_scratch_buffer(chunk_attn_cpu::quant_int8_scratch_bytes(p.rows, p.in_features, p.num_threads));
+  p.scratch = int8_scratch_buffer(chunk_attn_cpu::quant_int8_scratch_bytes(p.rows, p.in_features, p.num_threads,
+                                                                           p.int16));
   int8_variant_for(isa).quant_linear_int8(p);
 }
 
@@ -62,16 +63,18 @@ int chunk_llama_cpu_quant_matmul(const chunk_llama_cpu_quant_matmul_args* args) 
     const chunk_llama_cpu_quant_matmul_args& a = *args;
     CHECK_VALUE(a.rows >= 0 && a.out_features >= 0 && a.num_threads >= 1 && a.num_threads <= INT32_MAX,
                 "quant_matmul: bad sizes (", a.rows, " rows, ", a.out_features, " out, ", a.num_threads, " threads)");
-    CHECK_VALUE(a.activations == CHUNK_LLAMA_ACTIVATIONS_FLOAT32 || a.activations == CHUNK_LLAMA_ACTIVATIONS_INT8,
-                "quant_matmul: activations ", a.activations, " is not 0 (float32) or 1 (int8)");
+    CHECK_VALUE(a.activations == CHUNK_LLAMA_ACTIVATIONS_FLOAT32 || a.activations == CHUNK_LLAMA_ACTIVATIONS_INT8 ||
+                    a.activations == CHUNK_LLAMA_ACTIVATIONS_INT16,
+                "quant_matmul: activations ", a.activations, " is not 0 (float32), 1 (int8) or 2 (int16)");
     const int type = static_cast<int>(a.type);
     const int64_t row_bytes = row_bytes_of("quant_matmul", type, a.in_features);
     CHECK_VALUE(a.weight_bytes == row_bytes * a.out_features, "quant_matmul: the weight holds ", a.weight_bytes,
                 " bytes, not ", a.out_features, " rows of ", row_bytes);
     const int threads = static_cast<int>(a.num_threads);
-    if (a.activations == CHUNK_LLAMA_ACTIVATIONS_INT8) {
+    if (a.activations != CHUNK_LLAMA_ACTIVATIONS_FLOAT32) {
       quant_int8_linear(a.isa, chunk_attn_cpu::QuantInt8Params{a.x, a.weight, type, a.bias, a.y, a.rows,
-                                                                a.out_features, a.in_features, threads, nullptr});
+                                                                a.out_features, a.in_features, threads, nullptr,
+                                                                a.activations == CHUNK_LLAMA_ACTIVATIONS_INT16});
       return;
     }
     std::unique_ptr<float[]> scratch(new float[chunk_attn_cpu::quant_scratch_floats(a.rows, a.in_features) * threads]);

@@ -123,6 +123,9 @@ def describe(layer: nn.Module) -> Described:
     for (_, name), weight in zip(family.projections, weights):
         if isinstance(weight, str):
             return described(modules, f"{name}: {weight}")
+    integer = {module.activations for module in projections if type(module) is GGUFLinear} - {"float32"}
+    if len(integer) > 1:
+        return described(modules, f"its projections multiply {' and '.join(sorted(integer))} activations")
     struct = DecoderLayer(
         hidden_size=int(modules[4].weight.shape[0]), num_heads=int(config.num_attention_heads),
         num_kv_heads=int(config.num_key_value_heads), head_dim=int(attn.head_dim),
@@ -130,8 +133,7 @@ def describe(layer: nn.Module) -> Described:
         norm_eps=float(getattr(modules[4], family.eps)), norm_offset=family.norm_offset,
         input_norm=norms[0], attn_out_norm=norms[1], mlp_norm=norms[2], mlp_out_norm=norms[3], q_norm=norms[4],
         k_norm=norms[5], **dict(zip(_WEIGHT_FIELDS, weights)),
-        activations=STRUCT_ACTIVATIONS["int8" if any(type(module) is GGUFLinear and module.activations == "int8"
-                                                     for module in projections) else "float32"])
+        activations=STRUCT_ACTIVATIONS[integer.pop() if integer else "float32"])
     spans = tuple((wrappers.get(_NUM_FIXED + i, module), *span)  # (PEFT's layer holds the key)
                   for i, (module, span) in enumerate(zip(projections, rows)))
     return described(modules, None, struct, int(family.window(attn)), widened, spans)

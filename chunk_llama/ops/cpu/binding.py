@@ -152,8 +152,8 @@ class CpuLibrary:
         return call
 
     def quant_matmul_call(self, ggml_type: int, in_features: int, isa: str, activations: str):
-        """`quant_linear_call`'s op with a choice of activations ("float32", or "int8": x quantized
-        per group of 32, the kernel of `int8_variant(isa)`), the same contract."""
+        """`quant_linear_call`'s op with a choice of activations ("float32", or "int8" / "int16": x
+        quantized per group of 32, the kernel of `int8_variant(isa)`), the same contract."""
         function, threads, raise_error = self._lib.chunk_llama_cpu_quant_matmul, torch.get_num_threads, self.raise_error
         code_of, variant = ACTIVATIONS[activations], isa.encode()
 
@@ -173,7 +173,7 @@ class CpuLibrary:
         return call
 
     def int8_variant(self, isa: str) -> str:
-        """The variant whose int8 kernel runs for variant `isa` here (itself, or the next one down
+        """The variant whose integer (int8 and int16) kernel runs for variant `isa` here (itself, or the next one down
         that this CPU runs the integer code of: AVX-512 without VNNI runs avx2's)."""
         name = self._lib.chunk_llama_cpu_int8_variant(isa.encode())
         return name.decode() if name is not None else self.raise_error(1)

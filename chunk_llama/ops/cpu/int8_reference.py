@@ -1,14 +1,16 @@
-"""The int8-activation linear layer on GGML blocks (`csrc/cpu/quant_act.h`) in NumPy / PyTorch:
-the oracle its tests compare with, and the error bound it keeps.
+"""The integer-activation linear layers on GGML blocks (`csrc/cpu/quant_act.h`: int8 and int16)
+in NumPy / PyTorch: the oracle their tests compare with, and the error bound they keep.
 
 x is quantized as the kernel quantizes it (float32 operations, so the codes are the kernel's):
-per row and group of 32, d = amax / 127, codes = round-half-even(x * (1 / d)). The kernel then
+per row and group of 32, d = amax / LEVELS[mode] (int8: 127; int16: 127 * 255), codes =
+round-half-even(x * (1 / d)). (int16's kernel splits each code q exactly into 255 hi + lo and
+multiplies both halves: the same integer sums as q's.) The kernel then
 computes, exactly up to its float32 rounding, for each output
     y = sum_i w_i x^_i + sum_g o_g (sum_{i in g} x_i - sum_{i in g} x^_i)
 with x^ = d * codes and w the float32-dequantized weights (gguf-py's): the formats with a
 minimum (Q4_1, Q5_1, Q4_K, Q5_K) take their groups' offsets, o_g the weight of code z (the
 middle code), times the exact sums of x, the others all of w times x^. Against the exact
-product with x, the error is at most sum_g d_g / 2 * sum_{i in g} |w_i - o_g| (`error_bound`).
+product with x, the error is at most sum_g d_g / 2 * sum_{i in g} |w_i - o_g| (the bound `int8_linear` returns).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import numpy as np
 import torch
 
 GROUP = 32
+# the largest code of each mode
+LEVELS = {"int8": 127, "int16": 127 * 255}
 # The formats with a minimum: (byte range of the packed codes, of the fifth bits or None) in a
 # block, and the codes' zero point (csrc/cpu/quant_act.h's kZero). Blocks whose codes are all z
 # decode to each group's offset o_g.
@@ -24,11 +28,11 @@ _OFFSET_FORMATS = {"Q4_1": ((4, 20), None), "Q5_1": ((8, 24), (4, 8)), "Q4_K": (
                    "Q5_K": ((48, 176), (16, 48))}
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, mode: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, in_features] float32 -> (codes [rows, in_features] float32 integers in
-    [-127, 127], scales d [rows, in_features / 32] float32)."""
+    [-LEVELS[mode], LEVELS[mode]], scales d [rows, in_features / 32] float32)."""
     groups = x.float().reshape(x.shape[0], -1, GROUP)
-    d = groups.abs().amax(dim=-1) / 127
+    d = groups.abs().amax(dim=-1) / LEVELS[mode]
     inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
     codes = torch.round(groups * inverse[..., None])  # (half to even, as the kernel's conversion)
     return codes.reshape(x.shape), d
@@ -59,13 +63,14 @@ def group_offsets(blocks: np.ndarray, ggml_type: str, in_features: int) -> torch
     return weights.reshape(blocks.shape[0], -1, GROUP)[..., 0]
 
 
-def int8_linear(x: torch.Tensor, blocks: np.ndarray, ggml_type: str, bias: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, bound) in float64: the kernel's result for x [rows, in_features] (float32) on `blocks`
-    [out_features, row_bytes] (uint8) of `ggml_type` (gguf-py's name), and `error_bound` of it."""
+def int8_linear(x: torch.Tensor, blocks: np.ndarray, ggml_type: str, bias: torch.Tensor | None = None,
+                mode: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, bound) in float64: the kernel's result in `mode` ("int8" or "int16") for x [rows,
+    in_features] (float32) on `blocks` [out_features, row_bytes] (uint8) of `ggml_type`
+    (gguf-py's name), and the bound of its error against the exact product."""
     in_features = x.shape[1]
     weight = _dequantized(blocks, ggml_type).double()  # [out_features, in_features]
-    codes, d = quantize_rows(x)
+    codes, d = quantize_rows(x, mode)
     x_hat = (codes.double().reshape(x.shape[0], -1, GROUP) * d.double()[..., None]).reshape(x.shape)
     y = x_hat @ weight.T
     offsets = group_offsets(blocks, ggml_type, in_features)

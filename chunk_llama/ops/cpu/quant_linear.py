@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from chunk_llama.logs import log_once
 from chunk_llama.ops.build import jit
 from chunk_llama.ops.cpu import isa
-from chunk_llama.ops.cpu.activations import INT8_TYPES, int8_variant
+from chunk_llama.ops.cpu.activations import INT8_TYPES, INTEGER_MODES, int8_variant
 from chunk_llama.ops.cpu.attention import build, build_failed
 from chunk_llama.ops.cpu.linear import SMALL_ROWS, _onednn, many_rows_onednn
 
@@ -74,15 +74,15 @@ def reference_dequantize(blocks: torch.Tensor, ggml_type: int, in_features: int)
 class QuantLinear:
     """`F.linear` of a weight in GGML blocks: (x [..., in_features], blocks [out_features,
     row_bytes] uint8, bias [out_features] or None) -> [..., out_features]. Built once per
-    layer (the variant and the format are read here). `activations`: "float32", or "int8"
-    (x quantized per group of 32, `activations.py`; a format without integer codes keeps
-    float32)."""
+    layer (the variant and the format are read here). `activations`: "float32", "int8" or
+    "int16" (x quantized per group of 32, `activations.py`; a format without integer codes
+    keeps float32)."""
 
     def __init__(self, ggml_type: int, in_features: int, activations: str = "float32"):
         self.ggml_type, self.in_features, self._variant = ggml_type, in_features, isa.selected_variant()
-        self.int8 = activations == "int8" and ggml_type in INT8_TYPE_IDS
-        if self.int8:
-            self._kernel = build().quant_matmul_call(ggml_type, in_features, int8_variant(self._variant), "int8")
+        self.integer = activations in INTEGER_MODES and ggml_type in INT8_TYPE_IDS
+        if self.integer:
+            self._kernel = build().quant_matmul_call(ggml_type, in_features, int8_variant(self._variant), activations)
         else:
             self._kernel = build().quant_linear_call(ggml_type, in_features, self._variant)
 
@@ -98,7 +98,7 @@ class QuantLinear:
             weight = dequantize(blocks, self.ggml_type, self.in_features)
             return F.linear(x, weight.to(x.device, x.dtype), None if bias is None else bias.to(x.device, x.dtype))
         flat = x.reshape(-1, self.in_features).contiguous()  # [rows, in_features]
-        if self.int8 or flat.shape[0] <= SMALL_ROWS or not many_rows_onednn():
+        if self.integer or flat.shape[0] <= SMALL_ROWS or not many_rows_onednn():
             out = self._kernel(flat, blocks, bias)
         else:  # CHUNK_LLAMA_LINEAR=onednn: decode once, multiply with oneDNN
             out = _onednn(flat, build().dequantize(blocks, self.ggml_type, self.in_features, self._variant), bias)

@@ -40,7 +40,7 @@ class DecoderLayer(ctypes.Structure):
 
 
 # chunk_llama_cpu_quant_matmul's activations (CHUNK_LLAMA_ACTIVATIONS_* in c_api.h)
-ACTIVATIONS = {"float32": 0, "int8": 1}
+ACTIVATIONS = {"float32": 0, "int8": 1, "int16": 2}
 
 
 class QuantMatmulArgs(ctypes.Structure):
