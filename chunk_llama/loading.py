@@ -3,6 +3,7 @@ file (its blocks kept, `gguf/`), a local folder or a hub id, on a device in a dt
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -11,6 +12,7 @@ import torch
 
 from chunk_llama.errors import UsageError
 from chunk_llama.extras import require
+from chunk_llama.gguf.metadata import read_once as read_gguf_metadata_once
 from chunk_llama.hf.support import check_dtype, check_supported
 from chunk_llama.ops.cpu import activations
 
@@ -168,13 +170,14 @@ def load_model(name_or_path: str | None = None, *, device: str | torch.device | 
     if path.endswith(".gguf"):
         require("gguf", f"loading {os.path.basename(path)} (a .gguf model)")
         path, kwargs["gguf_file"] = os.path.split(os.path.abspath(path))
-    config = AutoConfig.from_pretrained(path, **kwargs)
-    check_supported(config)  # before any weights are read
-    stored = _stored_dtype(config)
-    if from_config:
-        dtype = resolve_dtype("auto", device, stored)
-        unquantizable = _why_not_quantized(device, dtype, device_map)
-    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    with read_gguf_metadata_once() if "gguf_file" in kwargs else contextlib.nullcontext():
+        config = AutoConfig.from_pretrained(path, **kwargs)
+        check_supported(config)  # before any weights are read
+        stored = _stored_dtype(config)
+        if from_config:
+            dtype = resolve_dtype("auto", device, stored)
+            unquantizable = _why_not_quantized(device, dtype, device_map)
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     keep_blocks = "gguf_file" in kwargs and gguf_weights != "dequantized"
     if keep_blocks and unquantizable:
         logger.info("the GGUF weights are dequantized: quantized blocks run on the CPU in float32, not %s",
