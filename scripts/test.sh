@@ -24,7 +24,7 @@ bash scripts/setup_env.sh test,bench
 # tests/test_wheel.py builds the platform wheel (the CPU library compiled in) and runs it in
 # a fresh virtual environment with no compiler reachable; tests/test_extras.py runs each
 # command with only its extra installed.
-.venv/bin/python -m pytest -q -ra tests "$@"
+.venv/bin/python -m pytest -q -ra --durations=25 tests "$@"
 # The private transformers APIs and generate's options on the lowest supported release
 # (the suite above ran on the highest, from pyproject.toml's bounds).
 bash scripts/test_lowest.sh
