@@ -147,23 +147,25 @@ def test_a_module_switches_its_activations_and_keeps_16_bit_blocks_in_float32(mo
     assert torch.equal(layer(x[None])[0], float32_out)
 
 
+def _auto_on(variant, monkeypatch, caplog) -> tuple[str, str]:
+    """What `auto` resolves to with `variant` selected, and what it logs."""
+    monkeypatch.setenv(isa.ENV, variant)
+    monkeypatch.delenv(activations.ENV)
+    forget_logged()
+    with caplog.at_level(logging.INFO, logger="chunk_llama.ops.cpu.activations"):
+        return activations.resolve("auto"), caplog.text
+
+
 def test_auto_logs_why_it_keeps_float32_on_a_variant_not_measured(monkeypatch, caplog):
-    monkeypatch.setenv(isa.ENV, "generic")
-    monkeypatch.delenv(activations.ENV)
-    forget_logged()
-    with caplog.at_level(logging.INFO, logger="chunk_llama.ops.cpu.activations"):
-        assert activations.resolve("auto") == "float32"
-    assert "auto keeps float32" in caplog.text
+    mode, logged = _auto_on("generic", monkeypatch, caplog)
+    assert mode == "float32" and "auto keeps float32" in logged
 
 
-def test_auto_picks_int16_on_the_avx2_kernel_and_says_so(monkeypatch, caplog):
-    """Where it was measured faster than float32 in prefill, no slower at one row, and within the
-    error bound (ops/cpu/activations.py)."""
-    if "avx2" not in isa.host_variants() or build().int8_variant("avx2") != "avx2":
-        pytest.skip("this CPU does not run the avx2 variant")
-    monkeypatch.setenv(isa.ENV, "avx2")
-    monkeypatch.delenv(activations.ENV)
-    forget_logged()
-    with caplog.at_level(logging.INFO, logger="chunk_llama.ops.cpu.activations"):
-        assert activations.resolve("auto") == "int16"
-    assert "auto picks int16 on the avx2 kernel" in caplog.text
+@pytest.mark.parametrize("variant", ["avx2", "avx512"])
+def test_auto_picks_int16_on_the_x86_kernels_and_says_so(variant, monkeypatch, caplog):
+    """Where it was measured faster than float32 in prefill and batched decode, as fast at one
+    row, and within the error bound (ops/cpu/activations.py)."""
+    if variant not in isa.host_variants() or build().int8_variant(variant) != variant:
+        pytest.skip(f"this CPU does not run the {variant} variant's integer kernel")
+    mode, logged = _auto_on(variant, monkeypatch, caplog)
+    assert mode == "int16" and f"auto picks int16 on the {variant} kernel" in logged

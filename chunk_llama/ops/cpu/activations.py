@@ -25,14 +25,18 @@ Python API included).
   integer kernel is the selected variant itself; float32 elsewhere; logged once. A mode is named
   only where it keeps the bound on both models (top-1 agreement with float32 at least 99.5%,
   worst logit error no larger than stock bfloat16's) and was measured faster than float32 in
-  prefill without a slower decode at one row (docs/BENCHMARKS.md, "int8 and int16 activations
-  for GGUF blocks": a 1B Q4_K_M model, Intel Xeon with AVX-512 VNNI, 2 threads):
+  prefill and in batched decode, with one request's decode at least as fast within the
+  run-to-run noise (docs/BENCHMARKS.md, "int8 and int16 activations for GGUF blocks": a 1B
+  Q4_K_M model and the default model, Intel Xeon with AVX-512 VNNI, 2 threads):
   - avx2 (`CHUNK_LLAMA_CPU_ISA=avx2`, or a CPU without AVX-512): int16. Its matrices run at
     2.3x float32's speed at 300 rows and 1.47x at one row; one request prefills at 1.7x and
-    decodes at 1.44x float32's speed. (This made int16 the default there: logits within about
-    0.02 of the dequantized model's instead of 1e-4; `float32` keeps the old numbers.)
-  - avx512: float32. int16 prefills at 2.6x float32's speed, but decodes one row slower (0.88x
-    float32's tokens/s), so it is asked for by name.
+    decodes at 1.44x float32's speed.
+  - avx512: int16. One request prefills at 2.3x float32's speed; its matrices run at 1.6x at
+    8 rows and 2.0x at 16 (a decode step of that many sequences), and 16 clients on a 2,000-token
+    shared prompt are served at 1.39x float32's throughput; one row decodes at 0.86x-0.99x
+    float32's tokens/s on the 1B model (two runs) and 1.19x on the default model.
+  This made int16 the default for GGUF blocks with integer codes: logits within about 0.02 of
+  the dequantized model's instead of 1e-4; `float32` keeps the old numbers bit for bit.
 """
 
 from __future__ import annotations
@@ -52,9 +56,9 @@ INTEGER_MODES = ("int8", "int16")
 # the GGML formats with integer codes (csrc/cpu/quant_act_params.h's quant_int8_supports)
 INT8_TYPES = frozenset(("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"))
 # what `auto` picks on each variant whose integer kernel it runs: a mode measured faster than
-# float32 in prefill, no slower at one row, and within the error bound on the default model
-# and Gemma 3 270M (module doc); float32 on the variants not named
-AUTO: dict[str, str] = {"avx2": "int16"}
+# float32 in prefill and batched decode, as fast at one row within the noise, and within the
+# error bound on the default model and Gemma 3 270M (module doc); float32 on the variants not named
+AUTO: dict[str, str] = {"avx2": "int16", "avx512": "int16"}
 
 
 def requested(value: str | None = None) -> str:
