@@ -8,6 +8,8 @@ import shutil
 import pytest
 import test_cpu_kernel_driver as driver
 
+from chunk_llama.ops.build.spec import cpu_build
+
 CROSS = "aarch64-linux-gnu-g++"
 QEMU = "qemu-aarch64"
 
@@ -19,6 +21,9 @@ def test_neon_under_qemu(tmp_path):
     # static: qemu then needs no aarch64 sysroot to find libstdc++ and libc. The generic
     # variant is linked (the driver's dispatch names it) but runs natively only
     # (test_cpu_kernel_driver.py): the same portable source, at a tenth of emulation's cost.
-    binary = driver.build_driver(CROSS, ["neon", "generic"], tmp_path, link=["-static"])
+    # The kernels are the objects an aarch64 wheel carries (its build's flags, OpenMP on; the
+    # same compile commands as test_wheel.py's cross-compile, which a compiler cache then shares).
+    binary = driver.build_driver(CROSS, ["neon", "generic"], tmp_path, link=["-static"],
+                                 library=cpu_build("aarch64"))
     out = driver.run_driver([QEMU, str(binary)], ["neon"], timeout=150)
     assert "variant neon" in out

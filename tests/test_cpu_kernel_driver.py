@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from chunk_llama.ops.build.spec import KernelBuild, cpu_compile_command
 from chunk_llama.ops.cpu import isa
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,24 +26,37 @@ FLAGS = ["-std=c++17", "-O1", "-fno-math-errno", "-fno-trapping-math", "-ffp-con
          "-Wno-psabi", "-Wno-unknown-pragmas", f"-I{CPU_SRC}", f"-I{ROOT / 'tests' / 'cpp'}"]
 
 
-def build_driver(compiler: str, variants: list[str], out_dir: Path, *, extra: dict[str, list[str]] | None = None,
-                 link: list[str] = ()) -> Path:
-    """Compiles the driver and kernel_<variant>.cpp of each variant in parallel, links them."""
-    extra = extra or {}
-    units = [(DRIVER, extra.get("driver", [])), (PREFILL_CASES, extra.get("driver", []))] + [(CPU_SRC / f"kernel_{v}.cpp", extra.get(v, [])) for v in variants]
+# The warnings the kernel library's sources compile without (test_wheel.py's cross-compile holds
+# the aarch64 library to them; the NEON driver's kernel objects are that compile's)
+LIBRARY_WARNINGS = ("-Wall", "-Wextra", "-Werror", "-Wno-psabi", "-Wno-unknown-pragmas")
 
-    def compile_one(unit):
-        source, flags = unit
+
+def build_driver(compiler: str, variants: list[str], out_dir: Path, *, extra: dict[str, list[str]] | None = None,
+                 link: list[str] = (), library: KernelBuild | None = None) -> Path:
+    """Compiles the driver and kernel_<variant>.cpp of each variant in parallel, links them.
+    `library`: the variants compiled as that library's build compiles them (its flags, OpenMP
+    on, LIBRARY_WARNINGS), instead of the driver's -O1 without OpenMP."""
+    extra = extra or {}
+
+    def command(source: Path, flags: list[str]) -> list[str]:
         obj = out_dir / f"{source.stem}.o"
-        done = subprocess.run([compiler, *FLAGS, *flags, "-c", str(source), "-o", str(obj)], check=False,
-                              capture_output=True, text=True)
-        assert done.returncode == 0, f"{compiler} {source.name} failed:\n{done.stderr[-4000:]}"
-        return obj
+        if library is not None and source.parent == CPU_SRC:
+            return cpu_compile_command(compiler, library, f"cpu/{source.name}", obj, LIBRARY_WARNINGS)
+        return [compiler, *FLAGS, *flags, "-c", str(source), "-o", str(obj)]
+
+    commands = [command(DRIVER, extra.get("driver", [])), command(PREFILL_CASES, extra.get("driver", []))] + [
+        command(CPU_SRC / f"kernel_{v}.cpp", extra.get(v, [])) for v in variants]
+
+    def compile_one(args: list[str]) -> str:
+        done = subprocess.run(args, check=False, capture_output=True, text=True)
+        assert done.returncode == 0, f"{' '.join(args)} failed:\n{done.stderr[-4000:]}"
+        return args[-1]
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        objects = list(pool.map(compile_one, units))
+        objects = list(pool.map(compile_one, commands))
     binary = out_dir / "kernel_test"
-    done = subprocess.run([compiler, *map(str, objects), *link, "-o", str(binary)], check=False,
+    openmp = ["-fopenmp"] if library is not None else []
+    done = subprocess.run([compiler, *objects, *openmp, *link, "-o", str(binary)], check=False,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]
     return binary

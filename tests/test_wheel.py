@@ -27,6 +27,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from test_cpu_kernel_driver import LIBRARY_WARNINGS
 
 from chunk_llama.ops.build import spec as build
 
@@ -196,7 +197,7 @@ def test_aarch64_cpu_library_cross_compiles(tmp_path, monkeypatch):
     spec = build.cpu_build("aarch64")
     assert spec.sources == ("cpu/c_api.cpp", "cpu/plan_checks.cpp", "cpu/planned.cpp", "cpu/layer.cpp",
                             "cpu/lora.cpp", "cpu/quant_api.cpp", "cpu/kernel_neon.cpp", "cpu/kernel_generic.cpp")
-    library = build.compile_library(spec, tmp_path)
+    library = build.compile_library(spec, tmp_path, extra_flags=LIBRARY_WARNINGS)
     with library.open("rb") as file:
         assert ELFFile(file)["e_machine"] == "EM_AARCH64"
     assert not [n for n in _needed(library) if re.match(r"lib(torch|c10|python)", n)]

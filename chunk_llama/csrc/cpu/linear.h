@@ -171,7 +171,7 @@ void small_linear(const LinearParams& p) {
         const int nr = static_cast<int>(p.out_features - col < kLinCols ? p.out_features - col : kLinCols);
         float* y = p.y + row0 * p.out_features + col;
         if (rows < kLinRows) {  // a decode step's few rows: one narrow tile, stored as it comes
-          float out[kLanes];
+          float out[kLanes] = {};  // (any_tile writes rows * nr of them; GCC -O3 cannot see it)
           any_tile(static_cast<int>(rows), nr, p.x + row0 * p.in_features, p.w + col * p.in_features, p.in_features,
                    out);
           for (int64_t r = 0; r < rows; ++r)  // (the bias as store_tile adds it, lane by lane)
