@@ -193,12 +193,15 @@ def adapters(model_folder, prompts, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def lora_replicas(model_folder, adapters):
-    """Two workers serving adapters a and b, routed by model (the routers' metrics on a known port)."""
+def lora_replicas(model_folder, adapters, tmp_path_factory):
+    """Two workers serving adapters a and b, routed by model (the routers' metrics on a known
+    port; a chat template, for chat and the Responses API)."""
     folders, _ = adapters
     metrics_port = free_port()
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }} {% endfor %}")
     replicas = Replicas(str(model_folder), model_folder.name, "cache_aware", "--kv-cache-bytes", str(16 << 20),
-                        "--router-metrics-port", str(metrics_port),
+                        "--router-metrics-port", str(metrics_port), "--chat-template", str(template),
                         "--lora-modules", *(f"{name}={folders[name]}" for name in "ab"))
     replicas.metrics_port = metrics_port
     yield replicas
@@ -261,7 +264,8 @@ def test_requests_are_routed_by_model_not_by_text_alone(lora_replicas, adapters,
 
 def test_an_adapter_loaded_through_the_router_reaches_every_worker(lora_replicas, adapters, prompts):
     """`POST /v1/load_lora_adapter` to the router's address: every worker loads it, requests
-    name it (streamed too) and get its answers, the routers' metrics have its router; unloaded
+    name it (streamed, chat and Responses too) and get its answers, the routers' metrics have
+    its router; unloaded
     the same way, it is gone from every worker and a request naming it is a 400 naming it."""
     import openai
 
@@ -278,6 +282,10 @@ def test_an_adapter_loaded_through_the_router_reaches_every_worker(lora_replicas
     streamed = client.completions.create(model="c", prompt=prompts[0], max_tokens=MAX_TOKENS, temperature=0,
                                          stream=True)
     assert "".join(chunk.choices[0].text for chunk in streamed) == expected["c"]
+    chat = client.chat.completions.create(model="c", messages=[{"role": "user", "content": "w7 w8"}], max_tokens=2)
+    assert chat.model == "c" and chat.choices[0].message.content
+    # what sglang-router writes into a Responses body (stream: null, top_k: -1, ...) is accepted
+    assert client.responses.create(model="c", input="w7 w8", max_output_tokens=2).model == "c"
     again = httpx.post(replicas.url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": folders["c"]},
                        timeout=60)
     assert again.status_code == 400 and "already been loaded" in again.text  # and c stays on every worker
