@@ -1,5 +1,6 @@
-"""`chunk-llama serve --data-parallel 2`: two engine workers behind sglang-router on
-127.0.0.1, as a user runs it (a subprocess), against `engine.generate` on the same model."""
+"""`chunk-llama serve --data-parallel 2`: two engine workers behind sglang-router (one per
+model, behind the front) on 127.0.0.1, as a user runs it (a subprocess), against
+`engine.generate` on the same model; the official `openai` client where it matters."""
 
 import contextlib
 import os
@@ -249,8 +250,11 @@ def test_requests_are_routed_by_model_not_by_text_alone(lora_replicas, adapters,
     on_a = {ask("a", f"{system} w{i} w{i + 1}", 1)[0] for i in range(10, 13)}
     assert len(on_a) == 1, on_a  # under a, the system prompt stays where it was computed
     worker_a = on_a.pop()
-    # b's router has seen none of it: an unrelated prompt under b goes where b's own tree and
-    # loads send it. If that is a's worker, a stream held there under b makes it the busier.
+    # b's router has seen none of it. A request its tree does not match goes to the least
+    # loaded worker (while idle, always the same one): see where an unrelated prompt under b
+    # goes; if that is a's worker, a stream held there under b makes it the busier, so the
+    # system prompt under b goes to the other. One router for all models would send it to
+    # a's worker either way: there its text matches.
     first_b, _ = ask("b", "x7 x8 x9 w10", 1)
     with contextlib.ExitStack() as hold:
         if first_b == worker_a:
@@ -262,11 +266,12 @@ def test_requests_are_routed_by_model_not_by_text_alone(lora_replicas, adapters,
     assert on_b != worker_a, "the system prompt under b followed a's requests: routed by text alone"
     assert ask("b", f"{system} w22 w23", 1)[0] == on_b  # and stays where b computed it
 
+
 def test_an_adapter_loaded_through_the_router_reaches_every_worker(lora_replicas, adapters, prompts):
     """`POST /v1/load_lora_adapter` to the router's address: every worker loads it, requests
     name it (streamed, chat and Responses too) and get its answers, the routers' metrics have
-    its router; unloaded
-    the same way, it is gone from every worker and a request naming it is a 400 naming it."""
+    its router; unloaded the same way, it is gone from every worker and a request naming it
+    is a 400 naming it. A load that one worker refuses is undone on the others."""
     import openai
 
     folders, expected = adapters
@@ -300,6 +305,16 @@ def test_an_adapter_loaded_through_the_router_reaches_every_worker(lora_replicas
         client.completions.create(model="c", prompt=prompts[0], max_tokens=1)
     missing = httpx.post(replicas.url + "/v1/unload_lora_adapter", json={"lora_name": "c"}, timeout=60)
     assert missing.status_code == 404, missing.text
+
+    # A load one worker refuses (c loaded on it by hand first) is undone on the other.
+    lone, other = sorted(served_by(replicas))
+    lone_url = "http://127.0.0.1:" + lone.rsplit(":", 1)[1]
+    body = {"lora_name": "c", "lora_path": folders["c"]}
+    assert httpx.post(lone_url + "/v1/load_lora_adapter", json=body, timeout=60).status_code == 200
+    refused = httpx.post(replicas.url + "/v1/load_lora_adapter", json=body, timeout=60)
+    assert refused.status_code == 400 and "already been loaded" in refused.text
+    assert served_by(replicas) == {lone: [base, "a", "b", "c"], other: [base, "a", "b"]}
+    assert httpx.post(lone_url + "/v1/unload_lora_adapter", json={"lora_name": "c"}, timeout=60).status_code == 200
 
 
 def test_without_the_router_installed_it_says_so(monkeypatch):

@@ -57,8 +57,8 @@ RESPONSE_DROP = {"transfer-encoding", "connection", "keep-alive", "upgrade", "pr
 
 
 def _error(message: str, status: int = 503) -> JSONResponse:
-    error = OpenAIError(message, status=status, type="service_unavailable" if status == 503 else "api_error")
-    return JSONResponse(error.body(), status_code=status)
+    kind = {400: "invalid_request_error", 503: "service_unavailable"}.get(status, "api_error")
+    return JSONResponse(OpenAIError(message, status=status, type=kind).body(), status_code=status)
 
 
 def _answer(response: httpx.Response) -> Response:
@@ -216,6 +216,8 @@ class Front:
             url = None
         if not isinstance(url, str):
             return _error('POST /workers takes {"url": "http://host:port"}', status=400)
+        if url in self.workers:
+            return _error(f"{url} is routed to already", status=400)
         try:  # its models, asked with the client's key
             listing = await self._send(request, url, None, path="/v1/models", method="GET")
             await listing.aread()
@@ -223,7 +225,10 @@ class Front:
             models = [m["id"] for m in listing.json()["data"] if m.get("parent")]
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
             return _error(f"{url}/v1/models did not list its models: {error}", status=400)
-        await asyncio.to_thread(self.pool.add_worker, url, [self.pool.base, *models])
+        try:
+            await asyncio.to_thread(self.pool.add_worker, url, [self.pool.base, *models])
+        except (httpx.HTTPError, RuntimeError) as error:
+            return _error(f"{url} could not join: {error}", status=502)
         self.workers.append(url)
         return JSONResponse({"url": url, "models": [self.pool.base, *models]})
 

@@ -164,7 +164,8 @@ def serve_replicas(engine_args: EngineArgs, serve_args, deploy: DeployArgs | Non
         server = uvicorn.Server(uvicorn_config(
             create_front(pool, urls, max_body=deploy.max_request_bytes), host=args.host, port=args.port,
             header_timeout=deploy.header_timeout, keep_alive_timeout=deploy.keep_alive_timeout,
-            log_level=args.log_level, log_config=None, timeout_graceful_shutdown=deploy.drain_timeout + 5))
+            log_level=args.log_level, log_config=None, access_log=False,  # each worker logs its requests
+            timeout_graceful_shutdown=deploy.drain_timeout + 5))
         # In a thread of its own: this one keeps the signals (uvicorn leaves them alone there).
         front_thread = threading.Thread(target=server.run, name="chunk-llama-front", daemon=True)
         front_thread.start()
