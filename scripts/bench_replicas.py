@@ -10,8 +10,9 @@ in a random order (`--seed`; each app's questions in order), `--clients` at a ti
 For each policy (cache_aware, round_robin) one launch of 2 workers (the default model,
 each worker one of the 2 cores) and the router: prompt tokens, tokens the workers'
 prefills computed, tokens their prefix caches served (from each worker's /metrics), and
-the hit rate (served / prompt). Router overhead: a 1-token completion straight to a
-worker and through the router, interleaved, `--rounds` times each, medians.
+the hit rate (served / prompt). Routing overhead: a 1-token completion straight to a
+worker, through the (base model's) router alone, and through the front that picks the
+router by model and the router, interleaved, `--rounds` times each, medians.
 """
 
 from __future__ import annotations
@@ -79,20 +80,29 @@ def run_policy(path: str, policy: str, chats: list, max_tokens: int, clients: in
         replicas.stop()
 
 
-def router_overhead(path: str, rounds: int) -> tuple[float, float]:
+def router_overhead(path: str, rounds: int) -> dict[str, float]:
+    """Medians (ms) of a 1-token completion straight to a worker, through the router alone
+    and through the front and the router (what clients use), interleaved."""
+    import psutil
+
     replicas = Replicas(path, model_name_for(path), "cache_aware", *SERVER_ARGS)
     try:
         body = {"model": replicas.model, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
         first = httpx.post(replicas.url + "/v1/completions", json=body, timeout=60)
         worker_url = "http://127.0.0.1:" + first.headers["X-Chunk-Llama-Worker"].rsplit(":", 1)[1]
-        direct, routed = [], []
+        listening = [conn.laddr.port for child in psutil.Process(replicas.proc.pid).children(recursive=True)
+                     if "router" in " ".join(child.cmdline())
+                     for conn in child.net_connections(kind="tcp") if conn.status == psutil.CONN_LISTEN]
+        router_url = next(f"http://127.0.0.1:{port}" for port in listening  # not its metrics port
+                          if httpx.get(f"http://127.0.0.1:{port}/get_loads", timeout=10).status_code == 200)
+        times = {"worker": [], "router": [], "front": []}
         with httpx.Client() as client:
             for _ in range(rounds):
-                for url, times in ((worker_url, direct), (replicas.url, routed)):
+                for name, url in (("worker", worker_url), ("router", router_url), ("front", replicas.url)):
                     start = time.perf_counter()
                     client.post(url + "/v1/completions", json=body, timeout=60).raise_for_status()
-                    times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(direct), statistics.median(routed)
+                    times[name].append((time.perf_counter() - start) * 1e3)
+        return {name: statistics.median(values) for name, values in times.items()}
     finally:
         replicas.stop()
 
@@ -124,9 +134,10 @@ def main() -> None:
             print(f"| {policy} | {r['requests']} | {r['prompt']} | {r['computed']:.0f} | {r['cached']} | "
                   f"{r['hit_rate']:.1%} | {', '.join(map(str, r['per_worker'].values()))} | {r['seconds']:.1f} |",
                   flush=True)
-    direct, routed = router_overhead(path, args.rounds)
-    print(f"router overhead: 1-token completion {direct:.1f} ms straight to a worker, {routed:.1f} ms through the "
-          f"router ({routed - direct:+.1f} ms; medians of {args.rounds}, interleaved)")
+    ms = router_overhead(path, args.rounds)
+    print(f"routing overhead: 1-token completion {ms['worker']:.1f} ms straight to a worker, {ms['router']:.1f} ms "
+          f"through the router ({ms['router'] - ms['worker']:+.1f} ms), {ms['front']:.1f} ms through the front and "
+          f"the router ({ms['front'] - ms['router']:+.1f} ms more; medians of {args.rounds}, interleaved)")
 
 
 if __name__ == "__main__":

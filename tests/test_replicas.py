@@ -1,6 +1,8 @@
-"""`chunk-llama serve --data-parallel 2`: two engine workers behind sglang-router on
-127.0.0.1, as a user runs it (a subprocess), against `engine.generate` on the same model."""
+"""`chunk-llama serve --data-parallel 2`: two engine workers behind sglang-router (one per
+model, behind the front) on 127.0.0.1, as a user runs it (a subprocess), against
+`engine.generate` on the same model; the official `openai` client where it matters."""
 
+import contextlib
 import os
 import random
 import re
@@ -147,6 +149,9 @@ def test_a_worker_killed_mid_run_and_the_rest_serves(model_folder, prompts, expe
         wrong = httpx.post(replicas.url + "/v1/completions", json=body, timeout=60,
                            headers={"Authorization": "Bearer k-other"})
         assert wrong.status_code == 401, wrong.text
+        load = httpx.post(replicas.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/x"},
+                          timeout=60)
+        assert load.status_code == 401, load.text  # every worker checks the key of a load too
         too_big = httpx.post(replicas.url + "/v1/completions", json={**body, "prompt": "w7 " * 2000},
                              headers=replicas.headers, timeout=60)
         assert too_big.status_code == 413, too_big.text
@@ -172,40 +177,144 @@ def test_a_worker_killed_mid_run_and_the_rest_serves(model_folder, prompts, expe
     assert not [c for c in replicas.children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
 
 
-def test_each_worker_serves_the_lora_modules_and_the_router_matches_text_only(model_folder, prompts, tmp_path):
-    """`--lora-modules` with `--data-parallel 2`: every worker's command line carries the
-    adapters, and a request's `model` selects its adapter behind the router (the answers
-    `engine.generate` gives under it). sglang-router 0.3's cache-aware policy keeps one
-    radix tree per worker model, and these workers are one model: it matches the request's
-    text, not its `model` (docs/adapters.md). So the same prompt under the base and two
-    adapters goes to the worker that computed it first, whose prefix tree keeps their K/V
-    apart: that worker computes the prompt once per adapter."""
+@pytest.fixture(scope="module")
+def adapters(model_folder, prompts, tmp_path_factory):
+    """Adapters a and b (served from the start) and c (loaded later), and what
+    `engine.generate` answers to `prompts[0]` under each and the base."""
     pytest.importorskip("peft")
+    folder = tmp_path_factory.mktemp("adapters")
     model, tokenizer = load_model(str(model_folder), device="cpu")
-    folders = {name: make_adapter(model, str(tmp_path / name), seed=i, scale=3.0, **SPECS[name])
-               for i, name in enumerate("ab")}
+    folders = {name: make_adapter(model, str(folder / name), seed=i, scale=3.0, **SPECS[name])
+               for i, name in enumerate("abc")}
     engine = ChunkLlamaEngine(model, tokenizer, max_batch_size=4, lora_modules=folders)
     config = GenerationConfig(max_new_tokens=MAX_TOKENS, do_sample=False)
-    expected = {name: engine.generate([prompts[0]], config, adapter=name)[0].text for name in ("a", "b", None)}
-    assert len(set(expected.values())) == 3
+    expected = {name: engine.generate([prompts[0]], config, adapter=name)[0].text for name in ("a", "b", "c", None)}
+    assert len(set(expected.values())) == 4
+    return folders, expected
+
+
+@pytest.fixture(scope="module")
+def lora_replicas(model_folder, adapters, tmp_path_factory):
+    """Two workers serving adapters a and b, routed by model (the routers' metrics on a known
+    port; a chat template, for chat and the Responses API)."""
+    folders, _ = adapters
+    metrics_port = free_port()
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }} {% endfor %}")
     replicas = Replicas(str(model_folder), model_folder.name, "cache_aware", "--kv-cache-bytes", str(16 << 20),
-                        "--lora-modules", *(f"{name}={folder}" for name, folder in folders.items()))
-    try:
-        workers = [c.cmdline() for c in replicas.children if "serve" in c.cmdline() and "--port" in c.cmdline()]
-        assert len(workers) == 2 and all(f"a={folders['a']}" in argv and f"b={folders['b']}" in argv
-                                         for argv in workers)
-        answers = {}
-        for name in ("a", "b", None):
-            replicas.model = name or model_folder.name
-            answers[name] = replicas.complete(prompts[0])
-            assert answers[name].status_code == 200, answers[name].text
-            assert answers[name].json()["choices"][0]["text"] == expected[name], name
-        routed = {a.headers["X-Chunk-Llama-Worker"] for a in answers.values()}
-        assert len(routed) == 1
-        prompt_tokens = len(tokenizer(prompts[0])["input_ids"])
-        assert worker_metric(routed.pop(), "chunk_llama_prefill_tokens_computed_total") >= 3 * prompt_tokens
-    finally:
-        replicas.stop()
+                        "--router-metrics-port", str(metrics_port), "--chat-template", str(template),
+                        "--lora-modules", *(f"{name}={folders[name]}" for name in "ab"))
+    replicas.metrics_port = metrics_port
+    yield replicas
+    output = replicas.stop()
+    assert replicas.proc.returncode == 0, output[-2000:]
+    assert not [c for c in replicas.children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def served_by(replicas: Replicas) -> dict[str, list[str]]:
+    """Each local worker's /v1/models, asked of the worker itself: worker id -> model ids."""
+    found = {}
+    for child in replicas.children:
+        argv = child.cmdline()
+        if "serve" in argv and "--worker-id" in argv:
+            port = argv[argv.index("--port") + 1]
+            listing = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"]
+            found[argv[argv.index("--worker-id") + 1]] = [m["id"] for m in listing]
+    return found
+
+
+def test_requests_are_routed_by_model_not_by_text_alone(lora_replicas, adapters, prompts):
+    """`--lora-modules` with `--data-parallel 2`: both workers serve the adapters, a request's
+    `model` selects its adapter (the answers `engine.generate` gives under it) and its router:
+    each model has a cache-aware tree of its own, since a worker's prefix cache keeps each
+    adapter's K/V apart. The same long system prompt under a and under b: repeated under a,
+    it stays on a's worker; under b, it goes where b's own requests lead (here, away from
+    a's worker), which one router for all models (text alone) would not do."""
+    import openai
+
+    folders, expected = adapters
+    replicas, base = lora_replicas, lora_replicas.model
+    assert {tuple(models) for models in served_by(replicas).values()} == {(base, "a", "b")}
+    client = openai.OpenAI(base_url=replicas.url + "/v1", api_key="none", max_retries=0)
+    listed = {m.id: m for m in client.models.list().data}
+    assert list(listed) == [base, "a", "b"] and listed["a"].parent == base and listed["a"].root == folders["a"]
+
+    def ask(model: str, prompt: str, max_tokens: int = MAX_TOKENS) -> tuple[str, str]:
+        raw = client.completions.with_raw_response.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                                          temperature=0)
+        return raw.headers["X-Chunk-Llama-Worker"], raw.parse().choices[0].text
+
+    for name in ("a", "b", None):
+        assert ask(name or base, prompts[0])[1] == expected[name], name
+    system = prompts[4].rsplit(" ", 5)[0]  # a system prompt of 150 words no request has sent yet
+    on_a = {ask("a", f"{system} w{i} w{i + 1}", 1)[0] for i in range(10, 13)}
+    assert len(on_a) == 1, on_a  # under a, the system prompt stays where it was computed
+    worker_a = on_a.pop()
+    # b's router has seen none of it. A request its tree does not match goes to the least
+    # loaded worker (while idle, always the same one): see where an unrelated prompt under b
+    # goes; if that is a's worker, a stream held there under b makes it the busier, so the
+    # system prompt under b goes to the other. One router for all models would send it to
+    # a's worker either way: there its text matches.
+    first_b, _ = ask("b", "x7 x8 x9 w10", 1)
+    with contextlib.ExitStack() as hold:
+        if first_b == worker_a:
+            held = hold.enter_context(client.completions.with_streaming_response.create(
+                model="b", prompt="y1 y2 w11", max_tokens=400, temperature=0, stream=True,
+                extra_body={"ignore_eos": True}))
+            assert held.headers["X-Chunk-Llama-Worker"] == worker_a
+        on_b, _ = ask("b", f"{system} w20 w21", 1)
+    assert on_b != worker_a, "the system prompt under b followed a's requests: routed by text alone"
+    assert ask("b", f"{system} w22 w23", 1)[0] == on_b  # and stays where b computed it
+
+
+def test_an_adapter_loaded_through_the_router_reaches_every_worker(lora_replicas, adapters, prompts):
+    """`POST /v1/load_lora_adapter` to the router's address: every worker loads it, requests
+    name it (streamed, chat and Responses too) and get its answers, the routers' metrics have
+    its router; unloaded the same way, it is gone from every worker and a request naming it
+    is a 400 naming it. A load that one worker refuses is undone on the others."""
+    import openai
+
+    folders, expected = adapters
+    replicas, base = lora_replicas, lora_replicas.model
+    client = openai.OpenAI(base_url=replicas.url + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="model 'c' does not exist here"):
+        client.completions.create(model="c", prompt=prompts[0], max_tokens=1)
+    loaded = httpx.post(replicas.url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": folders["c"]},
+                        timeout=60)
+    assert loaded.status_code == 200, loaded.text
+    assert set(map(tuple, served_by(replicas).values())) == {(base, "a", "b", "c")}
+    assert [m.id for m in client.models.list().data] == [base, "a", "b", "c"]
+    streamed = client.completions.create(model="c", prompt=prompts[0], max_tokens=MAX_TOKENS, temperature=0,
+                                         stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == expected["c"]
+    chat = client.chat.completions.create(model="c", messages=[{"role": "user", "content": "w7 w8"}], max_tokens=2)
+    assert chat.model == "c" and chat.choices[0].message.content
+    # what sglang-router writes into a Responses body (stream: null, top_k: -1, ...) is accepted
+    assert client.responses.create(model="c", input="w7 w8", max_output_tokens=2).model == "c"
+    again = httpx.post(replicas.url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": folders["c"]},
+                       timeout=60)
+    assert again.status_code == 400 and "already been loaded" in again.text  # and c stays on every worker
+    assert set(map(tuple, served_by(replicas).values())) == {(base, "a", "b", "c")}
+    metrics = httpx.get(f"http://127.0.0.1:{replicas.metrics_port}/metrics", timeout=10).text
+    assert {f'router_model="{m}"' for m in (base, "a", "b", "c")} <= set(re.findall(r'router_model="[^"]+"', metrics))
+
+    unloaded = httpx.post(replicas.url + "/v1/unload_lora_adapter", json={"lora_name": "c"}, timeout=60)
+    assert unloaded.status_code == 200, unloaded.text
+    assert set(map(tuple, served_by(replicas).values())) == {(base, "a", "b")}
+    with pytest.raises(openai.BadRequestError, match="model 'c' does not exist here"):
+        client.completions.create(model="c", prompt=prompts[0], max_tokens=1)
+    missing = httpx.post(replicas.url + "/v1/unload_lora_adapter", json={"lora_name": "c"}, timeout=60)
+    assert missing.status_code == 404, missing.text
+
+    # A load one worker refuses (c loaded on it by hand first) is undone on the other.
+    lone, other = sorted(served_by(replicas))
+    lone_url = "http://127.0.0.1:" + lone.rsplit(":", 1)[1]
+    body = {"lora_name": "c", "lora_path": folders["c"]}
+    assert httpx.post(lone_url + "/v1/load_lora_adapter", json=body, timeout=60).status_code == 200
+    refused = httpx.post(replicas.url + "/v1/load_lora_adapter", json=body, timeout=60)
+    assert refused.status_code == 400 and "already been loaded" in refused.text
+    assert served_by(replicas) == {lone: [base, "a", "b", "c"], other: [base, "a", "b"]}
+    assert httpx.post(lone_url + "/v1/unload_lora_adapter", json={"lora_name": "c"}, timeout=60).status_code == 200
 
 
 def test_without_the_router_installed_it_says_so(monkeypatch):

@@ -75,13 +75,15 @@ class ServeArgs:
                             choices=("debug", "info", "warning", "error", "critical"))
     allowed_origins: list[str] | None = option(None, "browser origins allowed by CORS ('*': any; default: none)")
     stats_interval: float = option(10.0, "seconds between stats lines while busy (0: none)")
-    data_parallel: int = option(1, "engine workers on this machine, behind sglang-router's cache-aware router "
-                                   "(N > 1; each worker its own GPU, or its share of the CPU cores)")
+    data_parallel: int = option(1, "engine workers on this machine, behind sglang-router's cache-aware routing, "
+                                   "one router per model (N > 1; each worker its own GPU, or its share of the CPU "
+                                   "cores)")
     worker_urls: list[str] | None = option(None, "`chunk-llama serve` workers on other machines the router also "
                                                  "routes to (with --data-parallel: besides the local ones; 0 local)")
     router_policy: str = option("cache_aware", "sglang-router's policy",
                                 choices=("cache_aware", "round_robin", "random", "power_of_two"))
-    router_metrics_port: int = option(0, "port of the router's own Prometheus metrics (0: a free one)")
+    router_metrics_port: int = option(0, "port of the routers' Prometheus metrics, one page labelled router_model "
+                                         "(0: a free one)")
     worker_start_timeout: float = option(300.0, "seconds a worker may take to load and answer /health")
     worker_id: str | None = option(None, "this server's name behind a router (the launcher sets it): in the "
                                          "X-Chunk-Llama-Worker header and every metric's worker label")

@@ -134,7 +134,7 @@ class _Sampling(_Strict):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[int, float] | None = None
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=-1)  # -1: none (vLLM's and SGLang's; sglang-router writes it)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     response_format: ResponseFormat | None = None
@@ -153,6 +153,11 @@ class _Sampling(_Strict):
     # defaults): no_stop_trim is SGLang's include_stop_str_in_output
     no_stop_trim: bool = False
     return_hidden_states: Literal[False] = False
+
+    @field_validator("top_k")
+    @classmethod
+    def _no_top_k(cls, value):
+        return None if value == -1 else value
 
     @field_validator("logit_bias")
     @classmethod

@@ -1,8 +1,9 @@
 """What a server tells a router about itself, and which worker answered.
 
 sglang-router (the cache-aware router `chunk-llama serve --data-parallel` puts in front
-of several servers, `replicas.py`) asks each worker for `/model_info` and `/server_info`
-(the older `/get_model_info`, `/get_server_info` too) when it registers it. Every
+of several servers, one per model, `replicas.py`) asks each worker for `/model_info` and
+`/server_info` (the older `/get_model_info`, `/get_server_info` too) when it registers it
+(the model it registers the worker under is `served_model_name`, the base's). Every
 response carries the worker's id in `X-Chunk-Llama-Worker`, and `/metrics` labels every
 sample with it (`worker="..."`), so replicas' metrics stay apart when one scraper reads
 them all.

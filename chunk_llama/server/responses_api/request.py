@@ -80,8 +80,8 @@ def validate_body(body) -> tuple[dict, list[str]]:
         if name in ("input", "tools") and isinstance(value, list):
             known[name] = [_item(value[i], (name, i), "function" if name == "tools" else None)
                            for i in range(len(value))]
-        elif name == "stream":
-            known[name] = _validate(bool, value, (name,))
+        elif name == "stream":  # null: not streamed (sglang-router writes it when the client sent none)
+            known[name] = False if value is None else _validate(bool, value, (name,))
         elif name in types:
             known[name] = _validate(types[name], value, (name,))
         elif name in SAMPLING_EXTRAS:
