@@ -2,21 +2,22 @@
 
 gguf-py's `GGUFReader` parses every metadata value into numpy arrays and keeps them: a
 vocabulary of 262,144 tokens (Gemma 3's) holds 650 MB for as long as the reader lives.
-Loading weights needs the tensor table and the architecture only, so this walks the
-metadata without keeping it and gives each tensor as gguf-py's reader would (`FileTensor`:
-the same name, type and data layout, so gguf-py's `dequantize` takes it as it is).
+Loading weights needs the tensor table and the architecture only, so this reads the header
+with `header.read_header` stepping over the vocabulary's strings (tens of milliseconds) and
+gives each tensor as gguf-py's reader would (`FileTensor`: the same name, type and data
+layout, so gguf-py's `dequantize` takes it as it is).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import math
 import mmap
-import struct
 from typing import NamedTuple
 
 import numpy as np
+
+from chunk_llama.gguf.header import read_header
 
 
 class FileTensor(NamedTuple):
@@ -32,86 +33,31 @@ class FileTensor(NamedTuple):
 def file_tensors(gguf_path: str) -> tuple[str, list[FileTensor], frozenset[str]]:
     """(architecture, tensors, the metadata's keys) of a GGUF file (v2 or v3,
     little-endian), its data memory-mapped, not read; of the metadata's values only the
-    architecture and alignment are kept. ValueError for what is not such a file (a
+    architecture and alignment are used. ValueError for what is not such a file (a
     truncated or corrupt one included)."""
+    from gguf import quant_shape_to_byte_shape
+
     try:
-        return _file_tensors(gguf_path)
-    except (struct.error, IndexError, KeyError, UnicodeDecodeError, RecursionError) as error:
-        raise ValueError(f"{gguf_path} is not a readable GGUF file ({type(error).__name__}: {error})") from error
-
-
-def _file_tensors(gguf_path: str) -> tuple[str, list[FileTensor], frozenset[str]]:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quant_shape_to_byte_shape
-
+        header = read_header(gguf_path, keep_strings=False)
+        architecture = header.architecture
+    except ValueError as error:
+        raise ValueError(f"{gguf_path} is not a readable GGUF file ({error})") from error
+    if header.byte_order != "<":
+        raise ValueError(f"{gguf_path} is a big-endian GGUF file: its tensors are not read here")
     blob = np.memmap(gguf_path, mode="r", dtype=np.uint8)
-    if bytes(blob[:4]) != b"GGUF" or struct.unpack_from("<I", blob, 4)[0] not in (2, 3):
-        raise ValueError(f"{gguf_path} is not a little-endian GGUF v2/v3 file")
-    tensor_count, value_count = struct.unpack_from("<QQ", blob, 8)
-    position, wanted, keys = 24, {"general.architecture": None, "general.alignment": 32}, set()
-    for _ in range(value_count):
-        key, position = _string(blob, position)
-        value, position = _value(blob, position + 4, struct.unpack_from("<I", blob, position)[0])
-        keys.add(key)
-        if key in wanted:
-            wanted[key] = value
-    table = []
-    for _ in range(tensor_count):
-        name, position = _string(blob, position)
-        (dims,) = struct.unpack_from("<I", blob, position)
-        shape = tuple(reversed(struct.unpack_from(f"<{dims}Q", blob, position + 4)))  # torch's order
-        tensor_type, offset = struct.unpack_from("<IQ", blob, position + 4 + 8 * dims)
-        position += 4 + 8 * dims + 12
-        try:
-            table.append((name, shape, GGMLQuantizationType(tensor_type), offset))
-        except ValueError:
-            raise ValueError(f"{gguf_path}: tensor {name} has GGML type {tensor_type}, unknown to gguf-py") from None
-    alignment = wanted["general.alignment"]
-    if not isinstance(alignment, int) or alignment <= 0:
-        raise ValueError(f"{gguf_path}: general.alignment is {alignment!r}")
-    data_start = (position + alignment - 1) // alignment * alignment
     tensors = []
-    for name, shape, tensor_type, offset in table:
-        block, block_bytes = GGML_QUANT_SIZES[tensor_type]
-        start = data_start + offset
-        size = math.prod(shape) // block * block_bytes
-        raw = blob[start:start + size]
-        if len(raw) != size:
-            raise ValueError(f"{gguf_path} ends inside tensor {name}: the file is cut short")
-        values = _VALUE_TYPES.get(tensor_type.name)
-        tensors.append(FileTensor(name, tensor_type, raw.view(values).reshape(shape) if values is not None else
-                                  raw.reshape(quant_shape_to_byte_shape(shape, tensor_type))))
-    if not isinstance(wanted["general.architecture"], str):
-        raise ValueError(f"{gguf_path} names no general.architecture")
-    return wanted["general.architecture"], tensors, frozenset(keys)
+    for entry in header.tensors:
+        raw = blob[entry.start:entry.start + entry.n_bytes]
+        values = _VALUE_TYPES.get(entry.tensor_type.name)
+        tensors.append(FileTensor(entry.name, entry.tensor_type, raw.view(values).reshape(entry.shape)
+                                  if values is not None else
+                                  raw.reshape(quant_shape_to_byte_shape(entry.shape, entry.tensor_type))))
+    return architecture, tensors, frozenset(header.values)
 
 
 # GGML types gguf-py's reader gives as values (the others, bfloat16 included, as bytes)
 _VALUE_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
                 "I32": np.int32, "I64": np.int64}
-# GGUF metadata value types of a fixed width: u8, i8, u16, i16, u32, i32, f32, bool, u64, i64, f64
-_FIXED = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-
-
-def _string(blob: np.ndarray, position: int) -> tuple[str, int]:
-    (length,) = struct.unpack_from("<Q", blob, position)
-    return bytes(blob[position + 8:position + 8 + length]).decode("utf-8", "replace"), position + 8 + length
-
-
-def _value(blob: np.ndarray, position: int, value_type: int):
-    """(a metadata value, the position after it); an array's elements are skipped (None)."""
-    if value_type in _FIXED:
-        return struct.unpack_from(_FIXED[value_type], blob, position)[0], position + struct.calcsize(_FIXED[value_type])
-    if value_type == 8:
-        return _string(blob, position)
-    if value_type != 9:
-        raise ValueError(f"unknown GGUF metadata value type {value_type}")
-    element_type, count = struct.unpack_from("<IQ", blob, position)
-    position += 12
-    if element_type in _FIXED:
-        return None, position + count * struct.calcsize(_FIXED[element_type])
-    for _ in range(count):  # strings (a vocabulary) or arrays: walked, not kept
-        _, position = _value(blob, position, element_type)
-    return None, position
 
 
 def release_pages(data: np.ndarray) -> None:
