@@ -76,6 +76,15 @@ PRIVATE_APIS = (
                  kind="class") for name in ("LlamaTensorProcessor", "Gemma2TensorProcessor")),
     PrivateApi("transformers.modeling_gguf_pytorch_utils:get_gguf_hf_weights_map",
                "gguf/weights.py, gguf/load.py (GGUF tensor name -> parameter name)", ("hf_model", "processor")),
+    PrivateApi("transformers.modeling_gguf_pytorch_utils:load_gguf_checkpoint",
+               "gguf/metadata.py (swapped within read_once: the config's metadata from our header reader)",
+               ("gguf_checkpoint_path", "return_tensors")),
+    *(PrivateApi(f"{module}:read_gguf_metadata", "gguf/metadata.py (swapped within read_once)",
+                 ("gguf_path", "string_arrays"))
+      for module in ("transformers.integrations.gguf.reader", "transformers.integrations.gguf")),
+    PrivateApi("transformers.integrations.ggml:_gguf_parse_value",
+               "gguf/metadata.py (_whole_lists_pass: a whole list under [ARRAY, ARRAY] passes as it is)",
+               ("_value", "data_type")),
     PrivateApi("transformers.integrations.gguf:is_gguf_arch_supported",
                "gguf/load.py (files transformers converts its newer way are left to it)", ("gguf_arch",)),
     # the decoder layers fused_layers computes in one call (csrc/cpu/layer.cpp follows their forward)
