@@ -20,6 +20,8 @@ bit pattern of the packed weights, the fp16 scales finite, as the tests draw the
 of it, 256 MB in all, taken in turn so that each call reads its blocks from memory): the
 median and fastest call, GB/s of blocks and Gweights/s, for a model size no file here has.
 `--activations`: what the blocks multiply (`--gguf-activations`'s float32, int8 and int16), each in turn.
+`--layout`: integer activations on blocks tiled as the engine tiles them (`ops/cpu/tiles.py`,
+the default), in the file's rows, or each in turn.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from chunk_llama.gguf.file import file_tensors
 from chunk_llama.loading import model_path
-from chunk_llama.ops.cpu import isa
+from chunk_llama.ops.cpu import isa, tiles
 from chunk_llama.ops.cpu.activations import INTEGER_MODES
 from chunk_llama.ops.cpu.attention import build
 from chunk_llama.ops.cpu.quant_linear import GGML_TYPES, QuantLinear
@@ -52,6 +54,8 @@ def main() -> None:
                         help="time one matrix of random blocks per format instead of a file's")
     parser.add_argument("--shape", default="4096x4096", help="--random's matrix: OUTxIN (out_features x in_features)")
     parser.add_argument("--activations", nargs="+", default=["float32"], choices=["float32", *INTEGER_MODES])
+    parser.add_argument("--layout", nargs="+", default=["tiled"], choices=["tiled", "rows"],
+                        help="integer activations' blocks: tiled (as the engine holds them) or in rows")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if build() is None:
@@ -71,10 +75,11 @@ def main() -> None:
     print(f"{len(weights)} matrices, {total_bytes / 1e6:.1f} MB of blocks, variant {isa.selected_variant()}, "
           f"{args.threads} threads")
     kinds = sorted({kind for kind, _, _ in weights}) if args.by_type else []
-    for rows, activations, kind in itertools.product(args.rows, args.activations, [None, *kinds]):
+    for rows, (activations, layout), kind in itertools.product(args.rows, _modes(args), [None, *kinds]):
         chosen = [w for w in weights if kind in (None, w[0])]
-        calls = [(QuantLinear(k, features, activations), torch.randn(rows, features), blocks)
+        calls = [(*_layer(k, features, activations, layout, blocks), torch.randn(rows, features))
                  for k, features, blocks in chosen]
+        calls = [(layer, x, blocks) for layer, blocks, x in calls]
 
         def one_pass(calls=calls):
             for layer, x, blocks in calls:
@@ -90,7 +95,7 @@ def main() -> None:
         best, size = min(times), sum(blocks.numel() for _, _, blocks in chosen)
         what = "all" if kind is None else f"{GGMLQuantizationType(kind).name} x{len(chosen)}"
         macs = rows * sum(blocks.shape[0] * features for _, features, blocks in chosen)
-        print(f"rows {rows:3d}, {activations}, {what}: fastest {best * 1e3:.2f} ms, median "
+        print(f"rows {rows:3d}, {activations}{_named(activations, layout)}, {what}: fastest {best * 1e3:.2f} ms, median "
               f"{statistics.median(times) * 1e3:.2f} ms, {size / best / 1e9:.1f} GB/s of blocks, "
               f"{2 * macs / best / 1e9:.0f} GFLOP/s")
 
@@ -117,6 +122,22 @@ def random_blocks(name: str, out_features: int, in_features: int, rng: np.random
     return torch.from_numpy(blocks.reshape(out_features, -1))
 
 
+def _modes(args) -> list[tuple[str, str]]:
+    """(activations, layout) to time: float32 reads rows; the integer modes each layout asked for."""
+    return [(a, layout) for a in args.activations for layout in (["rows"] if a == "float32" else args.layout)]
+
+
+def _named(activations: str, layout: str) -> str:
+    return "" if activations == "float32" else f" {layout}"
+
+
+def _layer(kind: int, in_features: int, activations: str, layout: str, blocks: torch.Tensor):
+    """(the layer, its blocks) as the engine holds a weight of `kind` for `activations` in `layout`."""
+    name = GGMLQuantizationType(kind).name
+    tiled = layout == "tiled" and activations in INTEGER_MODES and tiles.tileable(name, blocks.shape[0])
+    return QuantLinear(kind, in_features, activations, tiled), tiles.tile(blocks, name) if tiled else blocks
+
+
 def random_matrices(args) -> None:
     out_features, in_features = (int(n) for n in args.shape.lower().split("x"))
     rng = np.random.default_rng(0)
@@ -124,18 +145,19 @@ def random_matrices(args) -> None:
     for name in args.random:
         blocks = random_blocks(name, out_features, in_features, rng)
         copies = [blocks.clone() for _ in range(max(2, (256 << 20) // blocks.numel()))]  # (well past any cache)
-        for rows, activations in itertools.product(args.rows, args.activations):
-            layer = QuantLinear(int(GGMLQuantizationType[name]), in_features, activations)
+        for rows, (activations, layout) in itertools.product(args.rows, _modes(args)):
+            made = [_layer(int(GGMLQuantizationType[name]), in_features, activations, layout, c) for c in copies]
+            layer, held = made[0][0], [b for _, b in made]
             x = torch.randn(rows, in_features)
-            for copy in copies[:2]:
+            for copy in held[:2]:
                 layer(x, copy, None)
             times = []
             for i in range(max(args.passes, len(copies))):
                 start = time.perf_counter()
-                layer(x, copies[i % len(copies)], None)
+                layer(x, held[i % len(held)], None)
                 times.append(time.perf_counter() - start)
             median, best = statistics.median(times), min(times)
-            print(f"rows {rows:3d}, {activations}, {name}: median {median * 1e6:.1f} us (fastest {best * 1e6:.1f}), "
+            print(f"rows {rows:3d}, {activations}{_named(activations, layout)}, {name}: median {median * 1e6:.1f} us (fastest {best * 1e6:.1f}), "
                   f"{blocks.numel() / median / 1e9:.1f} GB/s of blocks, "
                   f"{out_features * in_features / median / 1e9:.1f} Gweights/s")
 

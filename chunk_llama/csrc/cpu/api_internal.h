@@ -23,6 +23,8 @@ struct Geometry {
 // c_api.cpp
 const chunk_attn_cpu::Variant& variant_for(const char* isa);
 int64_t row_bytes_of(const char* op, int type, int64_t in_features);
+// That a tiled type (quant_params.h) is multiplied with integer activations, as whole tiles.
+void check_tiles(const char* op, int type, int64_t out_features, bool integer);
 // quant_api.cpp: the int8 activations' linear layer (its variant chosen and its scratch given
 // here; the caller checked the weight's size and the type's codes).
 const chunk_attn_cpu::Variant& int8_variant_for(const char* isa);

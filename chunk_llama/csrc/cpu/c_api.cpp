@@ -122,12 +122,22 @@ namespace chunk_llama_cpu_internal {
 
 // The bytes of one row of in_features weights of `type`, or the error why not.
 int64_t row_bytes_of(const char* op, int type, int64_t in_features) {
-  const chunk_attn_cpu::QuantFormat f = chunk_attn_cpu::quant_format(type);
+  // (a tiled type's rows take the bytes of its format's)
+  const chunk_attn_cpu::QuantFormat f = chunk_attn_cpu::quant_format(
+      chunk_attn_cpu::quant_int8_supports(type) ? chunk_attn_cpu::untiled(type) : type);
   CHECK_VALUE(f.block_elems > 0, op, ": GGML type ", type, " is not one the kernels decode (F16, Q4_0, Q4_1, Q5_0, Q5_1, "
-              "Q8_0, Q4_K, Q5_K, Q6_K, BF16)");
+              "Q8_0, Q4_K, Q5_K, Q6_K, BF16, or the integer formats + 256 for tiled rows)");
   CHECK_VALUE(in_features > 0 && in_features % f.block_elems == 0, op, ": ", in_features,
               " weights a row is not a whole number of blocks of ", f.block_elems);
   return in_features / f.block_elems * f.block_bytes;
+}
+
+void check_tiles(const char* op, int type, int64_t out_features, bool integer) {
+  if (!chunk_attn_cpu::is_tiled(type)) return;
+  CHECK_VALUE(integer, op, ": GGML type ", type, " is tiled (", chunk_attn_cpu::untiled(type),
+              " + 256): only integer activations read tiles, the float32 kernel reads rows");
+  CHECK_VALUE(out_features % chunk_attn_cpu::kTileRows == 0, op, ": ", out_features,
+              " rows are not a whole number of tiles of ", chunk_attn_cpu::kTileRows);
 }
 
 }  // namespace chunk_llama_cpu_internal
@@ -148,6 +158,7 @@ int chunk_llama_cpu_quant_linear(const float* x, int64_t rows, int64_t in_featur
     CHECK_VALUE(rows >= 0 && out_features >= 0 && num_threads >= 1, "quant_linear: bad sizes (", rows, " rows, ",
                 out_features, " out)");
     const int64_t row_bytes = row_bytes_of("quant_linear", type, in_features);
+    check_tiles("quant_linear", type, out_features, false);
     CHECK_VALUE(weight_bytes == row_bytes * out_features, "quant_linear: the weight holds ", weight_bytes,
                 " bytes, not ", out_features, " rows of ", row_bytes);
     std::vector<float> scratch(static_cast<size_t>(chunk_attn_cpu::quant_scratch_floats(rows, in_features)) * num_threads);
@@ -162,6 +173,7 @@ int chunk_llama_cpu_dequantize(const uint8_t* weight, int64_t weight_bytes, int 
     const Variant& variant = variant_for(isa);
     CHECK_VALUE(num_rows >= 0 && num_threads >= 1, "dequantize: bad sizes (", num_rows, " rows)");
     const int64_t row_bytes = row_bytes_of("dequantize", type, in_features);
+    check_tiles("dequantize", type, num_rows, false);
     CHECK_VALUE(weight_bytes == row_bytes * num_rows, "dequantize: the weight holds ", weight_bytes, " bytes, not ",
                 num_rows, " rows of ", row_bytes);
     variant.dequantize(chunk_attn_cpu::DequantizeParams{weight, type, out, num_rows, in_features, num_threads});

@@ -28,7 +28,7 @@ extern "C" {
 
 /* Bumped whenever an entry point's arguments change: a loader refuses a library whose
  * version differs from the one its binding was written for. */
-#define CHUNK_LLAMA_CPU_ABI_VERSION 10
+#define CHUNK_LLAMA_CPU_ABI_VERSION 11
 
 enum { CHUNK_LLAMA_OK = 0, CHUNK_LLAMA_VALUE_ERROR = 1, CHUNK_LLAMA_TYPE_ERROR = 2 };
 /* Element types of q and the pool (params.h DType). */
@@ -146,6 +146,11 @@ CHUNK_LLAMA_API int chunk_llama_cpu_dequantize(const uint8_t* weight, int64_t we
 /* Bytes of one row of in_features weights of `type`; -1 (and an error) if the type is not
  * one of the above or in_features is not a multiple of its block. */
 CHUNK_LLAMA_API int64_t chunk_llama_cpu_quant_row_bytes(int type, int64_t in_features);
+/* `num_rows` rows of `type` (an integer format: Q4_0 ... Q6_K) from `in` to `out` (both
+ * weight_bytes, not overlapping) tiled for the integer activations' kernel, `type` + 256
+ * (quant_params.h's kTiled; num_rows whole tiles of 16), or back to rows with `untile`. */
+CHUNK_LLAMA_API int chunk_llama_cpu_tile_rows(const uint8_t* in, uint8_t* out, int64_t weight_bytes, int type,
+                                              int64_t num_rows, int untile, int num_threads);
 
 /* What a layer on GGML blocks multiplies its weights with: x as it is (float32), or x
  * quantized to int8 or int16 per group of 32 (quant_act_params.h; the formats with integer

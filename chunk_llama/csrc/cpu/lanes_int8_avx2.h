@@ -104,5 +104,7 @@ inline Vec ihalf_lo(IVec a) {  // (the low halves packed: 16-bit lanes 0, 2, 4, 
   return {_mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(low, 0x08)))};
 }
 
+inline Vec ihalves(const uint8_t* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+
 }  // namespace avx2
 }  // namespace chunk_attn_cpu

@@ -23,6 +23,7 @@
 //   ishr8(a, n), ishl8(a, n)     each byte shifted (logical; the bits leaving the byte dropped)
 //   ishr32, ishl32, isra32, imul32  int32 lane shifts (logical, arithmetic), low product
 //   ihalf_lo(a)                  the fp16 in each lane's low 16 bits, as a float
+//   ihalves(p)                   kLanes fp16 at p, as floats
 #pragma once
 
 namespace chunk_attn_cpu {
@@ -116,6 +117,7 @@ inline IVec ishl32(IVec a, int n) { return {_mm512_slli_epi32(a.v, n)}; }
 inline IVec isra32(IVec a, int n) { return {_mm512_srai_epi32(a.v, n)}; }
 inline IVec imul32(IVec a, IVec b) { return {_mm512_mullo_epi32(a.v, b.v)}; }
 inline Vec ihalf_lo(IVec a) { return {_mm512_cvtph_ps(_mm512_cvtepi32_epi16(a.v))}; }
+inline Vec ihalves(const uint8_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
 
 }  // namespace avx512
 }  // namespace chunk_attn_cpu

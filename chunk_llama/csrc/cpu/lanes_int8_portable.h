@@ -113,3 +113,8 @@ inline Vec ihalf_lo(IVec a) {
   }
   return vload(lanes);
 }
+inline Vec ihalves(const uint8_t* p) {
+  alignas(64) float lanes[kLanes];
+  for (int i = 0; i < kLanes; ++i) lanes[i] = fp16_to_float(p + 2 * i);
+  return vload(lanes);
+}

@@ -43,7 +43,8 @@ void linear(const Variant& variant, const chunk_llama_cpu_weight& w, const float
   }
 }
 
-void check_weight(const chunk_llama_cpu_weight& w, const char* name, int64_t out_features, int64_t in_features) {
+void check_weight(const chunk_llama_cpu_weight& w, const char* name, int64_t out_features, int64_t in_features,
+                  bool integer) {
   CHECK_VALUE(w.data != nullptr && w.out_features == out_features && w.in_features == in_features, "decoder layer: ",
               name, " is [", w.out_features, ", ", w.in_features, "], the layer needs [", out_features, ", ",
               in_features, "]");
@@ -51,6 +52,7 @@ void check_weight(const chunk_llama_cpu_weight& w, const char* name, int64_t out
                                     : row_bytes_of("decoder layer", static_cast<int>(w.type), in_features) * out_features;
   CHECK_VALUE(w.bytes == bytes, "decoder layer: ", name, " holds ", w.bytes, " bytes, not the ", bytes,
               " its shape and type need");
+  check_tiles("decoder layer", static_cast<int>(w.type), out_features, integer);
 }
 
 // transformers' apply_rotary_pos_emb on one row of heads: x * cos + rotate_half(x) * sin,
@@ -107,13 +109,14 @@ void run_layer(const chunk_llama_cpu_plan& plan, const chunk_llama_cpu_decoder_l
               "decoder layer: activations ", L.activations, " is not 0 (float32), 1 (int8) or 2 (int16)");
   CHECK_VALUE(L.input_norm != nullptr && L.mlp_norm != nullptr && (L.q_norm == nullptr) == (L.k_norm == nullptr),
               "decoder layer: the input and MLP norms are needed, q and k norms both or neither");
-  check_weight(L.q, "q_proj", q_width, hidden);
-  check_weight(L.k, "k_proj", kv_width, hidden);
-  check_weight(L.v, "v_proj", kv_width, hidden);
-  check_weight(L.o, "o_proj", hidden, q_width);
-  check_weight(L.gate, "gate_proj", inter, hidden);
-  check_weight(L.up, "up_proj", inter, hidden);
-  check_weight(L.down, "down_proj", hidden, inter);
+  const bool integer = L.activations != CHUNK_LLAMA_ACTIVATIONS_FLOAT32;
+  check_weight(L.q, "q_proj", q_width, hidden, integer);
+  check_weight(L.k, "k_proj", kv_width, hidden, integer);
+  check_weight(L.v, "v_proj", kv_width, hidden, integer);
+  check_weight(L.o, "o_proj", hidden, q_width, integer);
+  check_weight(L.gate, "gate_proj", inter, hidden, integer);
+  check_weight(L.up, "up_proj", inter, hidden, integer);
+  check_weight(L.down, "down_proj", hidden, inter, integer);
   const int64_t lora_floats = check_lora(lora, layer, L, rows);  // (before anything is written)
   // one buffer for every intermediate: h [rows, hidden], q and the attention's output (and
   // their plan-ordered copies) [rows, q_width] each, k and v [rows, kv_width], gate and up

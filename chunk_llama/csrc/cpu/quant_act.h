@@ -36,16 +36,16 @@ namespace CHUNK_ATTN_ISA {
 template <int Type>
 constexpr int64_t kI8GroupBytes = kI8Cols * (32 + 4 * (kSubs<Type> + (kHasOffset<Type> ? 1 : 0)));
 
-// The item of kI8Cols weight rows from `w` (rows row_bytes apart) into buf [groups,
-// kI8GroupBytes<Type>], the next item's rows (`next_bytes` from `next`) prefetched meanwhile.
-template <int Type>
-__attribute__((nothrow)) inline void decode_item(const uint8_t* w, int64_t row_bytes, int64_t groups, uint8_t* buf,
+// The item of kI8Cols weight rows (its column vectors `cols`) into buf [groups, kI8GroupBytes<Type>],
+// the next item's rows (`next_bytes` from `next`) prefetched meanwhile.
+template <int Type, bool kTiled>
+__attribute__((nothrow)) inline void decode_item(const Columns<kTiled>* cols, int64_t groups, uint8_t* buf,
                                                  const uint8_t* next, int64_t next_bytes) {
   const int64_t units = groups / kUnitGroups<Type>;
   for (int64_t unit = 0; unit < units; ++unit) {
     prefetch_step(next, next_bytes, unit, units);
     for (int cv = 0; cv < kI8ColVecs; ++cv)
-      decode_unit<Type>(columns(w + cv * kLanes * row_bytes, row_bytes), unit,
+      decode_unit<Type>(cols[cv], unit,
                         [&](int j, const IVec* codes, const Vec* scales, Vec offset) {
                           uint8_t* group = buf + (unit * kUnitGroups<Type> + j) * kI8GroupBytes<Type>;
                           float* tail = reinterpret_cast<float*>(group + 32 * kI8Cols) + cv * kLanes;
@@ -159,9 +159,9 @@ __attribute__((nothrow, noinline)) void int8_tile(const uint8_t* __restrict__ bu
 
 // The same tile for a decode step's few rows (MR <= kI8Rows: all of them), each group decoded
 // from the blocks in registers just before its products (no buffer), the next item prefetched.
-template <int Type, bool kInt16, int MR>
-__attribute__((nothrow, noinline)) void int8_few_rows(const uint8_t* __restrict__ w, int64_t row_bytes,
-                                                      const Int8Rows& x, int64_t in_features,
+template <int Type, bool kInt16, bool kTiled, int MR>
+__attribute__((nothrow, noinline)) void int8_few_rows(const Columns<kTiled>* cols, const Int8Rows& x,
+                                                      int64_t in_features,
                                                       const uint8_t* next, int64_t next_bytes,
                                                       float* __restrict__ out) {
   Vec acc[kI8ColVecs][MR];
@@ -173,8 +173,7 @@ __attribute__((nothrow, noinline)) void int8_few_rows(const uint8_t* __restrict_
   for (int64_t unit = 0; unit < units; ++unit) {
     prefetch_step(next, next_bytes, unit, units);
     for (int cv = 0; cv < kI8ColVecs; ++cv)
-      decode_unit<Type>(columns(w + cv * kLanes * row_bytes, row_bytes), unit,
-                        [&](int j, const IVec* codes, const Vec* scales, Vec offset) {
+      decode_unit<Type>(cols[cv], unit, [&](int j, const IVec* codes, const Vec* scales, Vec offset) {
                           group_fmas<Type, kInt16, MR>(codes, scales, offset, x, 0, unit * kUnitGroups<Type> + j,
                                                in_features, acc[cv]);
                         });
@@ -192,20 +191,19 @@ __attribute__((nothrow)) inline void any_int8_tile(int mr, const uint8_t* buf, c
   }
 }
 
-template <int Type, bool kInt16, int MR = kI8Rows>
-__attribute__((nothrow)) inline void any_int8_few_rows(int mr, const uint8_t* w, int64_t row_bytes, const Int8Rows& x,
+template <int Type, bool kInt16, bool kTiled, int MR = kI8Rows>
+__attribute__((nothrow)) inline void any_int8_few_rows(int mr, const Columns<kTiled>* cols, const Int8Rows& x,
                                                        int64_t in_features, const uint8_t* next, int64_t next_bytes,
                                                        float* out) {
   if constexpr (MR >= 1) {
-    if (mr < MR) return any_int8_few_rows<Type, kInt16, MR - 1>(mr, w, row_bytes, x, in_features, next, next_bytes,
-                                                                out);
-    int8_few_rows<Type, kInt16, MR>(w, row_bytes, x, in_features, next, next_bytes, out);
+    if (mr < MR) return any_int8_few_rows<Type, kInt16, kTiled, MR - 1>(mr, cols, x, in_features, next, next_bytes, out);
+    int8_few_rows<Type, kInt16, kTiled, MR>(cols, x, in_features, next, next_bytes, out);
   }
 }
 
-template <int Type, bool kInt16>
+template <int Type, bool kInt16, bool kTiled>
 void quant_int8_of(const QuantInt8Params& p) {
-  const QuantFormat f = quant_format(Type);
+  const QuantFormat f = quant_format(Type);  // (tiles take the rows' bytes)
   const int64_t row_bytes = p.in_features / f.block_elems * f.block_bytes, groups = p.in_features / kGroup;
   const Int8Scratch layout = int8_scratch(p.rows, p.in_features, p.num_threads, kInt16);
   int8_t* codes = reinterpret_cast<int8_t*>(p.scratch + layout.codes);
@@ -238,12 +236,18 @@ void quant_int8_of(const QuantInt8Params& p) {
     for (int64_t item = first; item < last; ++item) {
       const int64_t col = item * kI8Cols;
       const int nc = static_cast<int>(p.out_features - col < kI8Cols ? p.out_features - col : kI8Cols);
-      const uint8_t* rows = p.w + col * row_bytes;
-      if (item == num_items - 1) {  // the last item: padded with copies of its last row, and 64 bytes more (the
-                                    // 32-weight formats' decode reads 32 bytes from each block's first)
-        for (int c = 0; c < kI8Cols; ++c) std::memcpy(pad + c * row_bytes, rows + (c < nc ? c : nc - 1) * row_bytes,
-                                                      row_bytes);
-        rows = pad;
+      Columns<kTiled> cols[kI8ColVecs];
+      if constexpr (kTiled) {  // (whole tiles: a column vector past the last reads the first again)
+        for (int cv = 0; cv < kI8ColVecs; ++cv) cols[cv] = columns<true>(p.w, row_bytes, col + (cv * kLanes < nc ? cv * kLanes : 0));
+      } else {
+        const uint8_t* rows = p.w + col * row_bytes;
+        if (item == num_items - 1) {  // the last item: padded with copies of its last row, and 64 bytes more (the
+                                      // 32-weight formats' decode reads 32 bytes from each block's first)
+          for (int c = 0; c < kI8Cols; ++c)
+            std::memcpy(pad + c * row_bytes, rows + (c < nc ? c : nc - 1) * row_bytes, row_bytes);
+          rows = pad;
+        }
+        for (int cv = 0; cv < kI8ColVecs; ++cv) cols[cv] = columns<false>(rows, row_bytes, cv * kLanes);
       }
       const int64_t next_rows = item + 1 < last ? std::min<int64_t>(kI8Cols, p.out_features - col - kI8Cols) : 0;
       const uint8_t* next = p.w + (col + kI8Cols) * row_bytes;
@@ -254,12 +258,12 @@ void quant_int8_of(const QuantInt8Params& p) {
             p.y[(row + r) * p.out_features + col + c] = out[r * kI8Cols + c] + (p.bias ? p.bias[col + c] : 0.f);
       };
       if (p.rows <= kI8Rows) {  // a decode step: in registers
-        any_int8_few_rows<Type, kInt16>(static_cast<int>(p.rows), rows, row_bytes, x, p.in_features, next,
-                                next_rows * row_bytes, out);
+        any_int8_few_rows<Type, kInt16>(static_cast<int>(p.rows), cols, x, p.in_features, next, next_rows * row_bytes,
+                                        out);
         store(0, static_cast<int>(p.rows));
         continue;
       }
-      decode_item<Type>(rows, row_bytes, groups, buf, next, next_rows * row_bytes);
+      decode_item<Type>(cols, groups, buf, next, next_rows * row_bytes);
       for (int64_t row = 0; row < p.rows; row += kI8Rows) {
         const int mr = static_cast<int>(p.rows - row < kI8Rows ? p.rows - row : kI8Rows);
         any_int8_tile<Type, kInt16>(mr, buf, x, row, p.in_features, out);
@@ -269,22 +273,27 @@ void quant_int8_of(const QuantInt8Params& p) {
   }
 }
 
-template <bool kInt16>
+template <bool kInt16, bool kTiled>
 void quant_act_of(const QuantInt8Params& p) {
-  switch (p.type) {
-    case kQ4_0: return quant_int8_of<kQ4_0, kInt16>(p);
-    case kQ4_1: return quant_int8_of<kQ4_1, kInt16>(p);
-    case kQ5_0: return quant_int8_of<kQ5_0, kInt16>(p);
-    case kQ5_1: return quant_int8_of<kQ5_1, kInt16>(p);
-    case kQ8_0: return quant_int8_of<kQ8_0, kInt16>(p);
-    case kQ4_K: return quant_int8_of<kQ4_K, kInt16>(p);
-    case kQ5_K: return quant_int8_of<kQ5_K, kInt16>(p);
-    case kQ6_K: return quant_int8_of<kQ6_K, kInt16>(p);
+  switch (untiled(p.type)) {
+    case kQ4_0: return quant_int8_of<kQ4_0, kInt16, kTiled>(p);
+    case kQ4_1: return quant_int8_of<kQ4_1, kInt16, kTiled>(p);
+    case kQ5_0: return quant_int8_of<kQ5_0, kInt16, kTiled>(p);
+    case kQ5_1: return quant_int8_of<kQ5_1, kInt16, kTiled>(p);
+    case kQ8_0: return quant_int8_of<kQ8_0, kInt16, kTiled>(p);
+    case kQ4_K: return quant_int8_of<kQ4_K, kInt16, kTiled>(p);
+    case kQ5_K: return quant_int8_of<kQ5_K, kInt16, kTiled>(p);
+    case kQ6_K: return quant_int8_of<kQ6_K, kInt16, kTiled>(p);
     default: return;
   }
 }
 
-void quant_linear_int8(const QuantInt8Params& p) { p.int16 ? quant_act_of<true>(p) : quant_act_of<false>(p); }
+void quant_linear_int8(const QuantInt8Params& p) {
+  if (is_tiled(p.type))
+    p.int16 ? quant_act_of<true, true>(p) : quant_act_of<false, true>(p);
+  else
+    p.int16 ? quant_act_of<true, false>(p) : quant_act_of<false, false>(p);
+}
 
 }  // namespace CHUNK_ATTN_ISA
 }  // namespace chunk_attn_cpu

@@ -6,7 +6,8 @@
 // Written once for every variant against the lane APIs; included by quant_act.h.
 //
 // No weight goes through a scalar: the rows' bytes are transposed 32 at a time (itranspose8:
-// each lane one row's 8 dwords), then the codes taken out of them with byte operations, and
+// each lane one row's 8 dwords), or loaded a dword of every lane at a time where the rows are
+// tiled (quant_params.h), then the codes taken out of them with byte operations, and
 // the scales computed for all lanes at once, with the products k_scales and decode_group make.
 #pragma once
 
@@ -30,27 +31,74 @@ constexpr int kMaxCode = (Type == kQ4_0 || Type == kQ4_1 || Type == kQ4_K) ? 15
 template <int Type>
 constexpr int kUnitGroups = kIsKQuant<Type> ? 8 : 1;
 
-// A column vector's kLanes weight rows: the first, the distance between them, and lane c's
-// offset c * stride from the first (for igather).
-struct Columns {
+// A column vector's kLanes weight rows, as the file keeps them (rows: the first, the distance
+// between them, and lane c's offset c * stride, for igather) or tiled (quant_params.h: the
+// tile that holds them and the lane of the first in it).
+template <bool kTiled>
+struct Columns;
+template <>
+struct Columns<false> {
   const uint8_t* first;
   int64_t stride;
   IVec offsets;
 };
-__attribute__((nothrow)) inline Columns columns(const uint8_t* first, int64_t stride) {
-  alignas(64) int32_t offsets[kLanes];
-  for (int c = 0; c < kLanes; ++c) offsets[c] = static_cast<int32_t>(c * stride);
-  return {first, stride, iload(offsets)};
+template <>
+struct Columns<true> {
+  const uint8_t* tile;
+  int lane;
+};
+
+// The column vector of weight rows from `row` of the weight at `w` (rows of row_bytes).
+template <bool kTiled>
+__attribute__((nothrow)) inline Columns<kTiled> columns(const uint8_t* w, int64_t row_bytes, int64_t row) {
+  if constexpr (kTiled) {
+    return {w + row / kTileRows * kTileRows * row_bytes, static_cast<int>(row % kTileRows)};
+  } else {
+    alignas(64) int32_t offsets[kLanes];
+    for (int c = 0; c < kLanes; ++c) offsets[c] = static_cast<int32_t>(c * row_bytes);
+    return {w + row * row_bytes, row_bytes, iload(offsets)};
+  }
+}
+
+// A tiled block (quant_params.h): the rows' lone fp16, where the format has one (Q4_0, Q5_0
+// and Q8_0's d at byte 0 of the block, Q6_K's at 208), then the block's other bytes, a dword
+// of every row of the tile at a time.
+template <int Type>
+constexpr int kLoneHalfAt = (Type == kQ4_0 || Type == kQ5_0 || Type == kQ8_0) ? 0 : Type == kQ6_K ? 208 : -1;
+
+// Lane c: the dword from byte `from` of block `block` of column c (tiled).
+template <int Type>
+__attribute__((nothrow, always_inline)) inline IVec block_dword(const Columns<true>& cols, int64_t block, int from) {
+  constexpr int64_t kHalves = kLoneHalfAt<Type> >= 0 ? 2 * kTileRows : 0;
+  const int dword = (from - (kLoneHalfAt<Type> == 0 ? 2 : 0)) / 4;
+  return iload(cols.tile + block * kTileRows * quant_format(Type).block_bytes + kHalves +
+               (dword * kTileRows + cols.lane) * 4);
+}
+// Lane c: the lone fp16 of column c's block `block`, as a float (tiled).
+template <int Type>
+__attribute__((nothrow, always_inline)) inline Vec block_half(const Columns<true>& cols, int64_t block) {
+  return ihalves(cols.tile + block * kTileRows * quant_format(Type).block_bytes + 2 * cols.lane);
+}
+// out[s] (s < 8), lane c: dword s from byte `from` of block `block` of column c.
+template <int Type>
+__attribute__((nothrow, always_inline)) inline void block_dwords(const Columns<false>& cols, int64_t block, int from,
+                                                                 IVec* out) {
+  itranspose8(cols.first + block * quant_format(Type).block_bytes + from, cols.stride, out);
+}
+template <int Type>
+__attribute__((nothrow, always_inline)) inline void block_dwords(const Columns<true>& cols, int64_t block, int from,
+                                                                 IVec* out) {
+  for (int s = 0; s < 8; ++s) out[s] = block_dword<Type>(cols, block, from + 4 * s);
 }
 
 // The K-quants' super-block `block` of the column vector: 8 groups to the sink.
-template <int Type, typename Sink>
-__attribute__((nothrow, always_inline)) inline void decode_k_block(const Columns& cols, int64_t block, Sink&& sink) {
-  const int64_t at = block * quant_format(Type).block_bytes;
+template <int Type, bool kTiled, typename Sink>
+__attribute__((nothrow, always_inline)) inline void decode_k_block(const Columns<kTiled>& cols, int64_t block,
+                                                                   Sink&& sink) {
   IVec raw[8], codes[8];
   if constexpr (Type == kQ4_K || Type == kQ5_K) {
     IVec head[8];  // d and dmin, then 12 bytes of 6-bit scales and mins (see k_scales)
-    itranspose8(cols.first + at, cols.stride, head);
+    block_dwords<Type>(cols, block, 0, head);
     const IVec w0 = head[1], w1 = head[2], w2 = head[3];
     const Vec d = ihalf_lo(head[0]), dmin = ihalf_lo(ishr32(head[0], 16));
     const IVec low6 = iset1(63), low4 = iset1(15), low2 = iset1(3);
@@ -69,10 +117,10 @@ __attribute__((nothrow, always_inline)) inline void decode_k_block(const Columns
       offset[j] = vsub(vmul(vset1(static_cast<float>(kZero<Type>)), scale[j]), vmul(dmin, icvt(min)));
     }
     IVec fifth[8];  // Q5_K: bit j of byte l is group j's weight l
-    if constexpr (Type == kQ5_K) itranspose8(cols.first + at + 16, cols.stride, fifth);
+    if constexpr (Type == kQ5_K) block_dwords<Type>(cols, block, 16, fifth);
     const IVec nibble = ibytes(15), one = ibytes(1);
     for (int pair = 0; pair < 4; ++pair) {
-      itranspose8(cols.first + at + (Type == kQ5_K ? 48 : 16) + 32 * pair, cols.stride, raw);
+      block_dwords<Type>(cols, block, (Type == kQ5_K ? 48 : 16) + 32 * pair, raw);
       for (int half = 0; half < 2; ++half) {
         const int j = 2 * pair + half;
         for (int s = 0; s < 8; ++s) {
@@ -83,20 +131,26 @@ __attribute__((nothrow, always_inline)) inline void decode_k_block(const Columns
       }
     }
   } else if constexpr (Type == kQ6_K) {
-    IVec tail[8];  // bytes 178 .. 209: the 16 int8 scales at 192, the fp16 d at 208
-    itranspose8(cols.first + at + 178, cols.stride, tail);
-    const Vec d = ihalf_lo(ishr32(tail[7], 16));
-    Vec scale[16];  // of weights 16 i .. 16 i + 15: group i / 2's half i % 2
-    for (int q = 0; q < 4; ++q) {  // int8 scales 4q .. 4q + 3: bytes 192 + 4q = 178 + 14 + 4q
-      const IVec four = ior(ishr32(tail[3 + q], 16), ishl32(tail[4 + q], 16));
-      for (int b = 0; b < 4; ++b) scale[4 * q + b] = vmul(d, icvt(isra32(ishl32(four, 24 - 8 * b), 24)));
+    Vec d;
+    IVec four[4];  // the 16 int8 scales: 4q .. 4q + 3 at byte 192 + 4q; the fp16 d at 208
+    if constexpr (kTiled) {
+      d = block_half<Type>(cols, block);
+      for (int q = 0; q < 4; ++q) four[q] = block_dword<Type>(cols, block, 192 + 4 * q);
+    } else {
+      IVec tail[8];  // bytes 178 .. 209 (192 + 4q = 178 + 14 + 4q)
+      block_dwords<Type>(cols, block, 178, tail);
+      d = ihalf_lo(ishr32(tail[7], 16));
+      for (int q = 0; q < 4; ++q) four[q] = ior(ishr32(tail[3 + q], 16), ishl32(tail[4 + q], 16));
     }
+    Vec scale[16];  // of weights 16 i .. 16 i + 15: group i / 2's half i % 2
+    for (int q = 0; q < 4; ++q)
+      for (int b = 0; b < 4; ++b) scale[4 * q + b] = vmul(d, icvt(isra32(ishl32(four[q], 24 - 8 * b), 24)));
     const IVec nibble = ibytes(15), two = ibytes(3);
     IVec low[2][8], high[8];
     for (int h = 0; h < 2; ++h) {  // groups 4h + t: low 4 bits from ql[64h + 32 (t % 2)] >> 4 (t / 2)
-      itranspose8(cols.first + at + 64 * h, cols.stride, low[0]);
-      itranspose8(cols.first + at + 64 * h + 32, cols.stride, low[1]);
-      itranspose8(cols.first + at + 128 + 32 * h, cols.stride, high);
+      block_dwords<Type>(cols, block, 64 * h, low[0]);
+      block_dwords<Type>(cols, block, 64 * h + 32, low[1]);
+      block_dwords<Type>(cols, block, 128 + 32 * h, high);
       for (int t = 0; t < 4; ++t) {
         for (int s = 0; s < 8; ++s) {
           const IVec bits = t / 2 ? ishr8(low[t % 2][s], 4) : iand(low[t % 2][s], nibble);
@@ -108,25 +162,45 @@ __attribute__((nothrow, always_inline)) inline void decode_k_block(const Columns
   }
 }
 
-// Block g of the 32-weight formats of the column vector to the sink. Reads the block's first 32
-// bytes whatever its size: the caller makes sure memory follows (quant_int8_of pads the last item).
-template <int Type, typename Sink>
-__attribute__((nothrow, always_inline)) inline void decode_block32(const Columns& cols, int64_t g, Sink&& sink) {
+// Block g of the 32-weight formats of the column vector to the sink. In rows, reads the block's
+// first 32 bytes whatever its size: the caller makes sure memory follows (quant_int8_of pads
+// the last item); tiled, exactly its bytes.
+template <int Type, bool kTiled, typename Sink>
+__attribute__((nothrow, always_inline)) inline void decode_block32(const Columns<kTiled>& cols, int64_t g,
+                                                                   Sink&& sink) {
   constexpr bool kMin = Type == kQ4_1 || Type == kQ5_1, kFifth = Type == kQ5_0 || Type == kQ5_1;
-  const int64_t at = g * quant_format(Type).block_bytes;
   IVec head[8], codes[8];
-  itranspose8(cols.first + at, cols.stride, head);
-  // dword k from byte `from` on (2-byte offsets: two dwords joined)
+  Vec d = vzero(), m = vzero();  // (m: formats with a minimum)
+  if constexpr (kTiled) {
+    if constexpr (kLoneHalfAt<Type> == 0) {
+      d = block_half<Type>(cols, g);
+    } else {
+      const IVec halves = block_dword<Type>(cols, g, 0);
+      d = ihalf_lo(halves);
+      m = ihalf_lo(ishr32(halves, 16));
+    }
+  } else {
+    block_dwords<Type>(cols, g, 0, head);
+    const IVec halves =
+        Type == kQ8_0 ? igather(cols.first + g * quant_format(Type).block_bytes, cols.offsets) : head[0];
+    d = ihalf_lo(halves);
+    if constexpr (kMin) m = ihalf_lo(ishr32(halves, 16));
+  }
+  // dword k from byte `from` on (rows: from the head, 2-byte offsets two dwords joined)
   const auto dword = [&](int from, int k) {
     const int b = from + 4 * k;
-    return b % 4 == 0 ? head[b / 4] : ior(ishr32(head[b / 4], 16), ishl32(head[b / 4 + 1], 16));
+    if constexpr (kTiled)
+      return block_dword<Type>(cols, g, b);
+    else
+      return b % 4 == 0 ? head[b / 4] : ior(ishr32(head[b / 4], 16), ishl32(head[b / 4 + 1], 16));
   };
-  const IVec halves = Type == kQ8_0 ? igather(cols.first + at, cols.offsets) : head[0];  // d (and m)
-  const Vec d = ihalf_lo(halves);
   // the weight of code z: m + z d
-  const Vec offset = kMin ? vadd(ihalf_lo(ishr32(halves, 16)), vmul(vset1(static_cast<float>(kZero<Type>)), d)) : vzero();
+  const Vec offset = kMin ? vadd(m, vmul(vset1(static_cast<float>(kZero<Type>)), d)) : vzero();
   if constexpr (Type == kQ8_0) {
-    itranspose8(cols.first + at + 2, cols.stride, codes);
+    if constexpr (kTiled)
+      for (int s = 0; s < 8; ++s) codes[s] = dword(2, s);
+    else
+      block_dwords<Type>(cols, g, 2, codes);
     const IVec top = ibytes(0x80);
     for (int s = 0; s < 8; ++s) codes[s] = ixor(codes[s], top);  // q + 128
   } else {
@@ -150,8 +224,9 @@ __attribute__((nothrow, always_inline)) inline void decode_block32(const Columns
 }
 
 // Unit `unit` (kUnitGroups<Type> groups from group unit * kUnitGroups) of the column vector.
-template <int Type, typename Sink>
-__attribute__((nothrow, always_inline)) inline void decode_unit(const Columns& cols, int64_t unit, Sink&& sink) {
+template <int Type, bool kTiled, typename Sink>
+__attribute__((nothrow, always_inline)) inline void decode_unit(const Columns<kTiled>& cols, int64_t unit,
+                                                                Sink&& sink) {
   if constexpr (kIsKQuant<Type>)
     decode_k_block<Type>(cols, unit, sink);
   else

@@ -34,10 +34,11 @@ struct QuantInt8Params {
   bool int16 = false; // int16 activations (two int8 halves) instead of int8
 };
 
-// The formats with integer codes (all but F16 and BF16, which keep float32 activations).
+// The formats with integer codes (all but F16 and BF16, which keep float32 activations), in
+// rows or tiled (quant_params.h).
 constexpr bool quant_int8_supports(int type) {
-  return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kQ8_0 || type == kQ4_K ||
-         type == kQ5_K || type == kQ6_K;
+  const int t = untiled(type);
+  return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ5_1 || t == kQ8_0 || t == kQ4_K || t == kQ5_K || t == kQ6_K;
 }
 
 // The widest item (weight rows decoded at once) of any variant, and the bytes of one group

@@ -68,6 +68,7 @@ int chunk_llama_cpu_quant_matmul(const chunk_llama_cpu_quant_matmul_args* args) 
                 "quant_matmul: activations ", a.activations, " is not 0 (float32), 1 (int8) or 2 (int16)");
     const int type = static_cast<int>(a.type);
     const int64_t row_bytes = row_bytes_of("quant_matmul", type, a.in_features);
+    check_tiles("quant_matmul", type, a.out_features, a.activations != CHUNK_LLAMA_ACTIVATIONS_FLOAT32);
     CHECK_VALUE(a.weight_bytes == row_bytes * a.out_features, "quant_matmul: the weight holds ", a.weight_bytes,
                 " bytes, not ", a.out_features, " rows of ", row_bytes);
     const int threads = static_cast<int>(a.num_threads);
@@ -80,6 +81,44 @@ int chunk_llama_cpu_quant_matmul(const chunk_llama_cpu_quant_matmul_args* args) 
     std::unique_ptr<float[]> scratch(new float[chunk_attn_cpu::quant_scratch_floats(a.rows, a.in_features) * threads]);
     variant_for(a.isa).quant_linear(chunk_attn_cpu::QuantLinearParams{
         a.x, a.weight, type, a.bias, a.y, a.rows, a.out_features, a.in_features, threads, scratch.get()});
+  });
+}
+
+int chunk_llama_cpu_tile_rows(const uint8_t* in, uint8_t* out, int64_t weight_bytes, int type, int64_t num_rows,
+                              int untile, int num_threads) {
+  return guarded([&] {
+    using chunk_attn_cpu::kTileRows;
+    CHECK_VALUE(chunk_attn_cpu::quant_int8_supports(type) && !chunk_attn_cpu::is_tiled(type), "tile_rows: GGML type ",
+                type, " is not a format with integer codes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)");
+    CHECK_VALUE(num_rows > 0 && num_rows % kTileRows == 0 && weight_bytes % num_rows == 0 && num_threads >= 1,
+                "tile_rows: ", num_rows, " rows (", weight_bytes, " bytes) are not whole tiles of ", kTileRows);
+    const chunk_attn_cpu::QuantFormat f = chunk_attn_cpu::quant_format(type);
+    const int64_t row_bytes = weight_bytes / num_rows, blocks = row_bytes / f.block_bytes;
+    CHECK_VALUE(row_bytes % f.block_bytes == 0, "tile_rows: rows of ", row_bytes, " bytes are not whole blocks of ",
+                f.block_bytes);
+    // the lone fp16 of Q4_0, Q5_0, Q8_0 (byte 0) and Q6_K (byte 208): the tile's first 32 bytes per block
+    const int half_at = (type == chunk_attn_cpu::kQ4_0 || type == chunk_attn_cpu::kQ5_0 || type == chunk_attn_cpu::kQ8_0)
+                            ? 0 : type == chunk_attn_cpu::kQ6_K ? 208 : -1;
+    const int halves = half_at >= 0 ? 2 * kTileRows : 0, dwords = (f.block_bytes - (half_at >= 0 ? 2 : 0)) / 4;
+    const int64_t tiles = num_rows / kTileRows, tile_block = kTileRows * f.block_bytes;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t t = 0; t < tiles; ++t) {
+      for (int64_t b = 0; b < blocks; ++b)
+        for (int r = 0; r < kTileRows; ++r) {
+          // row r's block b in rows, and where its bytes go in the tile
+          const int64_t row_at = (t * kTileRows + r) * row_bytes + b * f.block_bytes;
+          const int64_t tile_at = t * kTileRows * row_bytes + b * tile_block;
+          const auto move = [&](int64_t row_offset, int64_t tile_offset, int bytes) {
+            if (untile)
+              std::memcpy(out + row_at + row_offset, in + tile_at + tile_offset, bytes);
+            else
+              std::memcpy(out + tile_at + tile_offset, in + row_at + row_offset, bytes);
+          };
+          if (half_at >= 0) move(half_at, 2 * r, 2);
+          const int first = half_at == 0 ? 2 : 0;
+          for (int k = 0; k < dwords; ++k) move(first + 4 * k, halves + (k * kTileRows + r) * 4, 4);
+        }
+    }
   });
 }
 

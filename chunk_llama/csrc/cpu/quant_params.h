@@ -40,6 +40,18 @@ constexpr QuantFormat quant_format(int type) {
   }
 }
 
+// A type id plus kTiled: the same blocks with each kTileRows rows tiled for the integer kernel
+// (quant_act.h; ops/cpu/tiles.py writes them). A tile holds its rows' bytes, block by block:
+// per block, the rows' lone fp16 if the format has one (Q4_0, Q5_0, Q8_0's d first in the
+// block, Q6_K's last), then each of the block's other dwords as the tile's rows' in turn
+// (kTileRows dwords). A column vector's read of a dword of kLanes rows is then one load
+// instead of a transposition. Only integer activations read tiles; a tile takes the bytes its
+// rows take, so row r's tile starts at (r / kTileRows) * kTileRows rows' bytes.
+constexpr int kTiled = 256;
+constexpr int kTileRows = 16;
+constexpr int untiled(int type) { return type & ~kTiled; }
+constexpr bool is_tiled(int type) { return (type & kTiled) != 0; }
+
 struct QuantLinearParams {
   const float* x;     // [rows, in_features]
   const uint8_t* w;   // [out_features, in_features / block_elems * block_bytes]

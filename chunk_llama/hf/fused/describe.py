@@ -23,6 +23,7 @@ from chunk_llama.hf.fused.snapshot import GLOBAL_HOOKS, Snapshot
 from chunk_llama.hf.lora.layers import lora_key, peft_linear
 from chunk_llama.ops.cpu import linear as linear_ops
 from chunk_llama.ops.cpu import quant_linear as quant_ops
+from chunk_llama.ops.cpu import tiles
 from chunk_llama.ops.cpu.structs import ACTIVATIONS as STRUCT_ACTIVATIONS
 from chunk_llama.ops.cpu.structs import DecoderLayer, Weight
 
@@ -250,9 +251,13 @@ def _weight(module: nn.Module, start: int, stop: int, widened: _Widened) -> "Wei
         blocks = module.blocks
         if not (blocks.dtype is torch.uint8 and blocks.is_cpu and blocks.is_contiguous() and blocks.dim() == 2):
             return "its GGUF blocks are not a contiguous uint8 CPU matrix"
-        row_bytes = blocks.shape[1]
-        return Weight(blocks.data_ptr() + start * row_bytes, bias_ptr, quant_ops.GGML_TYPES[module.ggml_type],
-                              stop - start, module.in_features, (stop - start) * row_bytes)
+        row_bytes, kind = blocks.shape[1], quant_ops.GGML_TYPES[module.ggml_type]
+        if module.tiled:  # (a span of whole tiles is a tiled weight: ops/cpu/tiles.py)
+            if start % tiles.TILE_ROWS or stop % tiles.TILE_ROWS:
+                return f"its rows {start}-{stop} split a tile of {tiles.TILE_ROWS} tiled rows"
+            kind |= tiles.TILED
+        return Weight(blocks.data_ptr() + start * row_bytes, bias_ptr, kind, stop - start, module.in_features,
+                      (stop - start) * row_bytes)
     if type(module) is nn.Linear and "_hf_hook" not in module.__dict__ and _plain(module.weight):
         weight, width = module.weight, module.weight.shape[1]
         if weight.dtype is not torch.float32 and width % 32:  # (read as BF16 / F16 blocks: groups of 32)

@@ -21,7 +21,7 @@ from chunk_llama.ops.build.c_types import I32, I64, STR, P
 from chunk_llama.ops.cpu.planned import PlanHandle
 from chunk_llama.ops.cpu.structs import ACTIVATIONS, U64, QuantMatmulArgs
 
-ABI_VERSION = 10  # CHUNK_LLAMA_CPU_ABI_VERSION in c_api.h
+ABI_VERSION = 11  # CHUNK_LLAMA_CPU_ABI_VERSION in c_api.h
 _SIGNATURES = {  # name: (argument types, result type), as c_api.h declares them
     "abi_version": ([], I32),
     "last_error": ([], STR),
@@ -41,6 +41,7 @@ _SIGNATURES = {  # name: (argument types, result type), as c_api.h declares them
     "quant_linear": ([P, I64, I64, P, I64, I32, I64, P, P, STR, I32], I32),
     "dequantize": ([P, I64, I32, I64, I64, P, STR, I32], I32),
     "quant_row_bytes": ([I32, I64], I64),
+    "tile_rows": ([P, P, I64, I32, I64, I32, I32], I32),
     "quant_matmul": ([P], I32),  # a QuantMatmulArgs
     "int8_variant": ([STR], STR),
 }
@@ -187,6 +188,18 @@ class CpuLibrary:
         out = torch.empty((weight.shape[0], in_features))
         code = self._lib.chunk_llama_cpu_dequantize(weight.data_ptr(), weight.numel(), ggml_type, weight.shape[0],
                                                     in_features, out.data_ptr(), isa.encode(), torch.get_num_threads())
+        return out if code == 0 else self.raise_error(code)
+
+    def tile_rows(self, blocks: torch.Tensor, ggml_type: int, untile: bool = False) -> torch.Tensor:
+        """blocks [num_rows, row_bytes] uint8 (contiguous, on the CPU; whole tiles of 16 rows) of an
+        integer format -> the same bytes tiled for the integer kernel (ops/cpu/tiles.py), or, with
+        `untile`, back in rows: a new tensor."""
+        if not (blocks.is_cpu and blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.is_contiguous()):
+            raise TypeError(f"tile_rows takes a contiguous uint8 CPU matrix of blocks, got {blocks.dtype} "
+                            f"{list(blocks.shape)} on {blocks.device}")
+        out = torch.empty_like(blocks)
+        code = self._lib.chunk_llama_cpu_tile_rows(blocks.data_ptr(), out.data_ptr(), blocks.numel(), ggml_type,
+                                                   blocks.shape[0], int(untile), torch.get_num_threads())
         return out if code == 0 else self.raise_error(code)
 
     def decode_layout(self) -> list[str]:

@@ -34,11 +34,13 @@ from chunk_llama.ops.cpu import isa
 from chunk_llama.ops.cpu.activations import INT8_TYPES, INTEGER_MODES, int8_variant
 from chunk_llama.ops.cpu.attention import build, build_failed
 from chunk_llama.ops.cpu.linear import SMALL_ROWS, _onednn, many_rows_onednn
+from chunk_llama.ops.cpu.tiles import TILED, untile
 
 logger = logging.getLogger(__name__)
 # GGML type ids the kernels decode (csrc/cpu/quant_params.h), by gguf-py's names.
 GGML_TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
               "BF16": 30}
+GGML_NAMES = {number: name for name, number in GGML_TYPES.items()}
 INT8_TYPE_IDS = frozenset(GGML_TYPES[name] for name in INT8_TYPES)
 
 
@@ -76,13 +78,17 @@ class QuantLinear:
     row_bytes] uint8, bias [out_features] or None) -> [..., out_features]. Built once per
     layer (the variant and the format are read here). `activations`: "float32", "int8" or
     "int16" (x quantized per group of 32, `activations.py`; a format without integer codes
-    keeps float32)."""
+    keeps float32). `tiled`: the blocks are tiled (`tiles.py`; integer activations only)."""
 
-    def __init__(self, ggml_type: int, in_features: int, activations: str = "float32"):
+    def __init__(self, ggml_type: int, in_features: int, activations: str = "float32", tiled: bool = False):
         self.ggml_type, self.in_features, self._variant = ggml_type, in_features, isa.selected_variant()
         self.integer = activations in INTEGER_MODES and ggml_type in INT8_TYPE_IDS
+        if tiled and not self.integer:
+            raise ValueError(f"tiled blocks multiply integer activations only, not {activations} (GGML type {ggml_type})")
+        self.tiled = tiled
         if self.integer:
-            self._kernel = build().quant_matmul_call(ggml_type, in_features, int8_variant(self._variant), activations)
+            self._kernel = build().quant_matmul_call(ggml_type | TILED if tiled else ggml_type, in_features,
+                                                     int8_variant(self._variant), activations)
         else:
             self._kernel = build().quant_linear_call(ggml_type, in_features, self._variant)
 
@@ -95,6 +101,8 @@ class QuantLinear:
             if not forced_off:
                 log_once(logger, "chunk-llama: quantized linear layers: %s", f"a {x.dtype} input on {x.device} (bias {None if bias is None else bias.dtype}) "
                           "multiplies the dequantized weight with F.linear")
+            if self.tiled:
+                blocks = untile(blocks, GGML_NAMES[self.ggml_type])
             weight = dequantize(blocks, self.ggml_type, self.in_features)
             return F.linear(x, weight.to(x.device, x.dtype), None if bias is None else bias.to(x.device, x.dtype))
         flat = x.reshape(-1, self.in_features).contiguous()  # [rows, in_features]
