@@ -147,8 +147,9 @@ CHUNK_LLAMA_API int chunk_llama_cpu_dequantize(const uint8_t* weight, int64_t we
  * one of the above or in_features is not a multiple of its block. */
 CHUNK_LLAMA_API int64_t chunk_llama_cpu_quant_row_bytes(int type, int64_t in_features);
 /* `num_rows` rows of `type` (an integer format: Q4_0 ... Q6_K) from `in` to `out` (both
- * weight_bytes, not overlapping) tiled for the integer activations' kernel, `type` + 256
- * (quant_params.h's kTiled; num_rows whole tiles of 16), or back to rows with `untile`. */
+ * weight_bytes, not overlapping) tiled for the integer activations'
+ * kernel, `type` + 256 (quant_params.h's kTiled; num_rows whole tiles of 16), or back to rows
+ * with `untile`. */
 CHUNK_LLAMA_API int chunk_llama_cpu_tile_rows(const uint8_t* in, uint8_t* out, int64_t weight_bytes, int type,
                                               int64_t num_rows, int untile, int num_threads);
 

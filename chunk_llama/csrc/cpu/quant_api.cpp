@@ -5,6 +5,10 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "api_internal.h"
 #include "c_api.h"
@@ -100,24 +104,36 @@ int chunk_llama_cpu_tile_rows(const uint8_t* in, uint8_t* out, int64_t weight_by
     const int half_at = (type == chunk_attn_cpu::kQ4_0 || type == chunk_attn_cpu::kQ5_0 || type == chunk_attn_cpu::kQ8_0)
                             ? 0 : type == chunk_attn_cpu::kQ6_K ? 208 : -1;
     const int halves = half_at >= 0 ? 2 * kTileRows : 0, dwords = (f.block_bytes - (half_at >= 0 ? 2 : 0)) / 4;
-    const int64_t tiles = num_rows / kTileRows, tile_block = kTileRows * f.block_bytes;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t t = 0; t < tiles; ++t) {
-      for (int64_t b = 0; b < blocks; ++b)
-        for (int r = 0; r < kTileRows; ++r) {
-          // row r's block b in rows, and where its bytes go in the tile
-          const int64_t row_at = (t * kTileRows + r) * row_bytes + b * f.block_bytes;
-          const int64_t tile_at = t * kTileRows * row_bytes + b * tile_block;
-          const auto move = [&](int64_t row_offset, int64_t tile_offset, int bytes) {
-            if (untile)
-              std::memcpy(out + row_at + row_offset, in + tile_at + tile_offset, bytes);
-            else
-              std::memcpy(out + tile_at + tile_offset, in + row_at + row_offset, bytes);
+    const int64_t tiles = num_rows / kTileRows, tile_bytes = kTileRows * row_bytes, tile_block = kTileRows * f.block_bytes;
+    const int first = half_at == 0 ? 2 : 0;  // the block's first dword
+    std::vector<uint8_t> copies(static_cast<size_t>(tile_bytes) * num_threads);
+#pragma omp parallel num_threads(num_threads)
+    {
+#ifdef _OPENMP
+      uint8_t* copy = copies.data() + omp_get_thread_num() * tile_bytes;
+#else
+      uint8_t* copy = copies.data();
+#endif
+      // each tile through a copy in cache, written in order: per block, the rows' lone fp16, then
+      // dword k of rows 0 .. 15 for each k (2.2-2.8 GB/s here, where a dword at a time in the rows'
+      // order ran at 0.8)
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < tiles; ++t) {
+        std::memcpy(copy, in + t * tile_bytes, tile_bytes);
+        uint8_t* to = out + t * tile_bytes;
+        for (int64_t b = 0; b < blocks; ++b) {
+          uint8_t* tiled = (untile ? copy : to) + b * tile_block;
+          uint8_t* rows = (untile ? to : copy) + b * f.block_bytes;  // row r's block at r * row_bytes
+          const auto move = [&](uint8_t* tile_at, uint8_t* row_at, int bytes) {
+            std::memcpy(untile ? row_at : tile_at, untile ? tile_at : row_at, bytes);
           };
-          if (half_at >= 0) move(half_at, 2 * r, 2);
-          const int first = half_at == 0 ? 2 : 0;
-          for (int k = 0; k < dwords; ++k) move(first + 4 * k, halves + (k * kTileRows + r) * 4, 4);
+          if (half_at >= 0)
+            for (int r = 0; r < kTileRows; ++r) move(tiled + 2 * r, rows + r * row_bytes + half_at, 2);
+          for (int k = 0; k < dwords; ++k)
+            for (int r = 0; r < kTileRows; ++r)
+              move(tiled + halves + (k * kTileRows + r) * 4, rows + r * row_bytes + first + 4 * k, 4);
         }
+      }
     }
   });
 }

@@ -11,14 +11,13 @@ as the 16 rows' halves): the kernel's reads are plain loads, as llama.cpp's repa
 A tiled weight takes the bytes of its rows, so row r's tile starts where row 16 * (r // 16)
 did, and a slice of whole tiles is a tiled weight. Only the integer kernel reads tiles; the
 float32 kernel, `dequantize` and the embedding's lookup read rows (`untile`, `take_rows`).
-`tile` and `untile` run in the CPU library (an 8B model's 4.6 GB in about a second); the
+`tile` and `untile` run in the CPU library (an 8B model's 4.6 GB in about 2 s on 2 cores); the
 `reference_` ones are the same layout in torch (the tests' oracle).
 """
 
 from __future__ import annotations
 
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from chunk_llama.ops.cpu.activations import INT8_TYPES
 
@@ -40,6 +39,8 @@ def _geometry(blocks: torch.Tensor, ggml_type: str) -> tuple[int, int, int, int]
     if blocks.dim() != 2 or blocks.dtype is not torch.uint8 or ggml_type not in TILED_TYPES or blocks.shape[0] % TILE_ROWS:
         raise ValueError(f"tiles: a {ggml_type} weight of {list(blocks.shape)} {blocks.dtype} is not whole tiles of "
                          f"{TILE_ROWS} rows of an integer format")
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # (an extra: present wherever blocks are)
+
     block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type]][1]
     if blocks.shape[1] % block_bytes:
         raise ValueError(f"tiles: rows of {blocks.shape[1]} bytes are not whole {ggml_type} blocks of {block_bytes}")
@@ -57,13 +58,19 @@ def _split(rows: torch.Tensor, half_at: int) -> tuple[torch.Tensor | None, torch
 def tile(blocks: torch.Tensor, ggml_type: str) -> torch.Tensor:
     """blocks [rows, row_bytes] uint8 in the file's layout -> the same bytes tiled (a new tensor)."""
     _geometry(blocks, ggml_type)
-    return _library().tile_rows(blocks.contiguous(), GGMLQuantizationType[ggml_type].value)
+    return _library().tile_rows(blocks.contiguous(), _type_id(ggml_type))
 
 
 def untile(tiled: torch.Tensor, ggml_type: str) -> torch.Tensor:
     """A tiled weight back in the file's layout (a new tensor)."""
     _geometry(tiled, ggml_type)
-    return _library().tile_rows(tiled.contiguous(), GGMLQuantizationType[ggml_type].value, untile=True)
+    return _library().tile_rows(tiled.contiguous(), _type_id(ggml_type), untile=True)
+
+
+def _type_id(ggml_type: str) -> int:
+    from chunk_llama.ops.cpu.quant_linear import GGML_TYPES
+
+    return GGML_TYPES[ggml_type]
 
 
 def _library():
