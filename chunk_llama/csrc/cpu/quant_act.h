@@ -238,7 +238,8 @@ void quant_int8_of(const QuantInt8Params& p) {
       const int nc = static_cast<int>(p.out_features - col < kI8Cols ? p.out_features - col : kI8Cols);
       Columns<kTiled> cols[kI8ColVecs];
       if constexpr (kTiled) {  // (whole tiles: a column vector past the last reads the first again)
-        for (int cv = 0; cv < kI8ColVecs; ++cv) cols[cv] = columns<true>(p.w, row_bytes, col + (cv * kLanes < nc ? cv * kLanes : 0));
+        for (int cv = 0; cv < kI8ColVecs; ++cv)
+          cols[cv] = columns<true>(p.w, row_bytes, col + (cv * kLanes < nc ? cv * kLanes : 0));
       } else {
         const uint8_t* rows = p.w + col * row_bytes;
         if (item == num_items - 1) {  // the last item: padded with copies of its last row, and 64 bytes more (the
