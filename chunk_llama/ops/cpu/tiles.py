@@ -68,9 +68,9 @@ def untile(tiled: torch.Tensor, ggml_type: str) -> torch.Tensor:
 
 
 def _type_id(ggml_type: str) -> int:
-    from chunk_llama.ops.cpu.quant_linear import GGML_TYPES
+    from gguf import GGMLQuantizationType  # (GGML's type ids, as the C library takes them)
 
-    return GGML_TYPES[ggml_type]
+    return GGMLQuantizationType[ggml_type].value
 
 
 def _library():
