@@ -60,18 +60,11 @@ __attribute__((nothrow)) inline Columns<kTiled> columns(const uint8_t* w, int64_
   }
 }
 
-// A tiled block (quant_params.h): the rows' lone fp16, where the format has one (Q4_0, Q5_0
-// and Q8_0's d at byte 0 of the block, Q6_K's at 208), then the block's other bytes, a dword
-// of every row of the tile at a time.
-template <int Type>
-constexpr int kLoneHalfAt = (Type == kQ4_0 || Type == kQ5_0 || Type == kQ8_0) ? 0 : Type == kQ6_K ? 208 : -1;
-
-// Lane c: the dword from byte `from` of block `block` of column c (tiled).
+// Lane c: the dword from byte `from` of block `block` of column c (tiled: quant_params.h).
 template <int Type>
 __attribute__((nothrow, always_inline)) inline IVec block_dword(const Columns<true>& cols, int64_t block, int from) {
-  constexpr int64_t kHalves = kLoneHalfAt<Type> >= 0 ? 2 * kTileRows : 0;
-  const int dword = (from - (kLoneHalfAt<Type> == 0 ? 2 : 0)) / 4;
-  return iload(cols.tile + block * kTileRows * quant_format(Type).block_bytes + kHalves +
+  const int dword = (from - tile_first_dword(Type)) / 4;
+  return iload(cols.tile + block * kTileRows * quant_format(Type).block_bytes + tile_halves_bytes(Type) +
                (dword * kTileRows + cols.lane) * 4);
 }
 // Lane c: the lone fp16 of column c's block `block`, as a float (tiled).
@@ -172,7 +165,7 @@ __attribute__((nothrow, always_inline)) inline void decode_block32(const Columns
   IVec head[8], codes[8];
   Vec d = vzero(), m = vzero();  // (m: formats with a minimum)
   if constexpr (kTiled) {
-    if constexpr (kLoneHalfAt<Type> == 0) {
+    if constexpr (tile_lone_half_at(Type) == 0) {
       d = block_half<Type>(cols, g);
     } else {
       const IVec halves = block_dword<Type>(cols, g, 0);

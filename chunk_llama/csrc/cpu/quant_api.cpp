@@ -100,12 +100,10 @@ int chunk_llama_cpu_tile_rows(const uint8_t* in, uint8_t* out, int64_t weight_by
     const int64_t row_bytes = weight_bytes / num_rows, blocks = row_bytes / f.block_bytes;
     CHECK_VALUE(row_bytes % f.block_bytes == 0, "tile_rows: rows of ", row_bytes, " bytes are not whole blocks of ",
                 f.block_bytes);
-    // the lone fp16 of Q4_0, Q5_0, Q8_0 (byte 0) and Q6_K (byte 208): the tile's first 32 bytes per block
-    const int half_at = (type == chunk_attn_cpu::kQ4_0 || type == chunk_attn_cpu::kQ5_0 || type == chunk_attn_cpu::kQ8_0)
-                            ? 0 : type == chunk_attn_cpu::kQ6_K ? 208 : -1;
-    const int halves = half_at >= 0 ? 2 * kTileRows : 0, dwords = (f.block_bytes - (half_at >= 0 ? 2 : 0)) / 4;
+    // the tile's layout (quant_params.h): per block, the rows' lone fp16 (if any), then its dwords
+    const int half_at = chunk_attn_cpu::tile_lone_half_at(type), halves = chunk_attn_cpu::tile_halves_bytes(type);
+    const int first = chunk_attn_cpu::tile_first_dword(type), dwords = (f.block_bytes - (half_at >= 0 ? 2 : 0)) / 4;
     const int64_t tiles = num_rows / kTileRows, tile_bytes = kTileRows * row_bytes, tile_block = kTileRows * f.block_bytes;
-    const int first = half_at == 0 ? 2 : 0;  // the block's first dword
     std::vector<uint8_t> copies(static_cast<size_t>(tile_bytes) * num_threads);
 #pragma omp parallel num_threads(num_threads)
     {

@@ -51,6 +51,14 @@ constexpr int kTiled = 256;
 constexpr int kTileRows = 16;
 constexpr int untiled(int type) { return type & ~kTiled; }
 constexpr bool is_tiled(int type) { return (type & kTiled) != 0; }
+// Where a format's lone fp16 lies in its block (Q4_0, Q5_0 and Q8_0's d at byte 0, Q6_K's at
+// 208), or -1 (the block is whole dwords); a tiled block holds the rows' lone fp16s first
+// (tile_halves_bytes), then its dwords from tile_first_dword on in the block.
+constexpr int tile_lone_half_at(int type) {
+  return (type == kQ4_0 || type == kQ5_0 || type == kQ8_0) ? 0 : type == kQ6_K ? 208 : -1;
+}
+constexpr int tile_halves_bytes(int type) { return tile_lone_half_at(type) >= 0 ? 2 * kTileRows : 0; }
+constexpr int tile_first_dword(int type) { return tile_lone_half_at(type) == 0 ? 2 : 0; }
 
 struct QuantLinearParams {
   const float* x;     // [rows, in_features]
