@@ -15,6 +15,7 @@ struct IVec {
   __m256i v;
 };
 
+constexpr int kIdotSteps = 8;  // (small codes add several steps in 16 bits before one widening)
 inline IVec iset1(int32_t v) { return {_mm256_set1_epi32(v)}; }
 inline IVec iload(const void* p) { return {_mm256_loadu_si256(static_cast<const __m256i*>(p))}; }
 inline void istore(void* p, IVec a) { _mm256_storeu_si256(static_cast<__m256i*>(p), a.v); }

@@ -11,6 +11,8 @@
 //                                u[t][4i + j] * s[4t + j]: u unsigned codes up to kMaxCode (at
 //                                most 255), s int8 in [-127, 127] (each step's 4 to every lane);
 //                                exact
+//   kIdotSteps                   steps per idot call in the prefill tile: 1 where a step is one
+//                                instruction (the tile interleaves its sums step by step), else 8
 //   icvt(a)                      int32 -> float, exactly (|a| < 2^24)
 //   quantize_store(p, a)         kLanes floats rounded to nearest even, stored as int8
 //   quantize_split(hi, lo, a)    kLanes floats (|a| <= 32385.5) rounded to nearest even, q, stored
@@ -33,6 +35,7 @@ struct IVec {
   __m512i v;
 };
 
+constexpr int kIdotSteps = 1;  // (a step is one vpdpbusd)
 inline IVec iset1(int32_t v) { return {_mm512_set1_epi32(v)}; }
 inline IVec iload(const void* p) { return {_mm512_loadu_si512(p)}; }
 inline void istore(void* p, IVec a) { _mm512_storeu_si512(p, a.v); }

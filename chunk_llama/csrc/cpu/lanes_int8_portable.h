@@ -9,6 +9,7 @@ struct IVec {
   int32_t v[kLanes];
 };
 
+constexpr int kIdotSteps = 8;
 inline IVec iset1(int32_t v) {
   IVec r;
   for (int i = 0; i < kLanes; ++i) r.v[i] = v;

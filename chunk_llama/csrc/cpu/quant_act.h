@@ -106,8 +106,9 @@ __attribute__((nothrow)) inline void quantize_row(const float* x, int64_t in_fea
 // column c's), scales and offset (lane c: column c's), into acc[MR]. Per sub-group the exact
 // integer dot product (int16: 255 times the high halves' plus the low halves'), less the zero
 // point times the codes' sum, converted once and scaled by scale * dx; then the offset times
-// the group's exact sum of x. Every row count, decoded in registers or from the item's buffer,
-// runs this for each group in order: a row's outputs do not depend on the rows beside it.
+// the group's exact sum of x. A decode step's rows run this for each group in order, and the
+// prefill tile (int8_tile) the same float steps on the same exact sums: a row's outputs do not
+// depend on the rows beside it.
 template <int Type, bool kInt16, int MR>
 __attribute__((nothrow, always_inline)) inline void group_fmas(const IVec* codes, const Vec* scales, Vec offset,
                                                               const Int8Rows& x, int64_t row0, int64_t g,
@@ -134,24 +135,60 @@ __attribute__((nothrow, always_inline)) inline void group_fmas(const IVec* codes
     for (int r = 0; r < MR; ++r) acc[r] = vfma(offset, vset1(x.sums[(row0 + r) * groups + g]), acc[r]);
 }
 
-// An MR x kI8Cols tile on a decoded item (buf) into out[r][kI8Cols] (no bias).
+// An MR x kI8Cols tile on a decoded item (buf) into out[r][kI8Cols] (no bias). Every column
+// vector and row of a group at once, kIdotSteps steps at a time: each step's codes loaded once
+// per column vector and each row's activations broadcast once for all of them, so the
+// MR x kI8ColVecs (int16: twice as many) integer sums are independent chains the core
+// interleaves. The integer sums are exact and the float steps those of group_fmas in the same
+// order, so a tile's outputs equal a decode step's (int8_few_rows) bit for bit.
 template <int Type, bool kInt16, int MR>
 __attribute__((nothrow, noinline)) void int8_tile(const uint8_t* __restrict__ buf, const Int8Rows& x,
                                                   int64_t row0, int64_t in_features, float* __restrict__ out) {
+  constexpr int kSub = kSubs<Type>, kStepsPerSub = 8 / kSub;
+  constexpr int kRun = kIdotSteps < kStepsPerSub ? kIdotSteps : kStepsPerSub;  // steps per idot
+  const int64_t groups = in_features / kGroup, per16 = in_features / 16;
   Vec acc[kI8ColVecs][MR];
   for (int cv = 0; cv < kI8ColVecs; ++cv)
     for (int r = 0; r < MR; ++r) acc[cv][r] = vzero();
-  for (int64_t g = 0; g < in_features / kGroup; ++g) {
+  for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* group = buf + g * kI8GroupBytes<Type>;
     const float* tail = reinterpret_cast<const float*>(group + 32 * kI8Cols);
-    for (int cv = 0; cv < kI8ColVecs; ++cv) {
-      IVec codes[8];
-      Vec scales[kSubs<Type>];
-      for (int s = 0; s < 8; ++s) codes[s] = iload(group + (s * kI8Cols + cv * kLanes) * 4);
-      for (int sub = 0; sub < kSubs<Type>; ++sub) scales[sub] = vload(tail + sub * kI8Cols + cv * kLanes);
-      const Vec offset = kHasOffset<Type> ? vload(tail + kSubs<Type> * kI8Cols + cv * kLanes) : vzero();
-      group_fmas<Type, kInt16, MR>(codes, scales, offset, x, row0, g, in_features, acc[cv]);
+    for (int sub = 0; sub < kSub; ++sub) {
+      IVec dot[kI8ColVecs][MR], high[kI8ColVecs][MR];
+      for (int r = 0; r < MR; ++r) {
+        const int32_t* s16 = x.sums16 + (row0 + r) * per16 + 2 * g;
+        const IVec zero = iset1(-kZero<Type> * (kSub == 2 ? s16[sub] : s16[0] + s16[1]));
+        for (int cv = 0; cv < kI8ColVecs; ++cv) {
+          dot[cv][r] = zero;
+          if constexpr (kInt16) high[cv][r] = iset1(0);
+        }
+      }
+#pragma GCC unroll 8
+      for (int s = sub * kStepsPerSub; s < (sub + 1) * kStepsPerSub; s += kRun) {
+        IVec codes[kI8ColVecs][kRun];
+        for (int cv = 0; cv < kI8ColVecs; ++cv)
+          for (int k = 0; k < kRun; ++k) codes[cv][k] = iload(group + ((s + k) * kI8Cols + cv * kLanes) * 4);
+        for (int r = 0; r < MR; ++r) {
+          const int64_t at = (row0 + r) * in_features + g * kGroup + 4 * s;
+          for (int cv = 0; cv < kI8ColVecs; ++cv) {
+            dot[cv][r] = idot<kMaxCode<Type>, kRun>(dot[cv][r], codes[cv], x.codes + at);
+            if constexpr (kInt16) high[cv][r] = idot<kMaxCode<Type>, kRun>(high[cv][r], codes[cv], x.high + at);
+          }
+        }
+      }
+      for (int cv = 0; cv < kI8ColVecs; ++cv) {
+        const Vec scale = vload(tail + sub * kI8Cols + cv * kLanes);
+        for (int r = 0; r < MR; ++r) {
+          const IVec sum = kInt16 ? iadd(dot[cv][r], imul255(high[cv][r])) : dot[cv][r];
+          acc[cv][r] = vfma(icvt(sum), vmul(scale, vset1(x.scales[(row0 + r) * groups + g])), acc[cv][r]);
+        }
+      }
     }
+    if constexpr (kHasOffset<Type>)
+      for (int cv = 0; cv < kI8ColVecs; ++cv) {
+        const Vec offset = vload(tail + kSub * kI8Cols + cv * kLanes);
+        for (int r = 0; r < MR; ++r) acc[cv][r] = vfma(offset, vset1(x.sums[(row0 + r) * groups + g]), acc[cv][r]);
+      }
   }
   for (int r = 0; r < MR; ++r)
     for (int cv = 0; cv < kI8ColVecs; ++cv) vstore(out + r * kI8Cols + cv * kLanes, acc[cv][r]);
