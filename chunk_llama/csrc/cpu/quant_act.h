@@ -102,6 +102,29 @@ __attribute__((nothrow)) inline void quantize_row(const float* x, int64_t in_fea
   }
 }
 
+// The float steps on a group's exact integer sums, for row `row` (int8_few_rows through
+// group_fmas and int8_tile alike, so both give the same bits). The sum's starting value: the
+// zero point times the codes' sum over sub-group `sub` (kSubs<Type> == 2: its 16; else all 32).
+template <int Type>
+__attribute__((nothrow, always_inline)) inline IVec zero_point_sum(const Int8Rows& x, int64_t row, int64_t g, int sub,
+                                                                   int64_t in_features) {
+  const int32_t* s16 = x.sums16 + row * (in_features / 16) + 2 * g;
+  return iset1(-kZero<Type> * (kSubs<Type> == 2 ? s16[sub] : s16[0] + s16[1]));
+}
+// acc + the sub-group's sum (int16: low + 255 high) converted once, times scale * dx.
+template <bool kInt16>
+__attribute__((nothrow, always_inline)) inline Vec add_scaled_sum(Vec acc, IVec low, IVec high, Vec scale,
+                                                                  const Int8Rows& x, int64_t row, int64_t g,
+                                                                  int64_t groups) {
+  const IVec sum = kInt16 ? iadd(low, imul255(high)) : low;
+  return vfma(icvt(sum), vmul(scale, vset1(x.scales[row * groups + g])), acc);
+}
+// acc + the group's offset times its exact sum of x (formats with a minimum).
+__attribute__((nothrow, always_inline)) inline Vec add_offset(Vec acc, Vec offset, const Int8Rows& x, int64_t row,
+                                                              int64_t g, int64_t groups) {
+  return vfma(offset, vset1(x.sums[row * groups + g]), acc);
+}
+
 // Group g's share of MR rows (from row0) against one column vector: its codes[8] (lane c:
 // column c's), scales and offset (lane c: column c's), into acc[MR]. Per sub-group the exact
 // integer dot product (int16: 255 times the high halves' plus the low halves'), less the zero
@@ -114,39 +137,36 @@ __attribute__((nothrow, always_inline)) inline void group_fmas(const IVec* codes
                                                               const Int8Rows& x, int64_t row0, int64_t g,
                                                               int64_t in_features, Vec* acc) {
   constexpr int kSub = kSubs<Type>, kStepsPerSub = 8 / kSub;
-  const int64_t groups = in_features / kGroup, per16 = in_features / 16;
+  const int64_t groups = in_features / kGroup;
 #pragma GCC unroll 2
   for (int sub = 0; sub < kSub; ++sub) {
     IVec dot[MR], high[MR];
     for (int r = 0; r < MR; ++r) {
-      const int32_t* s16 = x.sums16 + (row0 + r) * per16 + 2 * g;
       const int64_t at = (row0 + r) * in_features + g * kGroup + 4 * sub * kStepsPerSub;
-      dot[r] = idot<kMaxCode<Type>, kStepsPerSub>(iset1(-kZero<Type> * (kSub == 2 ? s16[sub] : s16[0] + s16[1])),
+      dot[r] = idot<kMaxCode<Type>, kStepsPerSub>(zero_point_sum<Type>(x, row0 + r, g, sub, in_features),
                                                   codes + sub * kStepsPerSub, x.codes + at);
-      if constexpr (kInt16)
-        high[r] = idot<kMaxCode<Type>, kStepsPerSub>(iset1(0), codes + sub * kStepsPerSub, x.high + at);
+      high[r] = iset1(0);  // (int8: unused)
+      if constexpr (kInt16) high[r] = idot<kMaxCode<Type>, kStepsPerSub>(high[r], codes + sub * kStepsPerSub, x.high + at);
     }
-    if constexpr (kInt16)
-      for (int r = 0; r < MR; ++r) dot[r] = iadd(dot[r], imul255(high[r]));
     for (int r = 0; r < MR; ++r)
-      acc[r] = vfma(icvt(dot[r]), vmul(scales[sub], vset1(x.scales[(row0 + r) * groups + g])), acc[r]);
+      acc[r] = add_scaled_sum<kInt16>(acc[r], dot[r], high[r], scales[sub], x, row0 + r, g, groups);
   }
   if constexpr (kHasOffset<Type>)
-    for (int r = 0; r < MR; ++r) acc[r] = vfma(offset, vset1(x.sums[(row0 + r) * groups + g]), acc[r]);
+    for (int r = 0; r < MR; ++r) acc[r] = add_offset(acc[r], offset, x, row0 + r, g, groups);
 }
 
 // An MR x kI8Cols tile on a decoded item (buf) into out[r][kI8Cols] (no bias). Every column
 // vector and row of a group at once, kIdotSteps steps at a time: each step's codes loaded once
 // per column vector and each row's activations broadcast once for all of them, so the
 // MR x kI8ColVecs (int16: twice as many) integer sums are independent chains the core
-// interleaves. The integer sums are exact and the float steps those of group_fmas in the same
-// order, so a tile's outputs equal a decode step's (int8_few_rows) bit for bit.
+// interleaves. The integer sums are exact and the float steps are group_fmas' own helpers in the
+// same order, so a tile's outputs equal a decode step's (int8_few_rows) bit for bit.
 template <int Type, bool kInt16, int MR>
 __attribute__((nothrow, noinline)) void int8_tile(const uint8_t* __restrict__ buf, const Int8Rows& x,
                                                   int64_t row0, int64_t in_features, float* __restrict__ out) {
   constexpr int kSub = kSubs<Type>, kStepsPerSub = 8 / kSub;
   constexpr int kRun = kIdotSteps < kStepsPerSub ? kIdotSteps : kStepsPerSub;  // steps per idot
-  const int64_t groups = in_features / kGroup, per16 = in_features / 16;
+  const int64_t groups = in_features / kGroup;
   Vec acc[kI8ColVecs][MR];
   for (int cv = 0; cv < kI8ColVecs; ++cv)
     for (int r = 0; r < MR; ++r) acc[cv][r] = vzero();
@@ -156,11 +176,10 @@ __attribute__((nothrow, noinline)) void int8_tile(const uint8_t* __restrict__ bu
     for (int sub = 0; sub < kSub; ++sub) {
       IVec dot[kI8ColVecs][MR], high[kI8ColVecs][MR];
       for (int r = 0; r < MR; ++r) {
-        const int32_t* s16 = x.sums16 + (row0 + r) * per16 + 2 * g;
-        const IVec zero = iset1(-kZero<Type> * (kSub == 2 ? s16[sub] : s16[0] + s16[1]));
+        const IVec zero = zero_point_sum<Type>(x, row0 + r, g, sub, in_features);
         for (int cv = 0; cv < kI8ColVecs; ++cv) {
           dot[cv][r] = zero;
-          if constexpr (kInt16) high[cv][r] = iset1(0);
+          high[cv][r] = iset1(0);  // (int8: unused)
         }
       }
 #pragma GCC unroll 8
@@ -178,16 +197,14 @@ __attribute__((nothrow, noinline)) void int8_tile(const uint8_t* __restrict__ bu
       }
       for (int cv = 0; cv < kI8ColVecs; ++cv) {
         const Vec scale = vload(tail + sub * kI8Cols + cv * kLanes);
-        for (int r = 0; r < MR; ++r) {
-          const IVec sum = kInt16 ? iadd(dot[cv][r], imul255(high[cv][r])) : dot[cv][r];
-          acc[cv][r] = vfma(icvt(sum), vmul(scale, vset1(x.scales[(row0 + r) * groups + g])), acc[cv][r]);
-        }
+        for (int r = 0; r < MR; ++r)
+          acc[cv][r] = add_scaled_sum<kInt16>(acc[cv][r], dot[cv][r], high[cv][r], scale, x, row0 + r, g, groups);
       }
     }
     if constexpr (kHasOffset<Type>)
       for (int cv = 0; cv < kI8ColVecs; ++cv) {
         const Vec offset = vload(tail + kSub * kI8Cols + cv * kLanes);
-        for (int r = 0; r < MR; ++r) acc[cv][r] = vfma(offset, vset1(x.sums[(row0 + r) * groups + g]), acc[cv][r]);
+        for (int r = 0; r < MR; ++r) acc[cv][r] = add_offset(acc[cv][r], offset, x, row0 + r, g, groups);
       }
   }
   for (int r = 0; r < MR; ++r)

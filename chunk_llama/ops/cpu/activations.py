@@ -31,8 +31,7 @@ Python API included).
   - avx2 (`CHUNK_LLAMA_CPU_ISA=avx2`, or a CPU without AVX-512): int16. Its matrices run at
     2.3x float32's speed at 300 rows and 1.47x at one row; one request prefills at 1.7x and
     decodes at 1.44x float32's speed.
-  - avx512: int16. One request prefills at 3.3x float32's speed (2.3x before the prefill tile
-    interleaved its integer sums); its matrices run at 1.6x at
+  - avx512: int16. One request prefills at 3.3x float32's speed; its matrices run at 1.6x at
     8 rows and 2.0x at 16 (a decode step of that many sequences), and 16 clients on a 2,000-token
     shared prompt are served at 1.39x float32's throughput; one row decodes at 0.86x-0.99x
     float32's tokens/s on the 1B model (two runs) and 1.19x on the default model, and at 1.04x
