@@ -19,6 +19,8 @@ matrix (a few microseconds) is included.
 bit pattern of the packed weights, the fp16 scales finite, as the tests draw them; copies
 of it, 256 MB in all, taken in turn so that each call reads its blocks from memory): the
 median and fastest call, GB/s of blocks and Gweights/s, for a model size no file here has.
+`--in-cache` calls that one matrix every time instead (a shape that fits L2 then measures the
+kernel's own rate, Python's call included, about 10 us).
 `--activations`: what the blocks multiply (`--gguf-activations`'s float32, int8 and int16), each in turn.
 `--layout`: integer activations on blocks tiled as the engine tiles them (`ops/cpu/tiles.py`,
 the default), in the file's rows, or each in turn.
@@ -53,6 +55,7 @@ def main() -> None:
     parser.add_argument("--random", nargs="+", metavar="FORMAT", choices=sorted([*RANDOM_SCALES, *HALF_DTYPES]),
                         help="time one matrix of random blocks per format instead of a file's")
     parser.add_argument("--shape", default="4096x4096", help="--random's matrix: OUTxIN (out_features x in_features)")
+    parser.add_argument("--in-cache", action="store_true", help="--random: the same matrix every call (no copies)")
     parser.add_argument("--activations", nargs="+", default=["float32"], choices=["float32", *INTEGER_MODES])
     parser.add_argument("--layout", nargs="+", default=["tiled"], choices=["tiled", "rows"],
                         help="integer activations' blocks: tiled (as the engine holds them) or in rows")
@@ -144,7 +147,8 @@ def random_matrices(args) -> None:
     print(f"{args.shape} random blocks, variant {isa.selected_variant()}, {args.threads} threads")
     for name in args.random:
         blocks = random_blocks(name, out_features, in_features, rng)
-        copies = [blocks.clone() for _ in range(max(2, (256 << 20) // blocks.numel()))]  # (well past any cache)
+        copies = [blocks] if args.in_cache else [  # (well past any cache)
+            blocks.clone() for _ in range(max(2, (256 << 20) // blocks.numel()))]
         for rows, (activations, layout) in itertools.product(args.rows, _modes(args)):
             made = [_layer(int(GGMLQuantizationType[name]), in_features, activations, layout, c) for c in copies]
             layer, held = made[0][0], [b for _, b in made]

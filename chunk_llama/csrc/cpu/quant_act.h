@@ -63,14 +63,16 @@ struct Int8Rows {
   const int8_t* high;     // int16: the high halves (q = 255 high + codes)
   const float* scales;    // dx per group
   const float* sums;      // exact sums of x per group (the offsets' factor)
-  const int32_t* sums16;  // the codes' sums per 16
+  const int32_t* zero_sums;  // per group, per sub-group (kSubs<Type> == 2: each 16; else [2g] the 32's):
+                             // minus the format's zero point times the codes' sum (a sum's starting value)
 };
 
-// One row of x into its codes, scales and sums (the same operations on every instruction set:
-// a maximum, a division, a reciprocal, products rounded to nearest even, sums in order).
-template <bool kInt16>
+// One row of x into its codes, scales and sums for a weight of format Type (the same operations on
+// every instruction set: a maximum, a division, a reciprocal, products rounded to nearest even,
+// sums in order).
+template <int Type, bool kInt16>
 __attribute__((nothrow)) inline void quantize_row(const float* x, int64_t in_features, int8_t* codes, int8_t* high,
-                                                  float* scales, float* sums, int32_t* sums16) {
+                                                  float* scales, float* sums, int32_t* zero_sums) {
   for (int64_t g = 0; g < in_features / kGroup; ++g) {
     const float* xg = x + g * kGroup;
     Vec top = vzero();
@@ -91,25 +93,24 @@ __attribute__((nothrow)) inline void quantize_row(const float* x, int64_t in_fea
     for (int i = 0; i < kGroup; ++i) sum += xg[i];
     scales[g] = d;
     sums[g] = sum;
-    for (int half = 0; half < 2; ++half) {
-      int32_t s = 0;
+    int32_t half_sums[2] = {0, 0};
+    for (int half = 0; half < 2; ++half)
       for (int i = 0; i < 16; ++i) {
         const int64_t at = g * kGroup + 16 * half + i;
-        s += kInt16 ? 255 * high[at] + codes[at] : codes[at];
+        half_sums[half] += kInt16 ? 255 * high[at] + codes[at] : codes[at];
       }
-      sums16[2 * g + half] = s;
-    }
+    for (int sub = 0; sub < 2; ++sub)  // (precomputed here so that a group's sums start from a broadcast load)
+      zero_sums[2 * g + sub] = -kZero<Type> * (kSubs<Type> == 2 ? half_sums[sub] : half_sums[0] + half_sums[1]);
   }
 }
 
 // The float steps on a group's exact integer sums, for row `row` (int8_few_rows through
-// group_fmas and int8_tile alike, so both give the same bits). The sum's starting value: the
-// zero point times the codes' sum over sub-group `sub` (kSubs<Type> == 2: its 16; else all 32).
-template <int Type>
+// group_fmas and int8_tile alike, so both give the same bits). The sum's starting value: minus the
+// zero point times the codes' sum over sub-group `sub` (kSubs<Type> == 2: its 16; else all 32), as
+// quantize_row stored it.
 __attribute__((nothrow, always_inline)) inline IVec zero_point_sum(const Int8Rows& x, int64_t row, int64_t g, int sub,
                                                                    int64_t in_features) {
-  const int32_t* s16 = x.sums16 + row * (in_features / 16) + 2 * g;
-  return iset1(-kZero<Type> * (kSubs<Type> == 2 ? s16[sub] : s16[0] + s16[1]));
+  return iset1(x.zero_sums[row * (in_features / 16) + 2 * g + sub]);
 }
 // acc + the sub-group's sum (int16: low + 255 high) converted once, times scale * dx.
 template <bool kInt16>
@@ -143,7 +144,7 @@ __attribute__((nothrow, always_inline)) inline void group_fmas(const IVec* codes
     IVec dot[MR], high[MR];
     for (int r = 0; r < MR; ++r) {
       const int64_t at = (row0 + r) * in_features + g * kGroup + 4 * sub * kStepsPerSub;
-      dot[r] = idot<kMaxCode<Type>, kStepsPerSub>(zero_point_sum<Type>(x, row0 + r, g, sub, in_features),
+      dot[r] = idot<kMaxCode<Type>, kStepsPerSub>(zero_point_sum(x, row0 + r, g, sub, in_features),
                                                   codes + sub * kStepsPerSub, x.codes + at);
       high[r] = iset1(0);  // (int8: unused)
       if constexpr (kInt16) high[r] = idot<kMaxCode<Type>, kStepsPerSub>(high[r], codes + sub * kStepsPerSub, x.high + at);
@@ -176,7 +177,7 @@ __attribute__((nothrow, noinline)) void int8_tile(const uint8_t* __restrict__ bu
     for (int sub = 0; sub < kSub; ++sub) {
       IVec dot[kI8ColVecs][MR], high[kI8ColVecs][MR];
       for (int r = 0; r < MR; ++r) {
-        const IVec zero = zero_point_sum<Type>(x, row0 + r, g, sub, in_features);
+        const IVec zero = zero_point_sum(x, row0 + r, g, sub, in_features);
         for (int cv = 0; cv < kI8ColVecs; ++cv) {
           dot[cv][r] = zero;
           high[cv][r] = iset1(0);  // (int8: unused)
@@ -211,29 +212,23 @@ __attribute__((nothrow, noinline)) void int8_tile(const uint8_t* __restrict__ bu
     for (int cv = 0; cv < kI8ColVecs; ++cv) vstore(out + r * kI8Cols + cv * kLanes, acc[cv][r]);
 }
 
-// The same tile for a decode step's few rows (MR <= kI8Rows: all of them), each group decoded
-// from the blocks in registers just before its products (no buffer), the next item prefetched.
+// The same tile for a decode step's few rows (MR <= kI8Rows: all of them) against one column
+// vector, each group decoded from the blocks in registers just before its products (no buffer),
+// the next column vector's rows prefetched: out[r][kLanes] at row stride kI8Cols (no bias).
 template <int Type, bool kInt16, bool kTiled, int MR>
-__attribute__((nothrow, noinline)) void int8_few_rows(const Columns<kTiled>* cols, const Int8Rows& x,
-                                                      int64_t in_features,
-                                                      const uint8_t* next, int64_t next_bytes,
+__attribute__((nothrow, noinline)) void int8_few_rows(const Columns<kTiled>& cols, const Int8Rows& x,
+                                                      int64_t in_features, const uint8_t* next, int64_t next_bytes,
                                                       float* __restrict__ out) {
-  Vec acc[kI8ColVecs][MR];
-  for (int cv = 0; cv < kI8ColVecs; ++cv)
-    for (int r = 0; r < MR; ++r) acc[cv][r] = vzero();
+  Vec acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = vzero();
   const int64_t units = in_features / kGroup / kUnitGroups<Type>;
-  // (unit by unit, both column vectors of each: the item's rows are read once, in order,
-  // while the next item's stream in)
   for (int64_t unit = 0; unit < units; ++unit) {
     prefetch_step(next, next_bytes, unit, units);
-    for (int cv = 0; cv < kI8ColVecs; ++cv)
-      decode_unit<Type>(cols[cv], unit, [&](int j, const IVec* codes, const Vec* scales, Vec offset) {
-                          group_fmas<Type, kInt16, MR>(codes, scales, offset, x, 0, unit * kUnitGroups<Type> + j,
-                                               in_features, acc[cv]);
-                        });
+    decode_unit<Type>(cols, unit, [&](int j, const IVec* codes, const Vec* scales, Vec offset) {
+      group_fmas<Type, kInt16, MR>(codes, scales, offset, x, 0, unit * kUnitGroups<Type> + j, in_features, acc);
+    });
   }
-  for (int r = 0; r < MR; ++r)
-    for (int cv = 0; cv < kI8ColVecs; ++cv) vstore(out + r * kI8Cols + cv * kLanes, acc[cv][r]);
+  for (int r = 0; r < MR; ++r) vstore(out + r * kI8Cols, acc[r]);
 }
 
 template <int Type, bool kInt16, int MR = kI8Rows>
@@ -246,7 +241,7 @@ __attribute__((nothrow)) inline void any_int8_tile(int mr, const uint8_t* buf, c
 }
 
 template <int Type, bool kInt16, bool kTiled, int MR = kI8Rows>
-__attribute__((nothrow)) inline void any_int8_few_rows(int mr, const Columns<kTiled>* cols, const Int8Rows& x,
+__attribute__((nothrow)) inline void any_int8_few_rows(int mr, const Columns<kTiled>& cols, const Int8Rows& x,
                                                        int64_t in_features, const uint8_t* next, int64_t next_bytes,
                                                        float* out) {
   if constexpr (MR >= 1) {
@@ -264,8 +259,8 @@ void quant_int8_of(const QuantInt8Params& p) {
   int8_t* high = kInt16 ? reinterpret_cast<int8_t*>(p.scratch + layout.high) : nullptr;
   float* scales = reinterpret_cast<float*>(p.scratch + layout.scales);
   float* sums = reinterpret_cast<float*>(p.scratch + layout.sums);
-  int32_t* sums16 = reinterpret_cast<int32_t*>(p.scratch + layout.sums16);
-  const Int8Rows x{codes, high, scales, sums, sums16};
+  int32_t* zero_sums = reinterpret_cast<int32_t*>(p.scratch + layout.zero_sums);
+  const Int8Rows x{codes, high, scales, sums, zero_sums};
   const int64_t num_items = (p.out_features + kI8Cols - 1) / kI8Cols;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(p.num_threads)
@@ -280,9 +275,9 @@ void quant_int8_of(const QuantInt8Params& p) {
 #pragma omp for schedule(static)
 #endif
     for (int64_t r = 0; r < p.rows; ++r)
-      quantize_row<kInt16>(p.x + r * p.in_features, p.in_features, codes + r * p.in_features,
+      quantize_row<Type, kInt16>(p.x + r * p.in_features, p.in_features, codes + r * p.in_features,
                            kInt16 ? high + r * p.in_features : nullptr, scales + r * groups, sums + r * groups,
-                           sums16 + r * (p.in_features / 16));
+                           zero_sums + r * (p.in_features / 16));
     // (implicit barrier) each thread its share of the items, every row against each
     uint8_t* buf = p.scratch + layout.threads + thread * layout.per_thread;
     uint8_t* pad = buf + layout.item_bytes;  // [kI8Cols, row_bytes]
@@ -304,21 +299,28 @@ void quant_int8_of(const QuantInt8Params& p) {
         }
         for (int cv = 0; cv < kI8ColVecs; ++cv) cols[cv] = columns<false>(rows, row_bytes, cv * kLanes);
       }
-      const int64_t next_rows = item + 1 < last ? std::min<int64_t>(kI8Cols, p.out_features - col - kI8Cols) : 0;
-      const uint8_t* next = p.w + (col + kI8Cols) * row_bytes;
       alignas(64) float out[kI8Rows * kI8Cols];
       const auto store = [&](int64_t row, int mr) {
         for (int r = 0; r < mr; ++r)  // (the bias as the float32 kernel adds it)
           for (int c = 0; c < nc; ++c)
             p.y[(row + r) * p.out_features + col + c] = out[r * kI8Cols + c] + (p.bias ? p.bias[col + c] : 0.f);
       };
-      if (p.rows <= kI8Rows) {  // a decode step: in registers
-        any_int8_few_rows<Type, kInt16>(static_cast<int>(p.rows), cols, x, p.in_features, next, next_rows * row_bytes,
-                                        out);
+      if (p.rows <= kI8Rows) {  // a decode step: in registers, a column vector at a time (each one's rows read
+                                // as one stream, the next one's prefetched: from memory, 12-17% faster than an
+                                // item's column vectors together on AVX-512, docs/BENCHMARKS.md)
+        for (int cv = 0; cv < kI8ColVecs; ++cv) {
+          const int64_t following = col + (cv + 1) * kLanes;  // the next column vector's first row
+          const int64_t ahead = cv + 1 < kI8ColVecs || item + 1 < last
+                                    ? std::max<int64_t>(0, std::min<int64_t>(kLanes, p.out_features - following))
+                                    : 0;
+          any_int8_few_rows<Type, kInt16>(static_cast<int>(p.rows), cols[cv], x, p.in_features,
+                                          p.w + following * row_bytes, ahead * row_bytes, out + cv * kLanes);
+        }
         store(0, static_cast<int>(p.rows));
         continue;
       }
-      decode_item<Type>(cols, groups, buf, next, next_rows * row_bytes);
+      const int64_t next_rows = item + 1 < last ? std::min<int64_t>(kI8Cols, p.out_features - col - kI8Cols) : 0;
+      decode_item<Type>(cols, groups, buf, p.w + (col + kI8Cols) * row_bytes, next_rows * row_bytes);
       for (int64_t row = 0; row < p.rows; row += kI8Rows) {
         const int mr = static_cast<int>(p.rows - row < kI8Rows ? p.rows - row : kI8Rows);
         any_int8_tile<Type, kInt16>(mr, buf, x, row, p.in_features, out);

@@ -50,12 +50,13 @@ inline int64_t round64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
 
 // The scratch's parts, in bytes from its start: the rows' codes [rows, in_features] int8 (int16:
 // the low halves, then the high halves [rows, in_features] int8 at `high`), their
-// scales and exact sums [rows, in_features / 32] float each, their codes' sums per 16
-// [rows, in_features / 16] int32, then per thread a decoded item [in_features / 32,
-// kInt8GroupBytes] and the last item's rows padded to a whole item [kInt8MaxCols, row bytes
-// (at most in_features * 34 / 32, Q8_0's)] and 64 bytes.
+// scales and exact sums [rows, in_features / 32] float each, minus the weight format's zero
+// point times their codes' sums per 16 (or 32: quant_act.h's Int8Rows) [rows, in_features / 16]
+// int32, then per thread a decoded item [in_features / 32, kInt8GroupBytes] and the last item's
+// rows padded to a whole item [kInt8MaxCols, row bytes (at most in_features * 34 / 32, Q8_0's)]
+// and 64 bytes.
 struct Int8Scratch {
-  int64_t codes, high, scales, sums, sums16, threads, item_bytes, per_thread, bytes;
+  int64_t codes, high, scales, sums, zero_sums, threads, item_bytes, per_thread, bytes;
 };
 inline Int8Scratch int8_scratch(int64_t rows, int64_t in_features, int num_threads, bool int16) {
   Int8Scratch s{};
@@ -64,8 +65,8 @@ inline Int8Scratch int8_scratch(int64_t rows, int64_t in_features, int num_threa
   s.high = round64(rows * in_features);
   s.scales = s.high + (int16 ? round64(rows * in_features) : 0);
   s.sums = s.scales + round64(rows * groups * 4);
-  s.sums16 = s.sums + round64(rows * groups * 4);
-  s.threads = s.sums16 + round64(rows * (in_features / 16) * 4);
+  s.zero_sums = s.sums + round64(rows * groups * 4);
+  s.threads = s.zero_sums + round64(rows * (in_features / 16) * 4);
   s.item_bytes = round64(groups * kInt8GroupBytes);
   s.per_thread = s.item_bytes + round64(kInt8MaxCols * groups * 34 + 64);
   s.bytes = s.threads + s.per_thread * num_threads;
