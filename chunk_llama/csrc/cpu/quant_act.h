@@ -11,8 +11,9 @@
 // lane, ready for its scales: per group one conversion, a multiply and an FMA per row and
 // column vector (the scale factored out of the group's sum), and an FMA for the offset.
 // int16 (kInt16) runs each step's products twice, on the high and the low halves of the codes,
-// against the same decoded weights. Decode steps and prefills run the same tile (a last tile of
-// fewer rows alike), so every output's operations do not depend on the rows beside it.
+// against the same decoded weights. A decode step's few rows run the same exact sums and float
+// steps on each group decoded in registers, a column vector at a time (int8_few_rows), and a last
+// tile of fewer rows the same tile, so every output's operations do not depend on the rows beside it.
 #pragma once
 
 namespace chunk_attn_cpu {
@@ -276,8 +277,8 @@ void quant_int8_of(const QuantInt8Params& p) {
 #endif
     for (int64_t r = 0; r < p.rows; ++r)
       quantize_row<Type, kInt16>(p.x + r * p.in_features, p.in_features, codes + r * p.in_features,
-                           kInt16 ? high + r * p.in_features : nullptr, scales + r * groups, sums + r * groups,
-                           zero_sums + r * (p.in_features / 16));
+                                 kInt16 ? high + r * p.in_features : nullptr, scales + r * groups,
+                                 sums + r * groups, zero_sums + r * (p.in_features / 16));
     // (implicit barrier) each thread its share of the items, every row against each
     uint8_t* buf = p.scratch + layout.threads + thread * layout.per_thread;
     uint8_t* pad = buf + layout.item_bytes;  // [kI8Cols, row_bytes]

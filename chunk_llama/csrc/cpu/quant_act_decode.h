@@ -100,7 +100,9 @@ __attribute__((nothrow, always_inline)) inline void decode_k_block(const Columns
     const IVec low6 = ibytes(63), low4 = ibytes(15), bits45 = ibytes(0x30);
     const IVec sc_bytes[2] = {iand(w0, low6), ior(iand(w2, low4), iand(ishr32(w0, 2), bits45))};
     const IVec min_bytes[2] = {iand(w1, low6), ior(iand(ishr32(w2, 4), low4), iand(ishr32(w1, 2), bits45))};
-    const auto byte = [](IVec bytes, int i) { return i == 3 ? ishr32(bytes, 24) : iand(ishr32(bytes, 8 * i), iset1(255)); };
+    const auto byte = [](IVec bytes, int i) {
+      return i == 3 ? ishr32(bytes, 24) : iand(ishr32(bytes, 8 * i), iset1(255));
+    };
     Vec scale[8], offset[8];
     for (int j = 0; j < 8; ++j) {
       const IVec sc = byte(sc_bytes[j / 4], j % 4), min = byte(min_bytes[j / 4], j % 4);
@@ -229,12 +231,12 @@ __attribute__((nothrow, always_inline)) inline void decode_unit(const Columns<kT
     decode_block32<Type>(cols, unit, sink);
 }
 
-// Prefetches share `step` of `bytes` bytes from `next` (the next item's rows, contiguous), one of
-// `steps`: a decode reads its rows once, from memory, and the hardware's own prefetch left it
-// waiting on them. The same share of the item two after it goes to L2 (taken as that item's
-// size: only a thread's last items differ, and a prefetch past them reads nothing it needs and
-// never faults), so that its reads are under way an item earlier (one row from memory: Q4_K's
-// matrices 12% and Q6_K's 7% faster than with the next item alone, docs/BENCHMARKS.md).
+// Prefetches share `step` of `bytes` bytes from `next` (the rows that come next, contiguous: a
+// decode step's next column vector, a prefill's next item), one of `steps`: a decode reads its
+// rows once, from memory, and the hardware's own prefetch left it waiting on them. The same share
+// of the rows two such parts later goes to L2 (taken as the same size: only a thread's last parts
+// differ, and a prefetch past them reads nothing it needs and never faults), so that their reads
+// are under way earlier (docs/BENCHMARKS.md: one row from memory, Q4_K 12% and Q6_K 7% faster).
 __attribute__((nothrow)) inline void prefetch_step(const uint8_t* next, int64_t bytes, int64_t step, int64_t steps) {
   const int64_t share = (bytes + steps - 1) / steps;
   for (int64_t at = step * share & ~int64_t{63}; at < (step + 1) * share && at < bytes; at += 64) {
