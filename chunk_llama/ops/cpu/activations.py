@@ -33,9 +33,9 @@ Python API included).
     decodes at 1.44x float32's speed.
   - avx512: int16. One request prefills at 3.3x float32's speed; its matrices run at 1.6x at
     8 rows and 2.0x at 16 (a decode step of that many sequences), and 16 clients on a 2,000-token
-    shared prompt are served at 1.39x float32's throughput; one row decodes at 0.86x-0.99x
-    float32's tokens/s on the 1B model (two runs) and 1.19x on the default model, and at 1.04x
-    on the 1B model since the blocks are tiled for it (`tiles.py`).
+    shared prompt are served at 1.39x float32's throughput; one row decodes at 1.23x float32's
+    tokens/s on the 1B model (its blocks tiled, `tiles.py`, and a decode step's weight rows read
+    a column vector at a time) and 1.19x on the default model.
   This made int16 the default for GGUF blocks with integer codes: logits within about 0.02 of
   the dequantized model's instead of 1e-4; `float32` keeps the old numbers bit for bit.
 """
