@@ -11,10 +11,15 @@
 //                                u[t][4i + j] * s[4t + j]: u unsigned codes up to kMaxCode (at
 //                                most 255), s int8 in [-127, 127] (each step's 4 to every lane);
 //                                exact
+//   iwdot(acc, w, s)             lane i: acc + w[2i] * s[0] + w[2i + 1] * s[1], w's 16-bit codes
+//                                (below 256) and s int16 (the int16 tile's word products); exact
+//   kWordTiles                   whether int16 tiles take every format's codes as words (iwdot), or
+//                                only those with two scales a group (quant_act.h's kInt16Words)
 //   kIdotSteps                   steps per idot call in the prefill tile: 1 where a step is one
 //                                instruction (the tile interleaves its sums step by step), else 8
 //   icvt(a)                      int32 -> float, exactly (|a| < 2^24)
 //   quantize_store(p, a)         kLanes floats rounded to nearest even, stored as int8
+//   quantize_words(p, a)         kLanes floats (|a| <= 32385.5) rounded to nearest even, as int16
 //   quantize_split(hi, lo, a)    kLanes floats (|a| <= 32385.5) rounded to nearest even, q, stored
 //                                as two int8 halves: hi = q / 255 rounded to nearest, lo = q - 255 hi
 //   iadd(a, b), imul255(a)       int32 lane sum, a * 255
@@ -36,6 +41,9 @@ struct IVec {
 };
 
 constexpr int kIdotSteps = 1;  // (a step is one vpdpbusd)
+// int16 tiles multiply 16-bit codes (vpdpwssd) only for formats with two scales a group (Q6_K: 13%
+// faster); with one, the halves' two fused vpdpbusd on bytes ran 5% faster (docs/BENCHMARKS.md)
+constexpr bool kWordTiles = false;
 inline IVec iset1(int32_t v) { return {_mm512_set1_epi32(v)}; }
 inline IVec iload(const void* p) { return {_mm512_loadu_si512(p)}; }
 inline void istore(void* p, IVec a) { _mm512_storeu_si512(p, a.v); }
@@ -48,9 +56,17 @@ inline IVec idot(IVec acc, const IVec* u, const int8_t* s) {
   }
   return acc;
 }
+inline IVec iwdot(IVec acc, IVec w, const int16_t* s) {
+  int32_t two;
+  std::memcpy(&two, s, sizeof two);
+  return {_mm512_dpwssd_epi32(acc.v, w.v, _mm512_set1_epi32(two))};
+}
 inline Vec icvt(IVec a) { return {_mm512_cvtepi32_ps(a.v)}; }
 inline void quantize_store(int8_t* p, Vec a) {  // (vcvtps2dq rounds to nearest even; the values fit int8)
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(a.v)));
+}
+inline void quantize_words(int16_t* p, Vec a) {  // (the values fit int16)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(a.v)));
 }
 
 inline IVec iadd(IVec a, IVec b) { return {_mm512_add_epi32(a.v, b.v)}; }

@@ -10,6 +10,7 @@ struct IVec {
 };
 
 constexpr int kIdotSteps = 8;
+constexpr bool kWordTiles = true;  // (int16 tiles: two products per two codes, where the halves take four)
 inline IVec iset1(int32_t v) {
   IVec r;
   for (int i = 0; i < kLanes; ++i) r.v[i] = v;
@@ -31,6 +32,12 @@ inline IVec idot(IVec acc, const IVec* u, const int8_t* s) {
   }
   return acc;
 }
+inline IVec iwdot(IVec acc, IVec w, const int16_t* s) {
+  uint16_t words[2 * kLanes];
+  std::memcpy(words, w.v, sizeof words);
+  for (int i = 0; i < kLanes; ++i) acc.v[i] += int32_t{words[2 * i]} * s[0] + int32_t{words[2 * i + 1]} * s[1];
+  return acc;
+}
 inline Vec icvt(IVec a) {
   alignas(64) float lanes[kLanes];
   for (int i = 0; i < kLanes; ++i) lanes[i] = static_cast<float>(a.v[i]);
@@ -40,6 +47,11 @@ inline void quantize_store(int8_t* p, Vec a) {  // nearest, ties to even (the de
   alignas(64) float lanes[kLanes];
   vstore(lanes, a);
   for (int i = 0; i < kLanes; ++i) p[i] = static_cast<int8_t>(__builtin_nearbyintf(lanes[i]));
+}
+inline void quantize_words(int16_t* p, Vec a) {
+  alignas(64) float lanes[kLanes];
+  vstore(lanes, a);
+  for (int i = 0; i < kLanes; ++i) p[i] = static_cast<int16_t>(__builtin_nearbyintf(lanes[i]));
 }
 inline void quantize_split(int8_t* hi, int8_t* lo, Vec a) {  // (never a tie: see avx512's)
   alignas(64) float lanes[kLanes];

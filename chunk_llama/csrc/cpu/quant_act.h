@@ -32,14 +32,32 @@ static_assert(kI8Cols <= kInt8MaxCols, "an item must fit the caller's scratch");
 namespace chunk_attn_cpu {
 namespace CHUNK_ATTN_ISA {
 
-// A decoded group in the item's buffer: its codes (8 steps of kI8Cols columns' 4 bytes), then
-// its scales [kSubs][kI8Cols] and offsets [kI8Cols] (formats with a minimum).
-template <int Type>
-constexpr int64_t kI8GroupBytes = kI8Cols * (32 + 4 * (kSubs<Type> + (kHasOffset<Type> ? 1 : 0)));
+// A decoded group in the item's buffer: its codes, then its scales [kSubs][kI8Cols] and offsets
+// [kI8Cols] (formats with a minimum). The codes: int8's 8 steps of kI8Cols columns' 4 bytes, or
+// (kWords, the int16 tile's) 16 steps of kI8Cols columns' 2 codes as 16-bit words.
+template <int Type, bool kWords>
+constexpr int64_t kI8CodeBytes = kI8Cols * (kWords ? 64 : 32);
+template <int Type, bool kWords>
+constexpr int64_t kI8GroupBytes = kI8CodeBytes<Type, kWords> + kI8Cols * 4 * (kSubs<Type> + (kHasOffset<Type> ? 1 : 0));
+static_assert(kI8Cols * (64 + 4 * 3) <= kInt8GroupBytes, "a decoded group must fit the caller's scratch");
 
-// The item of kI8Cols weight rows (its column vectors `cols`) into buf [groups, kI8GroupBytes<Type>],
-// the next item's rows (`next_bytes` from `next`) prefetched meanwhile.
-template <int Type, bool kTiled>
+// Whether int16 tiles take the codes as 16-bit words against q (int16_tile) rather than as bytes
+// against the halves (int8_tile): where the lanes say so (kWordTiles), and everywhere for formats
+// with two scales a group (Q6_K: the halves are combined twice a group).
+template <int Type>
+constexpr bool kInt16Words = kWordTiles || kSubs<Type> == 2;
+
+// Codes 4s .. 4s + 3 of each lane (a step, bytes) as two steps of 16-bit words: words[0] lane c
+// codes 4s and 4s + 1 (the low word the first), words[1] codes 4s + 2 and 4s + 3.
+__attribute__((nothrow, always_inline)) inline void code_words(IVec step, IVec* words) {
+  const IVec low_byte = iset1(0xFF), third_byte = iset1(0xFF0000);
+  words[0] = ior(iand(step, low_byte), iand(ishl32(step, 8), third_byte));
+  words[1] = ior(iand(ishr32(step, 16), low_byte), iand(ishr32(step, 8), third_byte));
+}
+
+// The item of kI8Cols weight rows (its column vectors `cols`) into buf [groups,
+// kI8GroupBytes<Type, kWords>], the next item's rows (`next_bytes` from `next`) prefetched meanwhile.
+template <int Type, bool kWords, bool kTiled>
 __attribute__((nothrow)) inline void decode_item(const Columns<kTiled>* cols, int64_t groups, uint8_t* buf,
                                                  const uint8_t* next, int64_t next_bytes) {
   const int64_t units = groups / kUnitGroups<Type>;
@@ -48,9 +66,17 @@ __attribute__((nothrow)) inline void decode_item(const Columns<kTiled>* cols, in
     for (int cv = 0; cv < kI8ColVecs; ++cv)
       decode_unit<Type>(cols[cv], unit,
                         [&](int j, const IVec* codes, const Vec* scales, Vec offset) {
-                          uint8_t* group = buf + (unit * kUnitGroups<Type> + j) * kI8GroupBytes<Type>;
-                          float* tail = reinterpret_cast<float*>(group + 32 * kI8Cols) + cv * kLanes;
-                          for (int s = 0; s < 8; ++s) istore(group + (s * kI8Cols + cv * kLanes) * 4, codes[s]);
+                          uint8_t* group = buf + (unit * kUnitGroups<Type> + j) * kI8GroupBytes<Type, kWords>;
+                          float* tail = reinterpret_cast<float*>(group + kI8CodeBytes<Type, kWords>) + cv * kLanes;
+                          for (int s = 0; s < 8; ++s) {
+                            if constexpr (kWords) {
+                              IVec words[2];
+                              code_words(codes[s], words);
+                              for (int k = 0; k < 2; ++k) istore(group + ((2 * s + k) * kI8Cols + cv * kLanes) * 4, words[k]);
+                            } else {
+                              istore(group + (s * kI8Cols + cv * kLanes) * 4, codes[s]);
+                            }
+                          }
                           for (int sub = 0; sub < kSubs<Type>; ++sub) vstore(tail + sub * kI8Cols, scales[sub]);
                           if constexpr (kHasOffset<Type>) vstore(tail + kSubs<Type> * kI8Cols, offset);
                         });
@@ -62,18 +88,19 @@ __attribute__((nothrow)) inline void decode_item(const Columns<kTiled>* cols, in
 struct Int8Rows {
   const int8_t* codes;    // int8: the codes; int16: their low halves
   const int8_t* high;     // int16: the high halves (q = 255 high + codes)
+  const int16_t* words;   // int16 in tiles (instead of the halves): q
   const float* scales;    // dx per group
   const float* sums;      // exact sums of x per group (the offsets' factor)
   const int32_t* zero_sums;  // per group, per sub-group (kSubs<Type> == 2: each 16; else [2g] the 32's):
                              // minus the format's zero point times the codes' sum (a sum's starting value)
 };
 
-// One row of x into its codes, scales and sums for a weight of format Type (the same operations on
-// every instruction set: a maximum, a division, a reciprocal, products rounded to nearest even,
-// sums in order).
+// One row of x into its codes (int16: as halves, or as words where `words` is given), scales and
+// sums for a weight of format Type (the same operations on every instruction set: a maximum, a
+// division, a reciprocal, products rounded to nearest even, sums in order).
 template <int Type, bool kInt16>
 __attribute__((nothrow)) inline void quantize_row(const float* x, int64_t in_features, int8_t* codes, int8_t* high,
-                                                  float* scales, float* sums, int32_t* zero_sums) {
+                                                  int16_t* words, float* scales, float* sums, int32_t* zero_sums) {
   for (int64_t g = 0; g < in_features / kGroup; ++g) {
     const float* xg = x + g * kGroup;
     Vec top = vzero();
@@ -85,7 +112,9 @@ __attribute__((nothrow)) inline void quantize_row(const float* x, int64_t in_fea
     for (int v = 0; v < kGroupVecs; ++v) {
       const int64_t at = g * kGroup + v * kLanes;
       const Vec scaled = vmul(vload(xg + v * kLanes), vset1(inverse));
-      if constexpr (kInt16)
+      if (kInt16 && words)
+        quantize_words(words + at, scaled);
+      else if (kInt16)
         quantize_split(high + at, codes + at, scaled);
       else
         quantize_store(codes + at, scaled);
@@ -98,7 +127,7 @@ __attribute__((nothrow)) inline void quantize_row(const float* x, int64_t in_fea
     for (int half = 0; half < 2; ++half)
       for (int i = 0; i < 16; ++i) {
         const int64_t at = g * kGroup + 16 * half + i;
-        half_sums[half] += kInt16 ? 255 * high[at] + codes[at] : codes[at];
+        half_sums[half] += !kInt16 ? codes[at] : words ? words[at] : 255 * high[at] + codes[at];
       }
     for (int sub = 0; sub < 2; ++sub)  // (precomputed here so that a group's sums start from a broadcast load)
       zero_sums[2 * g + sub] = -kZero<Type> * (kSubs<Type> == 2 ? half_sums[sub] : half_sums[0] + half_sums[1]);
@@ -157,7 +186,7 @@ __attribute__((nothrow, always_inline)) inline void group_fmas(const IVec* codes
     for (int r = 0; r < MR; ++r) acc[r] = add_offset(acc[r], offset, x, row0 + r, g, groups);
 }
 
-// An MR x kI8Cols tile on a decoded item (buf) into out[r][kI8Cols] (no bias). Every column
+// An MR x kI8Cols tile on a decoded item (buf, codes as bytes) into out[r][kI8Cols] (no bias). Every column
 // vector and row of a group at once, kIdotSteps steps at a time: each step's codes loaded once
 // per column vector and each row's activations broadcast once for all of them, so the
 // MR x kI8ColVecs (int16: twice as many) integer sums are independent chains the core
@@ -173,8 +202,8 @@ __attribute__((nothrow, noinline)) void int8_tile(const uint8_t* __restrict__ bu
   for (int cv = 0; cv < kI8ColVecs; ++cv)
     for (int r = 0; r < MR; ++r) acc[cv][r] = vzero();
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* group = buf + g * kI8GroupBytes<Type>;
-    const float* tail = reinterpret_cast<const float*>(group + 32 * kI8Cols);
+    const uint8_t* group = buf + g * kI8GroupBytes<Type, false>;
+    const float* tail = reinterpret_cast<const float*>(group + kI8CodeBytes<Type, false>);
     for (int sub = 0; sub < kSub; ++sub) {
       IVec dot[kI8ColVecs][MR], high[kI8ColVecs][MR];
       for (int r = 0; r < MR; ++r) {
@@ -185,7 +214,8 @@ __attribute__((nothrow, noinline)) void int8_tile(const uint8_t* __restrict__ bu
         }
       }
 #pragma GCC unroll 8
-      for (int s = sub * kStepsPerSub; s < (sub + 1) * kStepsPerSub; s += kRun) {
+      for (int k0 = 0; k0 < kStepsPerSub; k0 += kRun) {  // (a constant count: unrolled whole)
+        const int s = sub * kStepsPerSub + k0;
         IVec codes[kI8ColVecs][kRun];
         for (int cv = 0; cv < kI8ColVecs; ++cv)
           for (int k = 0; k < kRun; ++k) codes[cv][k] = iload(group + ((s + k) * kI8Cols + cv * kLanes) * 4);
@@ -201,6 +231,52 @@ __attribute__((nothrow, noinline)) void int8_tile(const uint8_t* __restrict__ bu
         const Vec scale = vload(tail + sub * kI8Cols + cv * kLanes);
         for (int r = 0; r < MR; ++r)
           acc[cv][r] = add_scaled_sum<kInt16>(acc[cv][r], dot[cv][r], high[cv][r], scale, x, row0 + r, g, groups);
+      }
+    }
+    if constexpr (kHasOffset<Type>)
+      for (int cv = 0; cv < kI8ColVecs; ++cv) {
+        const Vec offset = vload(tail + kSub * kI8Cols + cv * kLanes);
+        for (int r = 0; r < MR; ++r) acc[cv][r] = add_offset(acc[cv][r], offset, x, row0 + r, g, groups);
+      }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int cv = 0; cv < kI8ColVecs; ++cv) vstore(out + r * kI8Cols + cv * kLanes, acc[cv][r]);
+}
+
+// The int16 tile: the same on a decoded item of 16-bit codes (buf, decode_item<Type, true>)
+// against the rows' q as int16 (x.words), two products a lane a step (iwdot: one instruction,
+// the codes and q each once, where the halves take two products each and a combining step). Its
+// sums are the same exact integers as a decode step's 255 dot(c, hi) + dot(c, lo), so its outputs
+// equal that step's bit for bit.
+template <int Type, int MR>
+__attribute__((nothrow, noinline)) void int16_tile(const uint8_t* __restrict__ buf, const Int8Rows& x,
+                                                   int64_t row0, int64_t in_features, float* __restrict__ out) {
+  constexpr int kSub = kSubs<Type>, kStepsPerSub = 16 / kSub;  // (steps of 2 codes)
+  const int64_t groups = in_features / kGroup;
+  Vec acc[kI8ColVecs][MR];
+  for (int cv = 0; cv < kI8ColVecs; ++cv)
+    for (int r = 0; r < MR; ++r) acc[cv][r] = vzero();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* group = buf + g * kI8GroupBytes<Type, true>;
+    const float* tail = reinterpret_cast<const float*>(group + kI8CodeBytes<Type, true>);
+    for (int sub = 0; sub < kSub; ++sub) {
+      IVec dot[kI8ColVecs][MR];
+      for (int r = 0; r < MR; ++r)
+        for (int cv = 0; cv < kI8ColVecs; ++cv) dot[cv][r] = zero_point_sum(x, row0 + r, g, sub, in_features);
+#pragma GCC unroll 16
+      for (int k = 0; k < kStepsPerSub; ++k) {  // (a constant count: unrolled whole)
+        const int s = sub * kStepsPerSub + k;
+        IVec codes[kI8ColVecs];
+        for (int cv = 0; cv < kI8ColVecs; ++cv) codes[cv] = iload(group + (s * kI8Cols + cv * kLanes) * 4);
+        for (int r = 0; r < MR; ++r) {
+          const int16_t* q = x.words + (row0 + r) * in_features + g * kGroup + 2 * s;
+          for (int cv = 0; cv < kI8ColVecs; ++cv) dot[cv][r] = iwdot(dot[cv][r], codes[cv], q);
+        }
+      }
+      for (int cv = 0; cv < kI8ColVecs; ++cv) {
+        const Vec scale = vload(tail + sub * kI8Cols + cv * kLanes);
+        for (int r = 0; r < MR; ++r)
+          acc[cv][r] = add_scaled_sum<false>(acc[cv][r], dot[cv][r], dot[cv][r], scale, x, row0 + r, g, groups);
       }
     }
     if constexpr (kHasOffset<Type>)
@@ -237,7 +313,10 @@ __attribute__((nothrow)) inline void any_int8_tile(int mr, const uint8_t* buf, c
                                                    int64_t in_features, float* out) {
   if constexpr (MR >= 1) {
     if (mr < MR) return any_int8_tile<Type, kInt16, MR - 1>(mr, buf, x, row0, in_features, out);
-    int8_tile<Type, kInt16, MR>(buf, x, row0, in_features, out);
+    if constexpr (kInt16 && kInt16Words<Type>)
+      int16_tile<Type, MR>(buf, x, row0, in_features, out);
+    else
+      int8_tile<Type, kInt16, MR>(buf, x, row0, in_features, out);
   }
 }
 
@@ -261,7 +340,10 @@ void quant_int8_of(const QuantInt8Params& p) {
   float* scales = reinterpret_cast<float*>(p.scratch + layout.scales);
   float* sums = reinterpret_cast<float*>(p.scratch + layout.sums);
   int32_t* zero_sums = reinterpret_cast<int32_t*>(p.scratch + layout.zero_sums);
-  const Int8Rows x{codes, high, scales, sums, zero_sums};
+  // int16 rows in tiles as words (q), in place of the halves (the same bytes); a decode step's as halves
+  int16_t* words =
+      kInt16 && kInt16Words<Type> && p.rows > kI8Rows ? reinterpret_cast<int16_t*>(p.scratch + layout.codes) : nullptr;
+  const Int8Rows x{codes, high, words, scales, sums, zero_sums};
   const int64_t num_items = (p.out_features + kI8Cols - 1) / kI8Cols;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(p.num_threads)
@@ -277,7 +359,8 @@ void quant_int8_of(const QuantInt8Params& p) {
 #endif
     for (int64_t r = 0; r < p.rows; ++r)
       quantize_row<Type, kInt16>(p.x + r * p.in_features, p.in_features, codes + r * p.in_features,
-                                 kInt16 ? high + r * p.in_features : nullptr, scales + r * groups,
+                                 kInt16 ? high + r * p.in_features : nullptr,
+                                 words ? words + r * p.in_features : nullptr, scales + r * groups,
                                  sums + r * groups, zero_sums + r * (p.in_features / 16));
     // (implicit barrier) each thread its share of the items, every row against each
     uint8_t* buf = p.scratch + layout.threads + thread * layout.per_thread;
@@ -321,7 +404,7 @@ void quant_int8_of(const QuantInt8Params& p) {
         continue;
       }
       const int64_t next_rows = item + 1 < last ? std::min<int64_t>(kI8Cols, p.out_features - col - kI8Cols) : 0;
-      decode_item<Type>(cols, groups, buf, p.w + (col + kI8Cols) * row_bytes, next_rows * row_bytes);
+      decode_item<Type, kInt16 && kInt16Words<Type>>(cols, groups, buf, p.w + (col + kI8Cols) * row_bytes, next_rows * row_bytes);
       for (int64_t row = 0; row < p.rows; row += kI8Rows) {
         const int mr = static_cast<int>(p.rows - row < kI8Rows ? p.rows - row : kI8Rows);
         any_int8_tile<Type, kInt16>(mr, buf, x, row, p.in_features, out);

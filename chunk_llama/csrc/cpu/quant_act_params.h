@@ -42,14 +42,16 @@ constexpr bool quant_int8_supports(int type) {
 }
 
 // The widest item (weight rows decoded at once) of any variant, and the bytes of one group
-// of 32 weights of each of its rows once decoded (codes, up to two scales and an offset).
+// of 32 weights of each of its rows once decoded (codes, as 16-bit words for int16, up to two
+// scales and an offset).
 constexpr int kInt8MaxCols = 32;
-constexpr int64_t kInt8GroupBytes = kInt8MaxCols * (32 + 4 * 3);
+constexpr int64_t kInt8GroupBytes = kInt8MaxCols * (64 + 4 * 3);
 
 inline int64_t round64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
 
 // The scratch's parts, in bytes from its start: the rows' codes [rows, in_features] int8 (int16:
-// the low halves, then the high halves [rows, in_features] int8 at `high`), their
+// the low halves, then the high halves [rows, in_features] int8 at `high`; or, more rows than a
+// decode step's, q [rows, in_features] int16 in the same bytes from the start), their
 // scales and exact sums [rows, in_features / 32] float each, minus the weight format's zero
 // point times their codes' sums per 16 (or 32: quant_act.h's Int8Rows) [rows, in_features / 16]
 // int32, then per thread a decoded item [in_features / 32, kInt8GroupBytes] and the last item's
