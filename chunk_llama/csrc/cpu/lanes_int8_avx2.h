@@ -4,7 +4,8 @@
 // up to 127 against |s| <= 127), vpmaddwd with ones widens the pairs to 32 bits. Small codes
 // add several steps' pairs in 16 bits before one widening (as many as cannot reach 32,767:
 // codes up to 15, 8 steps; 31, 4; 63, 2), which saves most of the widenings and adds, the
-// port-bound part of a step (int16 activations run two steps' worth per step). The lane API
+// port-bound part of a step (int16 activations' halves run two steps' worth per step; int16 tiles
+// multiply words instead, iwdot). The lane API
 // is listed in lanes_int8_avx512.h. Included by kernel_avx2.cpp after lanes_avx2.h.
 #pragma once
 
@@ -67,7 +68,8 @@ inline void quantize_store(int8_t* p, Vec a) {  // (vcvtps2dq rounds to nearest 
 }
 inline void quantize_words(int16_t* p, Vec a) {  // (the values fit int16)
   const __m256i q = _mm256_cvtps_epi32(a.v);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)));
+  const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), words);
 }
 inline IVec iadd(IVec a, IVec b) { return {_mm256_add_epi32(a.v, b.v)}; }
 inline IVec imul255(IVec a) { return {_mm256_sub_epi32(_mm256_slli_epi32(a.v, 8), a.v)}; }

@@ -11,7 +11,8 @@
 // lane, ready for its scales: per group one conversion, a multiply and an FMA per row and
 // column vector (the scale factored out of the group's sum), and an FMA for the offset.
 // int16 (kInt16) runs each step's products twice, on the high and the low halves of the codes,
-// against the same decoded weights. A decode step's few rows run the same exact sums and float
+// against the same decoded weights; or, in tiles (kInt16Words), the item's codes decoded as 16-bit
+// words against whole q (int16_tile). A decode step's few rows run the same exact sums and float
 // steps on each group decoded in registers, a column vector at a time (int8_few_rows), and a last
 // tile of fewer rows the same tile, so every output's operations do not depend on the rows beside it.
 #pragma once
@@ -35,10 +36,10 @@ namespace CHUNK_ATTN_ISA {
 // A decoded group in the item's buffer: its codes, then its scales [kSubs][kI8Cols] and offsets
 // [kI8Cols] (formats with a minimum). The codes: int8's 8 steps of kI8Cols columns' 4 bytes, or
 // (kWords, the int16 tile's) 16 steps of kI8Cols columns' 2 codes as 16-bit words.
-template <int Type, bool kWords>
+template <bool kWords>
 constexpr int64_t kI8CodeBytes = kI8Cols * (kWords ? 64 : 32);
 template <int Type, bool kWords>
-constexpr int64_t kI8GroupBytes = kI8CodeBytes<Type, kWords> + kI8Cols * 4 * (kSubs<Type> + (kHasOffset<Type> ? 1 : 0));
+constexpr int64_t kI8GroupBytes = kI8CodeBytes<kWords> + kI8Cols * 4 * (kSubs<Type> + (kHasOffset<Type> ? 1 : 0));
 static_assert(kI8Cols * (64 + 4 * 3) <= kInt8GroupBytes, "a decoded group must fit the caller's scratch");
 
 // Whether int16 tiles take the codes as 16-bit words against q (int16_tile) rather than as bytes
@@ -67,14 +68,18 @@ __attribute__((nothrow)) inline void decode_item(const Columns<kTiled>* cols, in
       decode_unit<Type>(cols[cv], unit,
                         [&](int j, const IVec* codes, const Vec* scales, Vec offset) {
                           uint8_t* group = buf + (unit * kUnitGroups<Type> + j) * kI8GroupBytes<Type, kWords>;
-                          float* tail = reinterpret_cast<float*>(group + kI8CodeBytes<Type, kWords>) + cv * kLanes;
+                          float* tail = reinterpret_cast<float*>(group + kI8CodeBytes<kWords>) + cv * kLanes;
+                          const auto store = [&](int step, IVec v) {
+                            istore(group + (step * kI8Cols + cv * kLanes) * 4, v);
+                          };
                           for (int s = 0; s < 8; ++s) {
                             if constexpr (kWords) {
                               IVec words[2];
                               code_words(codes[s], words);
-                              for (int k = 0; k < 2; ++k) istore(group + ((2 * s + k) * kI8Cols + cv * kLanes) * 4, words[k]);
+                              store(2 * s, words[0]);
+                              store(2 * s + 1, words[1]);
                             } else {
-                              istore(group + (s * kI8Cols + cv * kLanes) * 4, codes[s]);
+                              store(s, codes[s]);
                             }
                           }
                           for (int sub = 0; sub < kSubs<Type>; ++sub) vstore(tail + sub * kI8Cols, scales[sub]);
@@ -203,7 +208,7 @@ __attribute__((nothrow, noinline)) void int8_tile(const uint8_t* __restrict__ bu
     for (int r = 0; r < MR; ++r) acc[cv][r] = vzero();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* group = buf + g * kI8GroupBytes<Type, false>;
-    const float* tail = reinterpret_cast<const float*>(group + kI8CodeBytes<Type, false>);
+    const float* tail = reinterpret_cast<const float*>(group + kI8CodeBytes<false>);
     for (int sub = 0; sub < kSub; ++sub) {
       IVec dot[kI8ColVecs][MR], high[kI8ColVecs][MR];
       for (int r = 0; r < MR; ++r) {
@@ -258,7 +263,7 @@ __attribute__((nothrow, noinline)) void int16_tile(const uint8_t* __restrict__ b
     for (int r = 0; r < MR; ++r) acc[cv][r] = vzero();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* group = buf + g * kI8GroupBytes<Type, true>;
-    const float* tail = reinterpret_cast<const float*>(group + kI8CodeBytes<Type, true>);
+    const float* tail = reinterpret_cast<const float*>(group + kI8CodeBytes<true>);
     for (int sub = 0; sub < kSub; ++sub) {
       IVec dot[kI8ColVecs][MR];
       for (int r = 0; r < MR; ++r)
@@ -404,7 +409,8 @@ void quant_int8_of(const QuantInt8Params& p) {
         continue;
       }
       const int64_t next_rows = item + 1 < last ? std::min<int64_t>(kI8Cols, p.out_features - col - kI8Cols) : 0;
-      decode_item<Type, kInt16 && kInt16Words<Type>>(cols, groups, buf, p.w + (col + kI8Cols) * row_bytes, next_rows * row_bytes);
+      decode_item<Type, kInt16 && kInt16Words<Type>>(cols, groups, buf, p.w + (col + kI8Cols) * row_bytes,
+                                                     next_rows * row_bytes);
       for (int64_t row = 0; row < p.rows; row += kI8Rows) {
         const int mr = static_cast<int>(p.rows - row < kI8Rows ? p.rows - row : kI8Rows);
         any_int8_tile<Type, kInt16>(mr, buf, x, row, p.in_features, out);

@@ -7,9 +7,10 @@
 // int16: the same with amax / (127 * 255), so q = round(x / d) in [-32385, 32385], split
 // exactly into two int8 halves q = 255 hi + lo (hi = round(q / 255), so both in [-127, 127]:
 // the range every variant's int8 dot product takes), and a group's integer dot product is
-// 255 dot(c, hi) + dot(c, lo): the same instructions on the same decoded codes, twice, for
-// 255 times finer steps (every partial sum below 2^29 in int32 for every format; at most, Q8_0's
-// codes up to 255: 255 * 32 * 255 * 127 + 32 * 255 * 127 + 128 * 32 * 32385). Each
+// 255 dot(c, hi) + dot(c, lo): the same instructions on the same decoded codes, twice (or, in the
+// tiles where quant_act.h's kInt16Words says so, dot(c, q) on the codes as 16-bit words: the same
+// integer), for 255 times finer steps (every partial sum below 2^29 in int32 for every format; at
+// most, Q8_0's codes up to 255: 255 * 32 * 255 * 127 + 32 * 255 * 127 + 128 * 32 * 32385). Each
 // weight group is its format's unsigned integer codes c, a zero point z (the format's own,
 // or the middle of the codes' range for the formats with a minimum) and scales: weight =
 // scale * (c - z) + offset. A group's integer dot product is exact (int32), so each output
