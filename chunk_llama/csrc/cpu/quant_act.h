@@ -191,6 +191,19 @@ __attribute__((nothrow, always_inline)) inline void group_fmas(const IVec* codes
     for (int r = 0; r < MR; ++r) acc[r] = add_offset(acc[r], offset, x, row0 + r, g, groups);
 }
 
+// The tiles' last float step of a group (group_fmas' in its order): the column vectors' offsets
+// (lane c: column c's, from `offsets`) times each row's exact sum of x (formats with a minimum).
+template <int Type, int MR>
+__attribute__((nothrow, always_inline)) inline void add_tile_offsets(Vec (&acc)[kI8ColVecs][MR], const float* offsets,
+                                                                    const Int8Rows& x, int64_t row0, int64_t g,
+                                                                    int64_t groups) {
+  if constexpr (kHasOffset<Type>)
+    for (int cv = 0; cv < kI8ColVecs; ++cv) {
+      const Vec offset = vload(offsets + cv * kLanes);
+      for (int r = 0; r < MR; ++r) acc[cv][r] = add_offset(acc[cv][r], offset, x, row0 + r, g, groups);
+    }
+}
+
 // An MR x kI8Cols tile on a decoded item (buf, codes as bytes) into out[r][kI8Cols] (no bias). Every column
 // vector and row of a group at once, kIdotSteps steps at a time: each step's codes loaded once
 // per column vector and each row's activations broadcast once for all of them, so the
@@ -238,11 +251,7 @@ __attribute__((nothrow, noinline)) void int8_tile(const uint8_t* __restrict__ bu
           acc[cv][r] = add_scaled_sum<kInt16>(acc[cv][r], dot[cv][r], high[cv][r], scale, x, row0 + r, g, groups);
       }
     }
-    if constexpr (kHasOffset<Type>)
-      for (int cv = 0; cv < kI8ColVecs; ++cv) {
-        const Vec offset = vload(tail + kSub * kI8Cols + cv * kLanes);
-        for (int r = 0; r < MR; ++r) acc[cv][r] = add_offset(acc[cv][r], offset, x, row0 + r, g, groups);
-      }
+    add_tile_offsets<Type, MR>(acc, tail + kSub * kI8Cols, x, row0, g, groups);
   }
   for (int r = 0; r < MR; ++r)
     for (int cv = 0; cv < kI8ColVecs; ++cv) vstore(out + r * kI8Cols + cv * kLanes, acc[cv][r]);
@@ -284,11 +293,7 @@ __attribute__((nothrow, noinline)) void int16_tile(const uint8_t* __restrict__ b
           acc[cv][r] = add_scaled_sum<false>(acc[cv][r], dot[cv][r], dot[cv][r], scale, x, row0 + r, g, groups);
       }
     }
-    if constexpr (kHasOffset<Type>)
-      for (int cv = 0; cv < kI8ColVecs; ++cv) {
-        const Vec offset = vload(tail + kSub * kI8Cols + cv * kLanes);
-        for (int r = 0; r < MR; ++r) acc[cv][r] = add_offset(acc[cv][r], offset, x, row0 + r, g, groups);
-      }
+    add_tile_offsets<Type, MR>(acc, tail + kSub * kI8Cols, x, row0, g, groups);
   }
   for (int r = 0; r < MR; ++r)
     for (int cv = 0; cv < kI8ColVecs; ++cv) vstore(out + r * kI8Cols + cv * kLanes, acc[cv][r]);
