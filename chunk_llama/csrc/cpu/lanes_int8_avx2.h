@@ -56,7 +56,7 @@ inline IVec iwdot(IVec acc, IVec w, const int16_t* s) {  // (vpmaddwd: exact, th
   std::memcpy(&two, s, sizeof two);
   __m256i sum = _mm256_add_epi32(acc.v, _mm256_madd_epi16(w.v, _mm256_set1_epi32(two)));
   // (an empty asm keeps each add in its chain: GCC otherwise reassociates a tile's unrolled exact
-  // adds into a tree whose products it spills, 20% slower)
+  // adds into a tree whose products it spills, 39% slower: docs/BENCHMARKS.md)
   __asm__("" : "+x"(sum));
   return {sum};
 }

@@ -204,10 +204,10 @@ __attribute__((nothrow, always_inline)) inline void add_tile_offsets(Vec (&acc)[
     }
 }
 
-// An MR x kI8Cols tile on a decoded item (buf, codes as bytes) into out[r][kI8Cols] (no bias). Every column
-// vector and row of a group at once, kIdotSteps steps at a time: each step's codes loaded once
-// per column vector and each row's activations broadcast once for all of them, so the
-// MR x kI8ColVecs (int16: twice as many) integer sums are independent chains the core
+// An MR x kI8Cols tile on a decoded item (buf, codes as bytes) into out[r][kI8Cols] (no bias).
+// Every column vector and row of a group at once, kIdotSteps steps at a time: each step's codes
+// loaded once per column vector and each row's activations broadcast once for all of them, so
+// the MR x kI8ColVecs (int16: twice as many) integer sums are independent chains the core
 // interleaves. The integer sums are exact and the float steps are group_fmas' own helpers in the
 // same order, so a tile's outputs equal a decode step's (int8_few_rows) bit for bit.
 template <int Type, bool kInt16, int MR>
