@@ -100,13 +100,16 @@ struct Int8Rows {
                              // minus the format's zero point times the codes' sum (a sum's starting value)
 };
 
-// One row of x into its codes (int16: as halves, or as words where `words` is given), scales and
-// sums for a weight of format Type (the same operations on every instruction set: a maximum, a
-// division, a reciprocal, products rounded to nearest even, sums in order).
+// Groups [g0, g1) of one row of x (x, codes, high, words: the row's; scales and sums: per group,
+// zero_sums: per 16) into its codes (int16: as halves, or as words where `words` is given), scales
+// and sums for a weight of format Type (the same operations on every instruction set: a maximum, a
+// division, a reciprocal, products rounded to nearest even, and a group's sum of x in four
+// interleaved chains, added in pairs: the formats with a minimum only, which multiply it).
 template <int Type, bool kInt16>
-__attribute__((nothrow)) inline void quantize_row(const float* x, int64_t in_features, int8_t* codes, int8_t* high,
-                                                  int16_t* words, float* scales, float* sums, int32_t* zero_sums) {
-  for (int64_t g = 0; g < in_features / kGroup; ++g) {
+__attribute__((nothrow)) inline void quantize_groups(const float* x, int64_t g0, int64_t g1, int8_t* codes,
+                                                     int8_t* high, int16_t* words, float* scales, float* sums,
+                                                     int32_t* zero_sums) {
+  for (int64_t g = g0; g < g1; ++g) {
     const float* xg = x + g * kGroup;
     Vec top = vzero();
     for (int v = 0; v < kGroupVecs; ++v) {
@@ -124,16 +127,25 @@ __attribute__((nothrow)) inline void quantize_row(const float* x, int64_t in_fea
       else
         quantize_store(codes + at, scaled);
     }
-    float sum = 0.f;
-    for (int i = 0; i < kGroup; ++i) sum += xg[i];
     scales[g] = d;
-    sums[g] = sum;
-    int32_t half_sums[2] = {0, 0};
-    for (int half = 0; half < 2; ++half)
-      for (int i = 0; i < 16; ++i) {
-        const int64_t at = g * kGroup + 16 * half + i;
-        half_sums[half] += !kInt16 ? codes[at] : words ? words[at] : 255 * high[at] + codes[at];
-      }
+    if constexpr (kHasOffset<Type>) {
+      float chains[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int i = 0; i < kGroup; i += 4)
+        for (int c = 0; c < 4; ++c) chains[c] += xg[i + c];
+      sums[g] = (chains[0] + chains[1]) + (chains[2] + chains[3]);
+    }
+    int32_t half_sums[2] = {0, 0};  // (exact integers: any order)
+    for (int half = 0; half < 2; ++half) {
+      const int64_t at = g * kGroup + 16 * half;
+      int32_t total = 0;
+      if (!kInt16)
+        for (int i = 0; i < 16; ++i) total += codes[at + i];
+      else if (words)
+        for (int i = 0; i < 16; ++i) total += words[at + i];
+      else
+        for (int i = 0; i < 16; ++i) total += 255 * high[at + i] + codes[at + i];
+      half_sums[half] = total;
+    }
     for (int sub = 0; sub < 2; ++sub)  // (precomputed here so that a group's sums start from a broadcast load)
       zero_sums[2 * g + sub] = -kZero<Type> * (kSubs<Type> == 2 ? half_sums[sub] : half_sums[0] + half_sums[1]);
   }
@@ -142,7 +154,7 @@ __attribute__((nothrow)) inline void quantize_row(const float* x, int64_t in_fea
 // The float steps on a group's exact integer sums, for row `row` (int8_few_rows through
 // group_fmas and int8_tile alike, so both give the same bits). The sum's starting value: minus the
 // zero point times the codes' sum over sub-group `sub` (kSubs<Type> == 2: its 16; else all 32), as
-// quantize_row stored it.
+// quantize_groups stored it.
 __attribute__((nothrow, always_inline)) inline IVec zero_point_sum(const Int8Rows& x, int64_t row, int64_t g, int sub,
                                                                    int64_t in_features) {
   return iset1(x.zero_sums[row * (in_features / 16) + 2 * g + sub]);
@@ -355,6 +367,8 @@ void quant_int8_of(const QuantInt8Params& p) {
       kInt16 && kInt16Words<Type> && p.rows > kI8Rows ? reinterpret_cast<int16_t*>(p.scratch + layout.codes) : nullptr;
   const Int8Rows x{codes, high, words, scales, sums, zero_sums};
   const int64_t num_items = (p.out_features + kI8Cols - 1) / kI8Cols;
+  // the rows quantized by every thread: fewer rows than threads (a decode step) in parts of their groups
+  const int64_t parts = std::max<int64_t>(1, p.num_threads / std::max<int64_t>(1, p.rows));
 #ifdef _OPENMP
 #pragma omp parallel num_threads(p.num_threads)
 #endif
@@ -367,11 +381,13 @@ void quant_int8_of(const QuantInt8Params& p) {
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-    for (int64_t r = 0; r < p.rows; ++r)
-      quantize_row<Type, kInt16>(p.x + r * p.in_features, p.in_features, codes + r * p.in_features,
-                                 kInt16 ? high + r * p.in_features : nullptr,
-                                 words ? words + r * p.in_features : nullptr, scales + r * groups,
-                                 sums + r * groups, zero_sums + r * (p.in_features / 16));
+    for (int64_t i = 0; i < p.rows * parts; ++i) {
+      const int64_t r = i / parts, part = i % parts;
+      quantize_groups<Type, kInt16>(p.x + r * p.in_features, groups * part / parts, groups * (part + 1) / parts,
+                                    codes + r * p.in_features, kInt16 ? high + r * p.in_features : nullptr,
+                                    words ? words + r * p.in_features : nullptr, scales + r * groups,
+                                    sums + r * groups, zero_sums + r * (p.in_features / 16));
+    }
     // (implicit barrier) each thread its share of the items, every row against each
     uint8_t* buf = p.scratch + layout.threads + thread * layout.per_thread;
     uint8_t* pad = buf + layout.item_bytes;  // [kI8Cols, row_bytes]
@@ -403,12 +419,16 @@ void quant_int8_of(const QuantInt8Params& p) {
                                 // as one stream, the next one's prefetched: from memory, 12-17% faster than an
                                 // item's column vectors together on AVX-512, docs/BENCHMARKS.md)
         for (int cv = 0; cv < kI8ColVecs; ++cv) {
-          const int64_t following = col + (cv + 1) * kLanes;  // the next column vector's first row
-          const int64_t ahead = cv + 1 < kI8ColVecs || item + 1 < last
-                                    ? std::max<int64_t>(0, std::min<int64_t>(kLanes, p.out_features - following))
-                                    : 0;
-          any_int8_few_rows<Type, kInt16>(static_cast<int>(p.rows), cols[cv], x, p.in_features,
-                                          p.w + following * row_bytes, ahead * row_bytes, out + cv * kLanes);
+          // prefetched meanwhile: the next column vector's rows; tiled, where a tile holds several column
+          // vectors (AVX2's 8 lanes, NEON's 4, each reading a part of every line of the tile), this one's
+          // share of the next tile, so that each tile is fetched whole, a tile ahead
+          constexpr int64_t kParts = kTiled && kTileRows > kLanes ? kTileRows / kLanes : 1;
+          const int64_t vec = col / kLanes + cv, end = std::min(p.out_features, last * kI8Cols);
+          const int64_t following = kParts > 1 ? (vec / kParts + 1) * kTileRows : col + (cv + 1) * kLanes;
+          const uint8_t* next = p.w + following * row_bytes + (kParts > 1 ? vec % kParts * kLanes * row_bytes : 0);
+          const int64_t ahead = std::max<int64_t>(0, std::min<int64_t>(kLanes, end - following));
+          any_int8_few_rows<Type, kInt16>(static_cast<int>(p.rows), cols[cv], x, p.in_features, next,
+                                          ahead * row_bytes, out + cv * kLanes);
         }
         store(0, static_cast<int>(p.rows));
         continue;
