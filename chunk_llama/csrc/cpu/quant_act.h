@@ -95,7 +95,7 @@ struct Int8Rows {
   const int8_t* high;     // int16: the high halves (q = 255 high + codes)
   const int16_t* words;   // int16 in tiles (instead of the halves): q
   const float* scales;    // dx per group
-  const float* sums;      // exact sums of x per group (the offsets' factor)
+  const float* sums;      // sums of x per group (the offsets' factor: formats with a minimum only)
   const int32_t* zero_sums;  // per group, per sub-group (kSubs<Type> == 2: each 16; else [2g] the 32's):
                              // minus the format's zero point times the codes' sum (a sum's starting value)
 };
@@ -134,18 +134,12 @@ __attribute__((nothrow)) inline void quantize_groups(const float* x, int64_t g0,
         for (int c = 0; c < 4; ++c) chains[c] += xg[i + c];
       sums[g] = (chains[0] + chains[1]) + (chains[2] + chains[3]);
     }
-    int32_t half_sums[2] = {0, 0};  // (exact integers: any order)
-    for (int half = 0; half < 2; ++half) {
-      const int64_t at = g * kGroup + 16 * half;
-      int32_t total = 0;
-      if (!kInt16)
-        for (int i = 0; i < 16; ++i) total += codes[at + i];
-      else if (words)
-        for (int i = 0; i < 16; ++i) total += words[at + i];
-      else
-        for (int i = 0; i < 16; ++i) total += 255 * high[at + i] + codes[at + i];
-      half_sums[half] = total;
-    }
+    int32_t half_sums[2] = {0, 0};
+    for (int half = 0; half < 2; ++half)
+      for (int i = 0; i < 16; ++i) {
+        const int64_t at = g * kGroup + 16 * half + i;
+        half_sums[half] += !kInt16 ? codes[at] : words ? words[at] : 255 * high[at] + codes[at];
+      }
     for (int sub = 0; sub < 2; ++sub)  // (precomputed here so that a group's sums start from a broadcast load)
       zero_sums[2 * g + sub] = -kZero<Type> * (kSubs<Type> == 2 ? half_sums[sub] : half_sums[0] + half_sums[1]);
   }
