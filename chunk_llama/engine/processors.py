@@ -29,7 +29,8 @@ def run(processors, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tens
         return processors(input_ids, scores)
     for processor in processors:
         if type(processor) in _EOS_UNTIL and "__call__" not in processor.__dict__:
-            scores = _eos_masked(scores, processor.eos_token_id, _EOS_UNTIL[type(processor)](processor, input_ids))
+            masked = _EOS_UNTIL[type(processor)](processor, input_ids.shape[-1])
+            scores = _eos_masked(scores, processor.eos_token_id, masked)
             continue
         names = _parameter_names(processor)
         if len(names) > 2:  # (what LogitsProcessorList raises: the engine passes no extra arguments)
@@ -40,12 +41,28 @@ def run(processors, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tens
 
 
 # processors that set the EOS tokens' scores to -inf while the sequence is short, by class:
-# whether they do at this input_ids [1, length]
+# whether they do at a sequence of this length (input_ids.shape[-1])
 _EOS_UNTIL = {
-    MinLengthLogitsProcessor: lambda p, input_ids: input_ids.shape[-1] < p.min_length,
-    MinNewTokensLengthLogitsProcessor:
-        lambda p, input_ids: input_ids.shape[-1] - p.prompt_length_to_skip < p.min_new_tokens,
+    MinLengthLogitsProcessor: lambda p, length: length < p.min_length,
+    MinNewTokensLengthLogitsProcessor: lambda p, length: length - p.prompt_length_to_skip < p.min_new_tokens,
 }
+
+
+def banned_eos(processors, length: int) -> frozenset[int] | None:
+    """The token ids `run` would set to -inf at a sequence of `length` tokens, where every
+    processor only bans EOS tokens while the sequence is short (`min_length`,
+    `min_new_tokens`); None where one does anything else. For a greedy sample this decides
+    its token without running them: the first maximum of the raw scores is the processed
+    scores' one unless it is banned (banning other entries moves no first maximum)."""
+    if type(processors) is not LogitsProcessorList:
+        return None
+    banned = set()
+    for processor in processors:
+        if type(processor) not in _EOS_UNTIL or "__call__" in processor.__dict__:
+            return None
+        if _EOS_UNTIL[type(processor)](processor, length):
+            banned.update(torch.as_tensor(processor.eos_token_id).reshape(-1).tolist())
+    return frozenset(banned)
 
 
 def _eos_masked(scores: torch.Tensor, eos_token_id, masked: bool) -> torch.Tensor:
