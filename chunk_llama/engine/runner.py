@@ -32,6 +32,7 @@ from chunk_llama.engine.scheduler import PrefillWork, Scheduler
 from chunk_llama.engine.text import advance_text, hit_stop_string
 from chunk_llama.hf import ChunkCache
 from chunk_llama.hf.compat import cache_argument
+from chunk_llama.hf.patch import decode_logits
 from chunk_llama.kv import KVCacheFull
 
 
@@ -137,7 +138,7 @@ class ModelRunner:
             step = self.cache.step  # its inputs in plan order, at the step buffers' fixed addresses
             logits = self.graphs.run(step) if self.graphs is not None else None
             if logits is None:
-                logits = self._forward(step.input_ids, step.position_ids, logits_to_keep=1)[:, -1]
+                logits = self._decode_forward(step)[:, -1]
             tokens, scores = self._select(seqs, logits)
             stopped = self._stopped_by_criteria(seqs, tokens, scores)
         except BaseException:
@@ -153,6 +154,14 @@ class ModelRunner:
         chunk_size = self.cache.chunk_size
         unshared = sum(-(-len(s.all_ids) // chunk_size) for s in seqs)
         self.peak_unshared_chunks = max(self.peak_unshared_chunks, unshared)
+
+    def _decode_forward(self, step) -> torch.Tensor:
+        """A decode step's logits [rows, 1, vocab]: the model's forward, without the module call
+        where that computes the same (`patch.decode_logits`)."""
+        kwargs = dict(input_ids=step.input_ids, position_ids=step.position_ids, use_cache=True, logits_to_keep=1,
+                      **{self.cache_argument: self.cache})
+        logits = decode_logits(self.model, self.cache, kwargs)
+        return self.model(**kwargs).logits if logits is None else logits
 
     def _forward(self, input_ids, position_ids, logits_to_keep) -> torch.Tensor:
         return self.model(

@@ -64,6 +64,11 @@ def _plain(cls: type, names: frozenset) -> bool:
 def run(model: nn.Module, step, kwargs: dict) -> CausalLMOutputWithPast:
     """The decode step's forward (`applies` held): input_ids, position_ids [rows, 1] ->
     logits [rows, 1, vocab] as transformers' forward gives them."""
+    return CausalLMOutputWithPast(logits=logits(model, step, kwargs))
+
+
+def logits(model: nn.Module, step, kwargs: dict) -> torch.Tensor:
+    """`run`'s logits [rows, 1, vocab], without the output object (`patch.decode_logits`)."""
     inner = model.model
     cache_argument = compat.cache_argument(model)
     input_ids, position_ids = kwargs["input_ids"], kwargs["position_ids"]
@@ -94,4 +99,4 @@ def run(model: nn.Module, step, kwargs: dict) -> CausalLMOutputWithPast:
     cap = model.config.final_logit_softcapping if type(model).__name__ in SOFTCAPPED_LOGITS else None
     if cap is not None:  # (in its forward's operations)
         logits = torch.tanh(logits / cap) * cap
-    return CausalLMOutputWithPast(logits=logits)
+    return logits
