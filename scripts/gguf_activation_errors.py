@@ -3,6 +3,7 @@ truth of the same dequantized weights, teacher-forced over the shipped prompts.
 
     python scripts/gguf_activation_errors.py                      # the default model
     python scripts/gguf_activation_errors.py --model gemma3-270m
+    python scripts/gguf_activation_errors.py --kv-dtypes bfloat16 float16   # also int16 over 16-bit K/V
 
 The prompts are the shipped ones (`chunk-llama generate`'s defaults): the tool manual as the
 system prompt, then each of the 16 questions (a chat where the model has a template, else
@@ -14,6 +15,8 @@ prompt is scored once. Systems, each on the model's logits at every position:
   int8           the blocks on int8 activations (`--gguf-activations int8`)
   int16          the blocks on int16 activations (`--gguf-activations int16`)
   stock bf16     stock transformers on those weights cast to bfloat16
+  int16, D K/V   (`--kv-dtypes D`) int16 with each new key and value rounded to D before it is
+                 stored and read, as a K/V pool of dtype D (`kv_dtype`) holds them
 Prints, per system: worst and mean |logit - truth| and the top-1 agreement with float32's and
 with the truth's argmax. The issue's bound for a mode `auto` may pick: its top-1 agreement with
 float32 >= 99.5% and its worst error no larger than stock bfloat16's.
@@ -58,6 +61,19 @@ def prompt_parts(tokenizer) -> tuple[list[int], list[list[int]]]:
 PIECE = 256  # positions scored at once (a [PIECE, vocab] float64 per system: Gemma's vocabulary is 262,144)
 
 
+class RoundedCache(DynamicCache):
+    """A float32 model's K/V held in `dtype`, as the engine's pool holds them with `kv_dtype`:
+    each new key and value rounded to it before it is stored and read."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.kv_dtype = dtype
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return super().update(key_states.to(self.kv_dtype).float(), value_states.to(self.kv_dtype).float(),
+                              layer_idx, *args, **kwargs)
+
+
 class Scores:
     """Running figures of one system against the truth."""
 
@@ -75,10 +91,13 @@ class Scores:
 
 
 @torch.no_grad()
-def score(models: dict, system: list[int], tails: list[list[int]]) -> dict[str, Scores]:
+def score(models: dict, system: list[int], tails: list[list[int]], kv_dtypes: dict | None = None
+          ) -> dict[str, Scores]:
     """Each model's Scores over the system part (in pieces, each continuing the cache) and each
-    tail after it (from a copy of the system's cache); `models` starts with the truth, then float32."""
-    caches = {name: DynamicCache() for name in models}
+    tail after it (from a copy of the system's cache); `models` starts with the truth, then float32;
+    kv_dtypes: the models whose K/V are held in another dtype, by name."""
+    kv_dtypes = kv_dtypes or {}
+    caches = {name: RoundedCache(kv_dtypes[name]) if name in kv_dtypes else DynamicCache() for name in models}
     scores = {name: Scores() for name in models if name != "truth"}
 
     def run(ids: list[int], cache_of) -> None:
@@ -95,11 +114,12 @@ def score(models: dict, system: list[int], tails: list[list[int]]) -> dict[str, 
     return scores
 
 
-def measure(model: str | None, num_questions: int = 16, keep_float32: tuple[tuple[str, ...], ...] = ()
-            ) -> tuple[dict[str, Scores], int]:
+def measure(model: str | None, num_questions: int = 16, keep_float32: tuple[tuple[str, ...], ...] = (),
+            kv_dtypes: tuple[torch.dtype, ...] = ()) -> tuple[dict[str, Scores], int]:
     """(each system's Scores, the positions scored) for `model` (None: the default model) over
     the system part and the first `num_questions` shipped questions; each of `keep_float32` adds
-    an int8 system whose modules named so (last part of the name: lm_head, down_proj) keep float32."""
+    an int8 system whose modules named so (last part of the name: lm_head, down_proj) keep float32,
+    each of `kv_dtypes` an int16 system whose K/V are held in it."""
     torch.manual_seed(0)
     blocks, tokenizer = load_model(model, device="cpu", dtype=torch.float32, gguf_activations="float32")
     dequantized = load_model(model, device="cpu", dtype=torch.float32, gguf_weights="dequantized")[0]
@@ -109,6 +129,8 @@ def measure(model: str | None, num_questions: int = 16, keep_float32: tuple[tupl
     for mode in activations.INTEGER_MODES:
         models[mode] = copy.deepcopy(blocks)
         set_gguf_activations(models[mode], mode)
+    rounded = {f"int16, {str(dtype).removeprefix('torch.')} K/V": dtype for dtype in kv_dtypes}
+    models.update(dict.fromkeys(rounded, models["int16"]))
     models["stock bf16"] = cast(dequantized, torch.bfloat16)
     for names in keep_float32:
         mixed = copy.deepcopy(models["int8"])
@@ -116,7 +138,7 @@ def measure(model: str | None, num_questions: int = 16, keep_float32: tuple[tupl
             if name.rpartition(".")[2] in names and hasattr(module, "set_activations"):
                 set_gguf_activations(module, "float32")
         models[f"int8, {' and '.join(names)} float32"] = mixed
-    return score(models, system, tails), len(system) + sum(map(len, tails))
+    return score(models, system, tails, rounded), len(system) + sum(map(len, tails))
 
 
 def main() -> None:
@@ -125,8 +147,11 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=16, help="how many of the shipped questions")
     parser.add_argument("--keep-float32", action="append", default=[], metavar="NAME[,NAME]",
                         help="also int8 with these modules (lm_head, down_proj, ...) in float32 (repeatable)")
+    parser.add_argument("--kv-dtypes", nargs="+", default=[], choices=["bfloat16", "float16"],
+                        help="also int16 with its K/V held in these dtypes")
     args = parser.parse_args()
-    scores, positions = measure(args.model, args.questions, tuple(tuple(k.split(",")) for k in args.keep_float32))
+    scores, positions = measure(args.model, args.questions, tuple(tuple(k.split(",")) for k in args.keep_float32),
+                                tuple(getattr(torch, name) for name in args.kv_dtypes))
     print(f"# {args.model or 'default model'}: {positions} positions ({args.questions} questions); "
           f"{isa.describe_host()}, integer kernel {activations.int8_variant()}")
     print("| system | worst abs error | mean abs error | top-1 = float32's | top-1 = truth's |")
