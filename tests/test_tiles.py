@@ -39,6 +39,11 @@ def test_tiles_go_there_and_back_and_give_any_row(ggml_type):
     assert torch.equal(tiles.reference_untile(tiled, ggml_type), blocks)
     ids = torch.tensor([0, 47, 16, 15, 31, 5, 5])
     assert torch.equal(tiles.take_rows(tiled, ggml_type, ids), blocks[ids])
+    assert torch.equal(tiles.reference_take_rows(tiled, ggml_type, ids), blocks[ids])
+    assert tiles.take_rows(tiled, ggml_type, ids[:0]).shape == (0, blocks.shape[1])
+    for bad in (48, -1):
+        with pytest.raises(ValueError, match=f"row {bad} is not one of the 48"):
+            tiles.take_rows(tiled, ggml_type, torch.tensor([3, bad]))
     # a slice of whole tiles is the tiled slice
     assert torch.equal(tiles.tile(blocks[16:48], ggml_type), tiled[16:48])
 

@@ -152,6 +152,11 @@ CHUNK_LLAMA_API int64_t chunk_llama_cpu_quant_row_bytes(int type, int64_t in_fea
  * with `untile`. */
 CHUNK_LLAMA_API int chunk_llama_cpu_tile_rows(const uint8_t* in, uint8_t* out, int64_t weight_bytes, int type,
                                               int64_t num_rows, int untile, int num_threads);
+/* Rows ids[0 .. n) (each below num_rows) of a weight `tile_rows` tiled (`type` its format, not
+ * + 256) to out [n, row_bytes] in the file's layout: an embedding's lookup in a table tied to a
+ * tiled LM head. */
+CHUNK_LLAMA_API int chunk_llama_cpu_take_rows(const uint8_t* tiled, int64_t weight_bytes, int type, int64_t num_rows,
+                                              const int64_t* ids, int64_t n, uint8_t* out);
 
 /* What a layer on GGML blocks multiplies its weights with: x as it is (float32), or x
  * quantized to int8 or int16 per group of 32 (quant_act_params.h; the formats with integer

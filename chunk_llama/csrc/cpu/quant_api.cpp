@@ -136,6 +136,35 @@ int chunk_llama_cpu_tile_rows(const uint8_t* in, uint8_t* out, int64_t weight_by
   });
 }
 
+int chunk_llama_cpu_take_rows(const uint8_t* tiled, int64_t weight_bytes, int type, int64_t num_rows,
+                              const int64_t* ids, int64_t n, uint8_t* out) {
+  return guarded([&] {
+    using chunk_attn_cpu::kTileRows;
+    CHECK_VALUE(chunk_attn_cpu::quant_int8_supports(type) && !chunk_attn_cpu::is_tiled(type), "take_rows: GGML type ",
+                type, " is not a format with integer codes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)");
+    CHECK_VALUE(num_rows > 0 && num_rows % kTileRows == 0 && weight_bytes % num_rows == 0 && n >= 0,
+                "take_rows: ", num_rows, " rows (", weight_bytes, " bytes) are not whole tiles of ", kTileRows);
+    for (int64_t i = 0; i < n; ++i)  // (before anything is written)
+      CHECK_VALUE(ids[i] >= 0 && ids[i] < num_rows, "take_rows: row ", ids[i], " is not one of the ", num_rows);
+    const chunk_attn_cpu::QuantFormat f = chunk_attn_cpu::quant_format(type);
+    const int64_t row_bytes = weight_bytes / num_rows, blocks = row_bytes / f.block_bytes;
+    // the tile's layout as tile_rows writes it: per block, the rows' lone fp16 (if any), then dword k of rows 0 .. 15
+    const int half_at = chunk_attn_cpu::tile_lone_half_at(type), halves = chunk_attn_cpu::tile_halves_bytes(type);
+    const int first = chunk_attn_cpu::tile_first_dword(type), dwords = (f.block_bytes - (half_at >= 0 ? 2 : 0)) / 4;
+    const int64_t tile_bytes = kTileRows * row_bytes, tile_block = kTileRows * f.block_bytes;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = ids[i] % kTileRows;
+      const uint8_t* tile = tiled + ids[i] / kTileRows * tile_bytes;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* from = tile + b * tile_block;
+        uint8_t* to = out + i * row_bytes + b * f.block_bytes;
+        if (half_at >= 0) std::memcpy(to + half_at, from + 2 * r, 2);
+        for (int k = 0; k < dwords; ++k) std::memcpy(to + first + 4 * k, from + halves + (k * kTileRows + r) * 4, 4);
+      }
+    }
+  });
+}
+
 const char* chunk_llama_cpu_int8_variant(const char* isa) {
   const char* name = nullptr;
   guarded([&] { name = int8_variant_for(isa).name; });

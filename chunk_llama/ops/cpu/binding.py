@@ -42,6 +42,7 @@ _SIGNATURES = {  # name: (argument types, result type), as c_api.h declares them
     "dequantize": ([P, I64, I32, I64, I64, P, STR, I32], I32),
     "quant_row_bytes": ([I32, I64], I64),
     "tile_rows": ([P, P, I64, I32, I64, I32, I32], I32),
+    "take_rows": ([P, I64, I32, I64, P, I64, P], I32),
     "quant_matmul": ([P], I32),  # a QuantMatmulArgs
     "int8_variant": ([STR], STR),
 }
@@ -200,6 +201,18 @@ class CpuLibrary:
         out = torch.empty_like(blocks)
         code = self._lib.chunk_llama_cpu_tile_rows(blocks.data_ptr(), out.data_ptr(), blocks.numel(), ggml_type,
                                                    blocks.shape[0], int(untile), torch.get_num_threads())
+        return out if code == 0 else self.raise_error(code)
+
+    def take_rows(self, tiled: torch.Tensor, ggml_type: int, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [n] int64 of `tiled` [num_rows, row_bytes] uint8 (contiguous, on the CPU; an
+        integer format tiled by `tile_rows`) in the file's layout: [n, row_bytes] uint8."""
+        if not (tiled.is_cpu and tiled.dtype == torch.uint8 and tiled.dim() == 2 and tiled.is_contiguous()):
+            raise TypeError(f"take_rows takes a contiguous uint8 CPU matrix of tiles, got {tiled.dtype} "
+                            f"{list(tiled.shape)} on {tiled.device}")
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty((ids.numel(), tiled.shape[1]), dtype=torch.uint8)
+        code = self._lib.chunk_llama_cpu_take_rows(tiled.data_ptr(), tiled.numel(), ggml_type, tiled.shape[0],
+                                                   ids.data_ptr(), ids.numel(), out.data_ptr())
         return out if code == 0 else self.raise_error(code)
 
     def decode_layout(self) -> list[str]:
