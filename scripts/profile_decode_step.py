@@ -69,7 +69,8 @@ def main() -> None:
     model, tokenizer = load_model(args.model)
     inner = model.model
     pieces = [*PIECES, (type(inner.embed_tokens), None, "forward", "embedding"),
-              (type(inner.rotary_emb), None, "forward", "rotary embedding"), (type(inner.norm), None, "forward", "final norm")]
+              (type(inner.rotary_emb), None, "forward", "rotary embedding"),
+              (type(inner.norm), None, "forward", "final norm")]
     for module, owner, name, label in pieces:
         target = importlib.import_module(module) if isinstance(module, str) else module
         target = getattr(target, owner) if owner else target
