@@ -79,6 +79,9 @@ def test_running_requests_decode_beside_the_pieces_of_a_long_prompt(monkeypatch)
     forwards = []
     forward = engine.runner._forward
     monkeypatch.setattr(engine.runner, "_forward", lambda *a, **k: forwards.append(a[0].shape) or forward(*a, **k))
+    decode_forward = engine.runner._decode_forward  # (a plain decode step's: none is expected here)
+    monkeypatch.setattr(engine.runner, "_decode_forward",
+                        lambda step: forwards.append(step.input_ids.shape) or decode_forward(step))
     short_tokens, long_tokens = [], []
     for _ in range(-(-200 // 32)):  # 32-token pieces
         deltas = {d.request_id: d for d in engine.step()}

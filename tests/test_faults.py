@@ -239,6 +239,9 @@ def test_decode_tokens_without_room_beside_the_pieces_decode_in_their_own_forwar
     forwards = []
     forward = engine.runner._forward
     monkeypatch.setattr(engine.runner, "_forward", lambda *a, **k: forwards.append(a[0].shape) or forward(*a, **k))
+    decode_forward = engine.runner._decode_forward  # (a plain decode step's forward)
+    monkeypatch.setattr(engine.runner, "_decode_forward",
+                        lambda step: forwards.append(step.input_ids.shape) or decode_forward(step))
     deltas = {d.request_id: d for d in engine.step()}
     assert len(forwards) == 2 and forwards[1] == (1, 1)  # the prefill alone, then the decode of the first
     assert len(deltas[first].token_ids) == 1 and len(deltas[second].token_ids) == 1

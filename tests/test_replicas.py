@@ -127,8 +127,13 @@ def test_cache_aware_routing_computes_each_system_prompt_on_one_worker(model_fol
             computed[policy] = sum(worker_metric(w, "chunk_llama_prefill_tokens_computed_total") for w in workers)
             if policy == "cache_aware":
                 # each system prompt on one worker: its 150 tokens once, then each question's own 5 (and
-                # what its partial last chunk recomputes)
-                assert len(workers) == 2 and computed[policy] <= NUM_SYSTEMS * SYSTEM_WORDS + 16 * 5 + 3 * 64
+                # what its partial last chunk recomputes). Which worker a new system prompt goes to is the
+                # router's choice on a cache miss (by load: some runs put all three on one worker), so the
+                # test asserts each prompt's requests stay on one, not that both workers were used.
+                by_system = [{a.headers["X-Chunk-Llama-Worker"] for a in answers[k::NUM_SYSTEMS]}
+                             for k in range(NUM_SYSTEMS)]
+                assert all(len(w) == 1 for w in by_system), by_system
+                assert computed[policy] <= NUM_SYSTEMS * SYSTEM_WORDS + 16 * 5 + 3 * 64, computed
         finally:
             output = replicas.stop()
         assert replicas.proc.returncode == 0, output[-2000:]
