@@ -375,6 +375,11 @@ def test_bad_input_to_the_c_function_is_a_value_error():
     with pytest.raises(ValueError, match="window must be 0 .none. or a positive int32, got -3"):
         planned.decoder_stack(DecoderStack([layer(), layer()], [good, bad]), x, [cos, cos], [cos, cos])
     assert torch.equal(pool.k.nan_to_num(), k_before.nan_to_num())  # (nothing written: no layer ran)
+    # each layer's tables checked (most families give every layer the same two, checked once)
+    for tables in ([cos, torch.ones(2, head_dim)], [cos, cos.double()]):
+        with pytest.raises((ValueError, TypeError), match="cos and sin"):
+            planned.decoder_stack(DecoderStack([layer(), layer()], [good, good]), x, [cos, cos], tables)
+    assert torch.equal(pool.k.nan_to_num(), k_before.nan_to_num())
 
 
 # fused_stack.STACK_MODELS' families (Gemma 3: a rotary embedding and a window per layer type;

@@ -176,9 +176,12 @@ def run(stack: Stack, layer: nn.Module, first, step, hidden: torch.Tensor, posit
         widened = {id(t): t for t in (*cos, *sin)}
         widened = {key: t.float() for key, t in widened.items()}
         cos, sin = ([widened[id(t)] for t in tables] for tables in rotary)
-    head_dim = first.head_dim
-    out = planned.decoder_stack(arrays, hidden.view(-1, hidden.shape[2]).float(),
-                                [c.view(-1, head_dim) for c in cos], [s.view(-1, head_dim) for s in sin], lora)
+    head_dim, flat = first.head_dim, {}  # each table's [rows, head_dim] view, once (most families: one pair)
+    for table in (*cos, *sin):
+        if id(table) not in flat:
+            flat[id(table)] = table.view(-1, head_dim)
+    out = planned.decoder_stack(arrays, hidden.view(-1, hidden.shape[2]).float(), [flat[id(c)] for c in cos],
+                                [flat[id(s)] for s in sin], lora)
     return out.view(hidden.shape)
 
 

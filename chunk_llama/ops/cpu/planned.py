@@ -153,12 +153,15 @@ class CpuPlanned:
         if not len(cos) == len(sin) == stack.num_layers:
             raise ValueError(f"a decoder stack of {stack.num_layers} layers takes a cos and a sin per layer, got "
                              f"{len(cos)} and {len(sin)}")
+        address = {}  # each distinct table, checked once (most families give every layer the same two)
         for c, s in zip(cos, sin):
-            self._check_layer_inputs(hidden, stack._layers[0].hidden_size, c, s)
+            if id(c) not in address or id(s) not in address:
+                self._check_layer_inputs(hidden, stack._layers[0].hidden_size, c, s)
+                address[id(c)], address[id(s)] = c.data_ptr(), s.data_ptr()
         out = torch.empty_like(hidden)
         pointers = ctypes.c_void_p * len(cos)
         status = self._stack_run(self._address, stack.address, hidden.data_ptr(), out.data_ptr(),
-                                 pointers(*(c.data_ptr() for c in cos)), pointers(*(s.data_ptr() for s in sin)),
+                                 pointers(*(address[id(c)] for c in cos)), pointers(*(address[id(s)] for s in sin)),
                                  None if lora is None else lora.address)
         return out if status == 0 else self._raise(status)
 
