@@ -33,6 +33,36 @@ const Variant& int8_variant_for(const char* isa) {
   return requested;  // (generic's always runs: not reached)
 }
 
+// A weight of num_rows rows (weight_bytes in all) of an integer format in whole tiles, checked,
+// and its tiles' layout (quant_params.h): per block, the 16 rows' lone fp16 (if any), then dword k
+// of rows 0 .. 15 for each k. `what` names the caller in the errors.
+struct TileLayout {
+  chunk_attn_cpu::QuantFormat f;
+  int64_t row_bytes, blocks, tile_bytes, tile_block;  // tile_block: one block of the 16 rows
+  int half_at, halves, first, dwords;                 // the lone fp16's place in a row's block, ...
+};
+
+TileLayout tile_layout(const char* what, int type, int64_t weight_bytes, int64_t num_rows) {
+  using chunk_attn_cpu::kTileRows;
+  CHECK_VALUE(chunk_attn_cpu::quant_int8_supports(type) && !chunk_attn_cpu::is_tiled(type), what, ": GGML type ",
+              type, " is not a format with integer codes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)");
+  CHECK_VALUE(num_rows > 0 && num_rows % kTileRows == 0 && weight_bytes % num_rows == 0, what, ": ", num_rows,
+              " rows (", weight_bytes, " bytes) are not whole tiles of ", kTileRows);
+  TileLayout t;
+  t.f = chunk_attn_cpu::quant_format(type);
+  t.row_bytes = weight_bytes / num_rows;
+  CHECK_VALUE(t.row_bytes % t.f.block_bytes == 0, what, ": rows of ", t.row_bytes, " bytes are not whole blocks of ",
+              t.f.block_bytes);
+  t.blocks = t.row_bytes / t.f.block_bytes;
+  t.tile_bytes = kTileRows * t.row_bytes;
+  t.tile_block = kTileRows * t.f.block_bytes;
+  t.half_at = chunk_attn_cpu::tile_lone_half_at(type);
+  t.halves = chunk_attn_cpu::tile_halves_bytes(type);
+  t.first = chunk_attn_cpu::tile_first_dword(type);
+  t.dwords = (t.f.block_bytes - (t.half_at >= 0 ? 2 : 0)) / 4;
+  return t;
+}
+
 // A 64-byte aligned buffer of at least `bytes`, kept per calling thread between calls (the
 // integer kernel's scratch: a decode step makes about 7 calls per layer).
 uint8_t* int8_scratch_buffer(int64_t bytes) {
@@ -92,18 +122,9 @@ int chunk_llama_cpu_tile_rows(const uint8_t* in, uint8_t* out, int64_t weight_by
                               int untile, int num_threads) {
   return guarded([&] {
     using chunk_attn_cpu::kTileRows;
-    CHECK_VALUE(chunk_attn_cpu::quant_int8_supports(type) && !chunk_attn_cpu::is_tiled(type), "tile_rows: GGML type ",
-                type, " is not a format with integer codes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)");
-    CHECK_VALUE(num_rows > 0 && num_rows % kTileRows == 0 && weight_bytes % num_rows == 0 && num_threads >= 1,
-                "tile_rows: ", num_rows, " rows (", weight_bytes, " bytes) are not whole tiles of ", kTileRows);
-    const chunk_attn_cpu::QuantFormat f = chunk_attn_cpu::quant_format(type);
-    const int64_t row_bytes = weight_bytes / num_rows, blocks = row_bytes / f.block_bytes;
-    CHECK_VALUE(row_bytes % f.block_bytes == 0, "tile_rows: rows of ", row_bytes, " bytes are not whole blocks of ",
-                f.block_bytes);
-    // the tile's layout (quant_params.h): per block, the rows' lone fp16 (if any), then its dwords
-    const int half_at = chunk_attn_cpu::tile_lone_half_at(type), halves = chunk_attn_cpu::tile_halves_bytes(type);
-    const int first = chunk_attn_cpu::tile_first_dword(type), dwords = (f.block_bytes - (half_at >= 0 ? 2 : 0)) / 4;
-    const int64_t tiles = num_rows / kTileRows, tile_bytes = kTileRows * row_bytes, tile_block = kTileRows * f.block_bytes;
+    const TileLayout t = tile_layout("tile_rows", type, weight_bytes, num_rows);
+    CHECK_VALUE(num_threads >= 1, "tile_rows: ", num_threads, " threads");
+    const int64_t tiles = num_rows / kTileRows, tile_bytes = t.tile_bytes, row_bytes = t.row_bytes;
     std::vector<uint8_t> copies(static_cast<size_t>(tile_bytes) * num_threads);
 #pragma omp parallel num_threads(num_threads)
     {
@@ -116,20 +137,20 @@ int chunk_llama_cpu_tile_rows(const uint8_t* in, uint8_t* out, int64_t weight_by
       // dword k of rows 0 .. 15 for each k (2.2-2.8 GB/s here, where a dword at a time in the rows'
       // order ran at 0.8)
 #pragma omp for schedule(static)
-      for (int64_t t = 0; t < tiles; ++t) {
-        std::memcpy(copy, in + t * tile_bytes, tile_bytes);
-        uint8_t* to = out + t * tile_bytes;
-        for (int64_t b = 0; b < blocks; ++b) {
-          uint8_t* tiled = (untile ? copy : to) + b * tile_block;
-          uint8_t* rows = (untile ? to : copy) + b * f.block_bytes;  // row r's block at r * row_bytes
+      for (int64_t tile = 0; tile < tiles; ++tile) {
+        std::memcpy(copy, in + tile * tile_bytes, tile_bytes);
+        uint8_t* to = out + tile * tile_bytes;
+        for (int64_t b = 0; b < t.blocks; ++b) {
+          uint8_t* tiled = (untile ? copy : to) + b * t.tile_block;
+          uint8_t* rows = (untile ? to : copy) + b * t.f.block_bytes;  // row r's block at r * row_bytes
           const auto move = [&](uint8_t* tile_at, uint8_t* row_at, int bytes) {
             std::memcpy(untile ? row_at : tile_at, untile ? tile_at : row_at, bytes);
           };
-          if (half_at >= 0)
-            for (int r = 0; r < kTileRows; ++r) move(tiled + 2 * r, rows + r * row_bytes + half_at, 2);
-          for (int k = 0; k < dwords; ++k)
+          if (t.half_at >= 0)
+            for (int r = 0; r < kTileRows; ++r) move(tiled + 2 * r, rows + r * row_bytes + t.half_at, 2);
+          for (int k = 0; k < t.dwords; ++k)
             for (int r = 0; r < kTileRows; ++r)
-              move(tiled + halves + (k * kTileRows + r) * 4, rows + r * row_bytes + first + 4 * k, 4);
+              move(tiled + t.halves + (k * kTileRows + r) * 4, rows + r * row_bytes + t.first + 4 * k, 4);
         }
       }
     }
@@ -140,26 +161,19 @@ int chunk_llama_cpu_take_rows(const uint8_t* tiled, int64_t weight_bytes, int ty
                               const int64_t* ids, int64_t n, uint8_t* out) {
   return guarded([&] {
     using chunk_attn_cpu::kTileRows;
-    CHECK_VALUE(chunk_attn_cpu::quant_int8_supports(type) && !chunk_attn_cpu::is_tiled(type), "take_rows: GGML type ",
-                type, " is not a format with integer codes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)");
-    CHECK_VALUE(num_rows > 0 && num_rows % kTileRows == 0 && weight_bytes % num_rows == 0 && n >= 0,
-                "take_rows: ", num_rows, " rows (", weight_bytes, " bytes) are not whole tiles of ", kTileRows);
+    const TileLayout t = tile_layout("take_rows", type, weight_bytes, num_rows);
+    CHECK_VALUE(n >= 0, "take_rows: ", n, " rows asked");
     for (int64_t i = 0; i < n; ++i)  // (before anything is written)
       CHECK_VALUE(ids[i] >= 0 && ids[i] < num_rows, "take_rows: row ", ids[i], " is not one of the ", num_rows);
-    const chunk_attn_cpu::QuantFormat f = chunk_attn_cpu::quant_format(type);
-    const int64_t row_bytes = weight_bytes / num_rows, blocks = row_bytes / f.block_bytes;
-    // the tile's layout as tile_rows writes it: per block, the rows' lone fp16 (if any), then dword k of rows 0 .. 15
-    const int half_at = chunk_attn_cpu::tile_lone_half_at(type), halves = chunk_attn_cpu::tile_halves_bytes(type);
-    const int first = chunk_attn_cpu::tile_first_dword(type), dwords = (f.block_bytes - (half_at >= 0 ? 2 : 0)) / 4;
-    const int64_t tile_bytes = kTileRows * row_bytes, tile_block = kTileRows * f.block_bytes;
     for (int64_t i = 0; i < n; ++i) {
       const int64_t r = ids[i] % kTileRows;
-      const uint8_t* tile = tiled + ids[i] / kTileRows * tile_bytes;
-      for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* from = tile + b * tile_block;
-        uint8_t* to = out + i * row_bytes + b * f.block_bytes;
-        if (half_at >= 0) std::memcpy(to + half_at, from + 2 * r, 2);
-        for (int k = 0; k < dwords; ++k) std::memcpy(to + first + 4 * k, from + halves + (k * kTileRows + r) * 4, 4);
+      const uint8_t* tile = tiled + ids[i] / kTileRows * t.tile_bytes;
+      for (int64_t b = 0; b < t.blocks; ++b) {
+        const uint8_t* from = tile + b * t.tile_block;
+        uint8_t* to = out + i * t.row_bytes + b * t.f.block_bytes;
+        if (t.half_at >= 0) std::memcpy(to + t.half_at, from + 2 * r, 2);
+        for (int k = 0; k < t.dwords; ++k)
+          std::memcpy(to + t.first + 4 * k, from + t.halves + (k * kTileRows + r) * 4, 4);
       }
     }
   });

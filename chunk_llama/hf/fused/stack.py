@@ -171,17 +171,12 @@ def run(stack: Stack, layer: nn.Module, first, step, hidden: torch.Tensor, posit
     rotary = stack.rotary(layers, hidden, position_embeddings, position_ids)
     if isinstance(rotary, str):
         return _log_stack_falls_back(rotary)
-    cos, sin = rotary
-    if hidden.dtype is not torch.float32:  # a 16-bit model's: each table widened once
-        widened = {id(t): t for t in (*cos, *sin)}
-        widened = {key: t.float() for key, t in widened.items()}
-        cos, sin = ([widened[id(t)] for t in tables] for tables in rotary)
-    head_dim, flat = first.head_dim, {}  # each table's [rows, head_dim] view, once (most families: one pair)
-    for table in (*cos, *sin):
-        if id(table) not in flat:
-            flat[id(table)] = table.view(-1, head_dim)
-    out = planned.decoder_stack(arrays, hidden.view(-1, hidden.shape[2]).float(), [flat[id(c)] for c in cos],
-                                [flat[id(s)] for s in sin], lora)
+    # each distinct table once (most families give every layer the same two): widened where the model is
+    # 16-bit, as [rows, head_dim]
+    flat = {id(t): t for t in (*rotary[0], *rotary[1])}
+    flat = {key: t.float().view(-1, first.head_dim) for key, t in flat.items()}
+    cos, sin = ([flat[id(t)] for t in tables] for tables in rotary)
+    out = planned.decoder_stack(arrays, hidden.view(-1, hidden.shape[2]).float(), cos, sin, lora)
     return out.view(hidden.shape)
 
 
