@@ -60,8 +60,10 @@ class EngineArgs:
     max_batch_size: int = option(32, "most sequences decoded at once")
     chunk_size: int = option(64, "tokens per KV chunk")
     kv_cache_bytes: int | None = option(None, "K/V budget of all layers in bytes (default: from free memory)")
-    kv_dtype: str = option("auto", "the K/V cache's dtype; auto: the model's; bfloat16 under a float32 model on "
-                                   "the CPU stores K/V in half the bytes (attention still computed in float32)",
+    kv_dtype: str = option("auto", "the K/V cache's dtype; auto: the model's, float16 where a GGUF model's blocks "
+                                   "multiply integer activations on the CPU; bfloat16 or float16 under a float32 "
+                                   "model on the CPU store K/V in half the bytes (attention still computed in "
+                                   "float32)",
                            choices=DTYPE_CHOICES)
     max_prefill_tokens: int = option(1024, "most uncached prompt tokens computed in one step; longer prompts "
                                            "are prefilled in pieces between decode steps")

@@ -16,7 +16,9 @@ prompt is scored once. Systems, each on the model's logits at every position:
   int16          the blocks on int16 activations (`--gguf-activations int16`)
   stock bf16     stock transformers on those weights cast to bfloat16
   int16, D K/V   (`--kv-dtypes D`) int16 with each new key and value rounded to D before it is
-                 stored and read, as a K/V pool of dtype D (`kv_dtype`) holds them
+                 stored and read, as a K/V pool of dtype D (`kv_dtype`) holds them; "int16,
+                 float16 K/V" is what `auto` runs on avx2 and avx512 (`kv_dtype=auto` holds
+                 K/V in float16 under integer activations, `hf/support.py` `resolve_kv_dtype`)
 Prints, per system: worst and mean |logit - truth| and the top-1 agreement with float32's and
 with the truth's argmax. The issue's bound for a mode `auto` may pick: its top-1 agreement with
 float32 >= 99.5% and its worst error no larger than stock bfloat16's.

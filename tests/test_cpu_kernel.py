@@ -104,7 +104,7 @@ def test_variants_agree_on_one_plan():
 
 
 def widened_pool(pool):
-    """A float32 copy of a bfloat16 pool (guard chunk included: the kernel's extent check)."""
+    """A float32 copy of a 16-bit pool (guard chunk included: the kernel's extent check)."""
     from chunk_llama.kv import ChunkPool
 
     copy = ChunkPool(num_layers=1, num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,
@@ -114,16 +114,17 @@ def widened_pool(pool):
     return copy
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim,group", [(64, 3), (80, 4), (128, 1), (256, 2)])
-def test_queries_in_another_dtype_than_the_pool(variant, head_dim, group):
-    """Float32 queries over a bfloat16 pool (a float32 model's `kv_dtype=bfloat16`) give bit for
+def test_queries_in_another_dtype_than_the_pool(variant, head_dim, group, pool_dtype):
+    """Float32 queries over a bfloat16 or float16 pool (a float32 model's `kv_dtype`) give bit for
     bit the kernel's output over the same pool widened to float32 beforehand: K/V are widened
     in registers and the arithmetic is the same. Bfloat16 queries over a float32 pool give that
     output rounded to bfloat16."""
     from chunk_llama.ops.cpu.attention import tpp_decode_attention_cpu
 
     pool, tree = make_tree(branching_tokens(21), chunk_size=16, num_kv_heads=2, head_dim=head_dim,
-                           dtype=torch.bfloat16)
+                           dtype=pool_dtype)
     wide = widened_pool(pool)
     plan = build_decode_plan(tree, tree.seq_ids, group=group)
     q = torch.randn(plan.num_seqs, 2 * group, head_dim, generator=torch.Generator().manual_seed(3))

@@ -6,6 +6,7 @@ libsimde-dev, installed by scripts/test.sh), so its code is tested on CPUs witho
 build takes minutes, so an AVX-512 host runs the native code only). test_cpu_kernel_arm.py builds the
 same test for aarch64."""
 
+import re
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -66,12 +67,13 @@ def run_driver(command: list[str], variants: list[str], timeout: float) -> str:
     done = subprocess.run([*command, *variants], check=False, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"{' '.join([*command, *variants])}:\n{done.stdout[-4000:]}{done.stderr[-2000:]}"
     for variant in variants:
-        assert f"variant {variant}: 52 cases" in done.stdout, done.stdout
-        assert f"variant {variant} prefill: 30 cases" in done.stdout, done.stdout
-        assert f"variant {variant} prefill with context: 30 cases" in done.stdout, done.stdout
+        assert f"variant {variant}: 59 cases" in done.stdout, done.stdout
+        assert f"variant {variant} prefill: 35 cases" in done.stdout, done.stdout
+        assert f"variant {variant} prefill with context: 35 cases" in done.stdout, done.stdout
         assert f"variant {variant} linear: 96 cases" in done.stdout, done.stdout
         assert f"variant {variant} quant: 48 cases" in done.stdout, done.stdout
     assert "0 failing" in done.stdout, done.stdout
+    assert re.search(r"fp16 rounding: \d+ floats, 0 wrong", done.stdout), done.stdout
     return done.stdout
 
 

@@ -187,15 +187,16 @@ def test_variants_agree(variant):
     assert (out[rows] - base[rows]).abs().max().item() <= 2e-6
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim,group", [(64, 3), (96, 2), (256, 1)])
-def test_float32_queries_over_a_bfloat16_pool(variant, head_dim, group):
-    """As decode (test_cpu_kernel.py): float32 queries over a bfloat16 pool give bit for bit the
-    output over the pool widened to float32 beforehand, in float32."""
+def test_float32_queries_over_a_16_bit_pool(variant, head_dim, group, pool_dtype):
+    """As decode (test_cpu_kernel.py): float32 queries over a bfloat16 or float16 pool give bit
+    for bit the output over the pool widened to float32 beforehand, in float32."""
     from chunk_llama.ops.cpu.attention import prefill_attention_cpu
 
     tokens = [[1] * 99, [1] * 64 + [2] * 40, [3] * 37]
     pool, _, plan, q, _ = packed_step(tokens, [0, 70, 17], chunk_size=32, num_kv_heads=2, group=group,
-                                      head_dim=head_dim, dtype=torch.bfloat16, packed=True)
+                                      head_dim=head_dim, dtype=pool_dtype, packed=True)
     q = torch.randn(q.shape, generator=torch.Generator().manual_seed(4))
     wide = widened_pool(pool)
     out = prefill_attention_cpu(q, pool.k[0], pool.v[0], plan, head_dim**-0.5, variant=variant)

@@ -128,17 +128,19 @@ def test_fused_layers_compute_what_the_op_by_op_path_does(family, monkeypatch, f
         assert out.token_ids == want.sequences[0, len(prompt):].tolist()
 
 
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "phi3"])
-def test_fused_layers_write_a_bfloat16_pool_as_the_op_by_op_path(family, monkeypatch, fused_calls):
-    """kv_dtype=bfloat16 under float32 layers: the fused layer rounds the new K/V to the pool as
-    torch's copy does on the op-by-op path (to nearest even), and both read them widened: the
-    same tokens, logits as close to the truth; the rounding shows against a float32 pool."""
+def test_fused_layers_write_a_16_bit_pool_as_the_op_by_op_path(family, kv_dtype, monkeypatch, fused_calls):
+    """kv_dtype=bfloat16 or float16 under float32 layers: the fused layer rounds the new K/V to
+    the pool as torch's copy does on the op-by-op path (to nearest even), and both read them
+    widened: the same tokens, logits as close to the truth; the rounding shows against a
+    float32 pool."""
     stock = tiny(family)
     batch = prompts(seed=len(family) + 1)
     fused = check_fused_against_op_by_op(stock, copy.deepcopy(stock).double(), batch, monkeypatch, fused_calls,
-                                         family, kv_dtype="bfloat16")
+                                         family, kv_dtype=kv_dtype)
     wide = engine_outputs(copy.deepcopy(stock), batch, monkeypatch, fused=True)
-    assert any(not torch.equal(a.logits, b.logits) for a, b in zip(fused, wide)), "bfloat16 K/V changed nothing"
+    assert any(not torch.equal(a.logits, b.logits) for a, b in zip(fused, wide)), f"{kv_dtype} K/V changed nothing"
 
 
 GGUF_FORMATS = {  # family -> (the projections' GGML formats, sizes in whole K-quant super-blocks of 256)

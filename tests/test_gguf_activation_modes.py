@@ -68,8 +68,9 @@ def test_auto_picks_an_integer_mode_only_where_its_error_is_within_the_bound(cap
     """Teacher-forced over the shipped prompts (the tool manual and the first questions): the
     bound is a mode's top-1 agreeing with float32's on at least 99.5% of positions and its worst
     logit error against the float64 truth no larger than stock bfloat16's. int16 keeps it on the
-    default model (its steps are int8's / 255, and int8 misses it); `auto` picks no mode that
-    misses it on this CPU."""
+    default model (its steps are int8's / 255, and int8 misses it), with float32 K/V and with
+    the float16 K/V that `kv_dtype=auto` holds under it; `auto` picks no mode that misses it on
+    this CPU."""
     if activations.int8_variant() is None:
         pytest.skip("no CPU kernels")
     sys.path.insert(0, SCRIPTS)
@@ -77,9 +78,9 @@ def test_auto_picks_an_integer_mode_only_where_its_error_is_within_the_bound(cap
         import gguf_activation_errors as errors
     finally:
         sys.path.remove(SCRIPTS)
-    scores, positions = errors.measure(None, num_questions=4)
+    scores, positions = errors.measure(None, num_questions=4, kv_dtypes=(torch.float16,))
     bf16, within = scores["stock bf16"], {}
-    for mode in activations.INTEGER_MODES:
+    for mode in (*activations.INTEGER_MODES, "int16, float16 K/V"):
         agreement = scores[mode].same_top / scores[mode].count
         within[mode] = agreement >= 0.995 and scores[mode].worst <= bf16.worst
         with capsys.disabled():
@@ -88,10 +89,32 @@ def test_auto_picks_an_integer_mode_only_where_its_error_is_within_the_bound(cap
                   f"{'within' if within[mode] else 'outside'} the bound")
         assert scores[mode].worst > scores["float32"].worst  # (the mode is measured, not float32 again)
     assert scores["float32"].worst < 1e-3  # (float32 sits on the truth: the measure measures)
-    assert within["int16"]
+    assert within["int16"] and within["int16, float16 K/V"]
+    assert scores["int16, float16 K/V"].worst > scores["int16"].worst  # (the K/V were rounded)
     monkeypatch.delenv(activations.ENV, raising=False)
     picked = activations.resolve("auto")
     assert picked == "float32" or within[picked], f"auto picks {picked} here, outside the bound"
+
+
+def test_kv_dtype_auto_holds_float16_under_integer_activations_and_float32_under_float32():
+    """`kv_dtype="auto"` on a GGUF model: float16 K/V (half the bytes a token) where its blocks
+    multiply integer activations, whose error with them is within auto's bound (above); the
+    model's float32 in `float32` mode, which stays the previous path bit for bit; an explicit
+    `kv_dtype` wins either way."""
+    from chunk_llama.engine import ChunkLlamaEngine
+    from chunk_llama.loading import load_model
+
+    if activations.int8_variant() is None:
+        pytest.skip("no CPU kernels")
+    model, tokenizer = load_model(None, device="cpu", dtype=torch.float32, gguf_activations="float32")
+    pools = {}
+    for mode, kv_dtype in (("int16", "auto"), ("float32", "auto"), ("int16", "float32"), ("int8", "auto")):
+        engine = ChunkLlamaEngine(model, tokenizer, kv_cache_bytes=1 << 24, gguf_activations=mode, kv_dtype=kv_dtype)
+        pools[mode, kv_dtype] = engine.cache.pool.dtype, engine.stats["bytes_per_chunk"]
+        engine.close()
+    assert pools["int16", "auto"][0] == pools["int8", "auto"][0] == torch.float16
+    assert pools["float32", "auto"][0] == pools["int16", "float32"][0] == torch.float32
+    assert pools["int16", "auto"][1] * 2 == pools["float32", "auto"][1]
 
 
 def test_every_entry_point_takes_the_option_and_the_environment_sets_it(monkeypatch):

@@ -41,11 +41,12 @@ def test_engine_is_no_further_from_the_truth_than_stock(dtype):
         assert (chosen >= truth.max(dim=1).values - 2 * band).all(), f"request {i}: a token the truth ranks lower"
 
 
-def test_a_bfloat16_kv_cache_under_float32_weights_is_nearer_the_truth_than_stock_bfloat16():
-    """`kv_dtype="bfloat16"` under a float32 model: K/V rounded to bfloat16 in half the bytes,
-    everything else in float32 (the fused layers included). Judged like the half-precision
-    engine, by the float32 truth beside stock's bfloat16 on the same weights; a float32 pool
-    gives other logits (the rounding took effect)."""
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
+def test_a_16_bit_kv_cache_under_float32_weights_is_nearer_the_truth_than_stock_bfloat16(kv_dtype):
+    """`kv_dtype="bfloat16"` or `"float16"` under a float32 model: K/V rounded to it in half the
+    bytes, everything else in float32 (the fused layers included). Judged like the
+    half-precision engine, by the float32 truth beside stock's bfloat16 on the same weights; a
+    float32 pool gives other logits (the rounding took effect)."""
     stock = tiny_llama(num_heads=6, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, init=0.1, eos=None)
     truth_model = copy.deepcopy(stock).float()  # the weights bfloat16 holds, in float32
     rng = random.Random(1)
@@ -53,13 +54,13 @@ def test_a_bfloat16_kv_cache_under_float32_weights_is_nearer_the_truth_than_stoc
     prompts = [system + [rng.randrange(6, 96) for _ in range(n)] for n in (3, 11, 20, 1, 17, 6)]
     config = GenerationConfig(max_new_tokens=12, do_sample=False, output_logits=True)
     runs = {}
-    for kv_dtype in ("bfloat16", "auto"):
+    for name in (kv_dtype, "auto"):
         engine = ChunkLlamaEngine(copy.deepcopy(truth_model), max_batch_size=8, chunk_size=16,
-                                  kv_cache_bytes=1 << 24, kv_dtype=kv_dtype)
-        runs[kv_dtype] = (engine.generate(prompts, config), engine.stats, engine.cache.pool.dtype)
+                                  kv_cache_bytes=1 << 24, kv_dtype=name)
+        runs[name] = (engine.generate(prompts, config), engine.stats, engine.cache.pool.dtype)
         engine.close()
-    outputs, stats, pool_dtype = runs["bfloat16"]
-    assert pool_dtype == torch.bfloat16 and stats["attention_backend"].startswith("cpu:"), stats
+    outputs, stats, pool_dtype = runs[kv_dtype]
+    assert pool_dtype == getattr(torch, kv_dtype) and stats["attention_backend"].startswith("cpu:"), stats
     assert stats["bytes_per_chunk"] * 2 == runs["auto"][1]["bytes_per_chunk"]
     assert stats["kv_capacity_chunks"] >= 2 * runs["auto"][1]["kv_capacity_chunks"] - 1  # the same budget
     assert stats["prefill_tokens_reused"] > 0
@@ -73,4 +74,4 @@ def test_a_bfloat16_kv_cache_under_float32_weights_is_nearer_the_truth_than_stoc
         assert_no_worse_than_stock(out.logits.double(), stock_logits, truth, torch.bfloat16,
                                    what=f"request {i}'s logits")
         differ += not torch.equal(out.logits, wide.logits) if out.token_ids == wide.token_ids else 1
-    assert differ, "a bfloat16 pool gave the float32 pool's logits exactly"
+    assert differ, f"a {kv_dtype} pool gave the float32 pool's logits exactly"

@@ -103,7 +103,7 @@ def test_bad_engine_and_cache_configuration():
         (dict(max_prefill_tokens=0), ValueError, "max_prefill_tokens"),
         (dict(kv_cache_bytes=PER_CHUNK_16 - 1, chunk_size=16), ValueError, "too small"),
         (dict(kv_cache_bytes="1GB"), TypeError, "kv_cache_bytes"),
-        (dict(kv_dtype="float16"), ValueError, "kv_dtype=float16 under a float32 model on cpu"),
+        (dict(kv_dtype="float64"), ValueError, "kv_dtype=float64 under a float32 model on cpu"),
         (dict(kv_dtype="fp8"), ValueError, "kv_dtype must be auto or one of"),
         (dict(kv_dtype=torch.int8), ValueError, "kv_dtype=int8 under a float32 model"),
         (dict(kv_dtype=16), TypeError, "kv_dtype must be a torch.dtype"),

@@ -129,20 +129,27 @@ def test_device_and_dtype_resolution():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_kv_dtype("auto", torch.float32, cpu) == torch.float32
     assert resolve_kv_dtype("bfloat16", torch.float32, cpu) == torch.bfloat16  # half the bytes, float32 attention
+    assert resolve_kv_dtype("float16", torch.float32, cpu) == torch.float16
+    # auto under a GGUF model's integer activations: float16 on the CPU under a float32 model only
+    assert resolve_kv_dtype("auto", torch.float32, cpu, integer_activations=True) == torch.float16
+    assert resolve_kv_dtype(None, None, cpu, integer_activations=True) == torch.float16
+    assert resolve_kv_dtype("auto", torch.bfloat16, cpu, integer_activations=True) == torch.bfloat16
+    assert resolve_kv_dtype("auto", torch.float32, cuda, integer_activations=True) == torch.float32
+    assert resolve_kv_dtype("bfloat16", torch.float32, cpu, integer_activations=True) == torch.bfloat16
     assert resolve_kv_dtype(torch.bfloat16, torch.bfloat16, cuda) == torch.bfloat16
     for kv_dtype, dtype, device in [("bfloat16", torch.float32, cuda), ("float32", torch.bfloat16, cpu),
-                                    ("float16", torch.float32, cpu)]:
+                                    ("float16", torch.bfloat16, cpu), ("float16", torch.float32, cuda)]:
         with pytest.raises(ValueError, match=f"kv_dtype={kv_dtype} under a"):
             resolve_kv_dtype(kv_dtype, dtype, device)
 
 
 def test_a_kv_dtype_the_model_cannot_use_is_one_line_before_any_weights_are_read():
-    done = subprocess.run([sys.executable, "-m", "chunk_llama.cli", "generate", "--kv-dtype", "float16"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "chunk_llama.cli", "generate", "--dtype", "bfloat16", "--kv-dtype",
+                           "float16"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr and "loading" not in done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
-        "chunk-llama generate: error: kv_dtype=float16 under a float32 model on cpu: the K/V pool holds the "
-        "model's dtype, or bfloat16 under a float32 model on the CPU")
+        "chunk-llama generate: error: kv_dtype=float16 under a bfloat16 model on cpu: the K/V pool holds the "
+        "model's dtype, or bfloat16 or float16 under a float32 model on the CPU")
 
 
 def test_to_argv_gives_the_settings_again_and_keeps_secrets_off_command_lines():

@@ -56,8 +56,10 @@ class ChunkLlamaEngine(Delivery, EngineAdapters):
         max_batch_size: most sequences decoded at once.
         chunk_size: tokens per KV chunk (default: the patch's, 64).
         kv_cache_bytes: K/V budget for all layers (default: from free memory).
-        kv_dtype: the K/V pool's dtype: "auto" (the model's) or bfloat16 under a float32
-            model on the CPU (half the bytes per token; attention still in float32).
+        kv_dtype: the K/V pool's dtype: "auto" (the model's; float16 where a GGUF model's
+            blocks multiply integer activations on the CPU, `gguf_activations`' default) or
+            bfloat16 or float16 under a float32 model on the CPU (half the bytes per token;
+            attention still in float32).
         max_prefill_tokens: most uncached prompt tokens computed in one step; a
             longer prompt is prefilled in pieces over several steps, between which
             the running requests decode (chunked prefill).

@@ -382,6 +382,11 @@ def describe_kept(counts: dict[str, int]) -> str:
     return ", ".join(f"{n} {t}" for t, n in sorted(counts.items())) or "none"
 
 
+def integer_activations(model: nn.Module) -> bool:
+    """Whether any of the model's GGUF layers multiplies integer activations (int8 or int16)."""
+    return any(m.activations != "float32" for m in model.modules() if isinstance(m, GGUFLinear))
+
+
 def gguf_blocks(model: nn.Module) -> dict[str, int]:
     """How many of the model's layers hold GGML blocks, by type (empty for none)."""
     return dict(collections.Counter(m.ggml_type for m in model.modules() if isinstance(m, (GGUFLinear, GGUFEmbedding))))

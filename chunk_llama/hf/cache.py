@@ -25,6 +25,7 @@ import logging
 import torch
 from transformers.cache_utils import Cache
 
+from chunk_llama.gguf.weights import integer_activations
 from chunk_llama.hf.adapters import WeightsKey
 from chunk_llama.hf.cache_api import CacheApi
 from chunk_llama.hf.lora.rows import AdapterRows
@@ -50,8 +51,9 @@ class ChunkCache(GenerateRows, AdapterRows, CacheApi, Cache):
         model: the (patched or not) model, or its config.
         chunk_size: tokens per chunk (positive).
         kv_cache_bytes: memory budget for K and V of all layers; default from free memory.
-        kv_dtype: the pool's dtype: the model's (default), or bfloat16 under a float32 model
-            on the CPU (`hf.support.resolve_kv_dtype`).
+        kv_dtype: the pool's dtype: auto (default: the model's, float16 where its GGUF blocks
+            multiply integer activations on the CPU), or bfloat16 or float16 under a float32
+            model on the CPU (`hf.support.resolve_kv_dtype`).
         device: of the pool; default the model's.
         retain_prefixes: keep finished sequences' chunks as an LRU prefix cache.
         token_granular: share a common prefix to the token, also where it ends inside a
@@ -82,7 +84,8 @@ class ChunkCache(GenerateRows, AdapterRows, CacheApi, Cache):
             placed = layer_devices(model, num_layers)
         device = torch.device(device or (placed[0] if placed else getattr(model, "device", "cpu")))
         model_dtype = model.dtype if isinstance(model, torch.nn.Module) else None
-        dtype = resolve_kv_dtype(kv_dtype, model_dtype, device)
+        integer = isinstance(model, torch.nn.Module) and integer_activations(model)
+        dtype = resolve_kv_dtype(kv_dtype, model_dtype, device, integer)
         model_dtype = model_dtype or dtype  # a config alone: the model computes in the pool's dtype
         per_chunk = ChunkPool.bytes_per_chunk_for(num_layers, num_kv_heads, head_dim, chunk_size, dtype)
         if kv_cache_bytes is None:

@@ -118,13 +118,18 @@ def check_dtype(dtype: torch.dtype) -> None:
 
 
 def resolve_kv_dtype(kv_dtype: str | torch.dtype | None, model_dtype: torch.dtype | None,
-                     device: torch.device) -> torch.dtype:
+                     device: torch.device, integer_activations: bool = False) -> torch.dtype:
     """The K/V pool's dtype: `auto` (or None) the model's (float32 where `model_dtype` is
-    None: unknown); else the named dtype, which must be the model's or bfloat16 under a
-    float32 model on the CPU (K/V stored rounded to bfloat16, attention computed in float32:
-    half the pool's bytes and the attention's reads; the CPU kernels widen bfloat16 in
+    None: unknown), but float16 under a float32 model on the CPU whose GGUF blocks multiply
+    integer activations (`integer_activations`: `gguf_activations` int8 or int16, what `auto`
+    picks), whose error with float16 K/V stays within `auto`'s bound (docs/BENCHMARKS.md,
+    "16-bit K/V under int16 activations") in half the bytes, as llama.cpp holds K/V; else the named dtype, which must be the model's or, under a float32 model
+    on the CPU, bfloat16 or float16 (K/V stored rounded to it, attention computed in float32:
+    half the pool's bytes and the attention's reads; the CPU kernels widen them in
     registers)."""
     if kv_dtype is None or kv_dtype == "auto":
+        if integer_activations and device.type == "cpu" and model_dtype in (None, torch.float32):
+            return torch.float16
         return model_dtype or torch.float32
     if isinstance(kv_dtype, str):
         resolved = getattr(torch, kv_dtype, None)
@@ -137,9 +142,9 @@ def resolve_kv_dtype(kv_dtype: str | torch.dtype | None, model_dtype: torch.dtyp
     if model_dtype is None:
         check_dtype(kv_dtype)
     elif kv_dtype != model_dtype and not (device.type == "cpu" and model_dtype == torch.float32
-                                        and kv_dtype == torch.bfloat16):
+                                        and kv_dtype in (torch.bfloat16, torch.float16)):
         raise ValueError(f"kv_dtype={name(kv_dtype)} under a {name(model_dtype)} model on {device.type}: the K/V "
-                         f"pool holds the model's dtype, or bfloat16 under a float32 model on the CPU")
+                         f"pool holds the model's dtype, or bfloat16 or float16 under a float32 model on the CPU")
     return kv_dtype
 
 

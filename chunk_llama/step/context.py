@@ -125,7 +125,7 @@ class StepContext:
         for cache, states in ((self.pool.k[layer], key_states), (self.pool.v[layer], value_states)):
             # [batch * q_len, num_kv_heads, head_dim] -> the written tokens' rows, [num_writes * num_kv_heads, head_dim]
             flat = states.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)[self.writes.token_index]
-            # (a bfloat16 pool under a float32 model: rounded to nearest even, as the fused layer does)
+            # (a 16-bit pool under a float32 model: rounded to nearest even, as the fused layer does)
             cache.view(-1, head_dim).index_copy_(0, rows, flat.reshape(-1, head_dim).to(cache.dtype))
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,

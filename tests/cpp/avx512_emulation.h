@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "quant_params.h"
+#include "scalar.h"
 
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>

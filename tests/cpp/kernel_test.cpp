@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -38,7 +39,7 @@ namespace {
 
 struct Case {
   int num_seqs, max_len, chunk_size, head_dim, num_kv_heads, group, max_blocks_per_item;
-  bool bf16;
+  DType pool;  // q and out: the pool's dtype, float32 over a float16 pool
   uint64_t seed;
   int window = 0;  // sliding window; 0: none
 };
@@ -151,24 +152,32 @@ struct Coverage {
   }
 };
 
+const char* pool_name(DType pool) {
+  return pool == DType::kBFloat16 ? "bf16" : pool == DType::kFloat16 ? "fp16" : "fp32";
+}
+
 template <typename T>
 T to_storage(float x);
 template <>
 float to_storage<float>(float x) { return x; }
 template <>
 uint16_t to_storage<uint16_t>(float x) { return float_to_bf16(x); }
+template <>
+Half to_storage<Half>(float x) { return Half{float_to_fp16(x)}; }
 
 // Runs one case on `variant`; returns the largest error in units of the allowed error
 // (NaN or inf when an output is not finite).
 template <typename T>
 double run_case(const Variant& variant, const Case& cs) {
+  using Q = std::conditional_t<std::is_same_v<T, Half>, float, T>;  // (no float16 q)
   Rng rng = case_rng(cs);
   const Tree tree = case_tree(cs, rng);
   const Plan plan = build_plan(tree);
   const int n = cs.num_seqs, C = cs.chunk_size, D = cs.head_dim, KV = cs.num_kv_heads, H = KV * cs.group;
-  std::vector<T> k, v, q(static_cast<size_t>(n) * H * D), out(q.size());
+  std::vector<T> k, v;
+  std::vector<Q> q(static_cast<size_t>(n) * H * D), out(q.size());
   fill_pool(tree, KV, C, D, rng, to_storage<T>, k, v);
-  for (auto& x : q) x = to_storage<T>(rng.value());
+  for (auto& x : q) x = to_storage<Q>(rng.value());
   Params p{};
   p.q = q.data(), p.k_cache = k.data(), p.v_cache = v.data(), p.out = out.data();
   p.shared_chunk_ids = plan.shared_ids.data(), p.shared_start = plan.shared_start.data();
@@ -180,7 +189,7 @@ double run_case(const Variant& variant, const Case& cs) {
   p.seq_lens = plan.seq_lens.data(), p.seq_pair_ptr = plan.seq_pair_ptr.data();
   p.num_seqs = n, p.num_heads = H, p.num_kv_heads = KV, p.head_dim = D, p.chunk_size = C;
   p.num_shared = static_cast<int>(plan.shared_ids.size()), p.max_private = plan.max_private;
-  p.dtype = p.q_dtype = sizeof(T) == 2 ? DType::kBFloat16 : DType::kFloat32;  // q and out in the pool's dtype
+  p.dtype = cs.pool, p.q_dtype = std::is_same_v<Q, float> ? DType::kFloat32 : DType::kBFloat16;
   p.scale = 1.f / std::sqrt(static_cast<float>(D));
   p.window = cs.window;
   p.num_threads = 2;
@@ -214,7 +223,7 @@ double run_case(const Variant& variant, const Case& cs) {
         // in units of the allowed error: fp32 math (1e-6 relative, 1e-6 absolute) and
         // for bf16 storage the output's rounding to nearest (half a unit in the last place)
         double allowed = 1e-6 + 1e-6 * std::fabs(expected);
-        if (sizeof(T) == 2 && expected != 0) allowed += std::ldexp(1.0, std::ilogb(expected) - 8);
+        if (sizeof(Q) == 2 && expected != 0) allowed += std::ldexp(1.0, std::ilogb(expected) - 8);
         const double error = std::fabs(got - expected) / allowed;
         if (!(error <= worst)) worst = error;  // NaN sticks
       }
@@ -307,6 +316,52 @@ double run_quant_cases(const Variant& variant, int& cases) {
   return worst;
 }
 
+// float_to_fp16 (a float16 pool's stores) against the nearest half found by search: the
+// largest half at or below |f| and the next one up (the largest finite's next taken as 2^16,
+// so that |f| >= 65520 overflows to infinity as IEEE's rounding says), ties to the even
+// code; every half, its float neighbours, the midpoints between halves and theirs, random
+// bit patterns, both signs; a NaN stays a NaN.
+int check_fp16_rounding() {
+  const auto value = [](uint16_t h) {
+    return h >= 0x7c00 ? 65536.0 : static_cast<double>(fp16_to_float(reinterpret_cast<const uint8_t*>(&h)));
+  };
+  const auto nearest = [&](float f) -> uint16_t {
+    const double a = std::fabs(static_cast<double>(f));
+    uint16_t low = 0, high = 0x7c00;  // value(low) <= a < value(high), or a past 2^16
+    if (a >= 65536.0) return static_cast<uint16_t>((std::signbit(f) ? 0x8000 : 0) | 0x7c00);
+    while (high - low > 1) {
+      const uint16_t mid = static_cast<uint16_t>((low + high) / 2);
+      (value(mid) <= a ? low : high) = mid;
+    }
+    const double below = a - value(low), above = value(high) - a;
+    const uint16_t h = below < above ? low : above < below ? high : (low % 2 == 0 ? low : high);
+    return static_cast<uint16_t>((std::signbit(f) ? 0x8000 : 0) | h);
+  };
+  std::vector<float> values;
+  for (uint32_t h = 0; h < 0x7c00; ++h) {
+    const float x = static_cast<float>(value(static_cast<uint16_t>(h)));
+    const float mid = static_cast<float>((value(static_cast<uint16_t>(h)) + value(static_cast<uint16_t>(h + 1))) / 2);
+    for (float y : {x, mid})
+      for (float z : {y, std::nextafter(y, 0.f), std::nextafter(y, INFINITY)}) values.insert(values.end(), {z, -z});
+  }
+  Rng rng{99};
+  for (int i = 0; i < 1 << 20; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(rng.next() >> 32);
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    values.push_back(f);
+  }
+  values.insert(values.end(), {INFINITY, -INFINITY, 65519.996f, 65520.f, 1e30f, -0.f, 1e-45f, 2.9802322e-08f});
+  int failures = 0;
+  for (float f : values) {
+    const uint16_t got = float_to_fp16(f);
+    const bool ok = std::isnan(f) ? (got & 0x7c00) == 0x7c00 && (got & 0x3ff) != 0 : got == nearest(f);
+    if (!ok && ++failures <= 5) std::printf("FAIL fp16 rounding: %.9g gave 0x%04x, not 0x%04x\n", f, got, nearest(f));
+  }
+  std::printf("fp16 rounding: %zu floats, %d wrong\n", values.size(), failures);
+  return failures;
+}
+
 int main(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(stderr, "usage: %s VARIANT...\n", argv[0]);
@@ -316,26 +371,29 @@ int main(int argc, char** argv) {
   // qemu every instruction is emulated.
   std::vector<Case> cases;
   uint64_t seed = 1;
-  for (int bf16 = 0; bf16 < 2; ++bf16)
+  for (DType pool : {DType::kFloat32, DType::kBFloat16, DType::kFloat16})
     for (int head_dim : {64, 128, 256})
       for (int group : {1, 3, 4}) {
+        if (pool == DType::kFloat16 && group != 3) continue;  // (its loads are all it adds: a few cases)
         const int chunk_size = (head_dim == 256 ? 16 : (group == 3 ? 48 : 32));
         for (int max_blocks : {1, 1000}) {
           const int num_seqs = group == 1 ? 37 : (group == 3 ? 17 : 5);
-          cases.push_back({num_seqs, group == 4 ? 300 : 130, chunk_size, head_dim, 2, group, max_blocks, bf16 == 1, seed++});
+          cases.push_back({num_seqs, group == 4 ? 300 : 130, chunk_size, head_dim, 2, group, max_blocks, pool, seed++});
         }
       }
-  cases.push_back({1, 200, 64, 64, 3, 3, 1, false, seed++});  // one sequence: nothing shared
-  cases.push_back({40, 40, 16, 128, 1, 1, 2, false, seed++});  // many short sequences over a few chunks
-  cases.push_back({17, 130, 16, 80, 2, 2, 1000, false, seed++});  // D = 80: an odd number of 16-lane vectors
-  cases.push_back({9, 150, 32, 96, 2, 3, 1, true, seed++});  // D = 96: a narrower last P V slice (8 lanes)
+  const DType f32 = DType::kFloat32;
+  cases.push_back({1, 200, 64, 64, 3, 3, 1, f32, seed++});  // one sequence: nothing shared
+  cases.push_back({40, 40, 16, 128, 1, 1, 2, f32, seed++});  // many short sequences over a few chunks
+  cases.push_back({17, 130, 16, 80, 2, 2, 1000, f32, seed++});  // D = 80: an odd number of 16-lane vectors
+  cases.push_back({17, 130, 16, 80, 2, 2, 1000, DType::kFloat16, seed++});  // (its fp16 loads likewise)
+  cases.push_back({9, 150, 32, 96, 2, 3, 1, DType::kBFloat16, seed++});  // D = 96: a narrower last P V slice (8 lanes)
   // sliding windows shorter than, across and longer than the shared prefixes
   for (int window : {1, 23, 77})
     for (int max_blocks : {1, 1000}) {
-      cases.push_back({17, 200, 16, 64, 2, 3, max_blocks, false, seed++, window});
-      cases.push_back({5, 300, 32, 256, 1, 4, max_blocks, window == 23, seed++, window});
+      cases.push_back({17, 200, 16, 64, 2, 3, max_blocks, window == 77 ? DType::kFloat16 : f32, seed++, window});
+      cases.push_back({5, 300, 32, 256, 1, 4, max_blocks, window == 23 ? DType::kBFloat16 : f32, seed++, window});
     }
-  int failures = 0, runs = 0;
+  int failures = check_fp16_rounding() > 0, runs = 0;
   Coverage coverage;  // the same trees for every variant
   for (const Case& cs : cases) {
     Rng rng = case_rng(cs);
@@ -365,13 +423,15 @@ int main(int argc, char** argv) {
       return 2;
     }
     for (const Case& cs : cases) {
-      const double error = cs.bf16 ? run_case<uint16_t>(*variant, cs) : run_case<float>(*variant, cs);
+      const double error = cs.pool == DType::kBFloat16  ? run_case<uint16_t>(*variant, cs)
+                           : cs.pool == DType::kFloat16 ? run_case<Half>(*variant, cs)
+                                                        : run_case<float>(*variant, cs);
       ++runs;
       if (!(error <= worst)) worst = error;  // NaN sticks
       if (!(error <= 1.0)) {
         ++failures;
         std::printf("FAIL %s: %s d=%d group=%d chunk=%d seqs=%d max_blocks=%d window=%d seed=%llu: max error %.3g x "
-                    "the allowed\n", argv[a], cs.bf16 ? "bf16" : "fp32", cs.head_dim, cs.group, cs.chunk_size,
+                    "the allowed\n", argv[a], pool_name(cs.pool), cs.head_dim, cs.group, cs.chunk_size,
                     cs.num_seqs, cs.max_blocks_per_item, cs.window, static_cast<unsigned long long>(cs.seed), error);
       }
     }

@@ -28,6 +28,7 @@
 #include <cstdio>
 #include <map>
 #include <set>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -43,13 +44,15 @@ namespace {
 
 struct Case {
   int chunk_size, head_dim, num_kv_heads, group, tile_rows, item_rows, window;  // window 0: none
-  bool bf16, context;  // context: a step with shared prefixes, through the context phase
+  DType pool;  // q and out: the pool's dtype, float32 over a float16 pool
+  bool context;  // context: a step with shared prefixes, through the context phase
   uint64_t seed;
 };
 
 template <typename T>
 T to_storage(float x) {
-  if constexpr (sizeof(T) == 2) return float_to_bf16(x);
+  if constexpr (std::is_same_v<T, Half>) return Half{float_to_fp16(x)};
+  else if constexpr (sizeof(T) == 2) return float_to_bf16(x);
   else return x;
 }
 
@@ -316,8 +319,9 @@ double run(const Variant& variant, const Case& cs, PrefillSummary& summary) {
   if (!cs.context) summary.starts_inside += starts_inside, summary.ends_inside += ends_inside;
   std::vector<T> k, v;
   fill_pool(step.tree, KV, C, D, rng, to_storage<T>, k, v);
-  std::vector<T> q(static_cast<size_t>(step.rows) * H * D), out(q.size(), to_storage<T>(std::nanf("")));
-  for (auto& x : q) x = to_storage<T>(rng.value());
+  using Q = std::conditional_t<std::is_same_v<T, Half>, float, T>;  // (no float16 q)
+  std::vector<Q> q(static_cast<size_t>(step.rows) * H * D), out(q.size(), to_storage<Q>(std::nanf("")));
+  for (auto& x : q) x = to_storage<Q>(rng.value());
   std::vector<int64_t> token_pos(step.rows, 0);  // rows of no sequence: 0
   for (int s = 0; s < num_seqs; ++s)
     for (int64_t i = 0; i < step.num_tokens[s]; ++i) token_pos[step.token_start[s] + i] = step.q_start[s] + i;
@@ -343,8 +347,8 @@ double run(const Variant& variant, const Case& cs, PrefillSummary& summary) {
   p.num_ctx_levels = static_cast<int>(plan.levels.size()) - 1;
   p.num_threads = 1;
   p.num_seqs = num_seqs, p.max_segments = max_segments, p.num_heads = H, p.num_kv_heads = KV, p.head_dim = D;
-  p.chunk_size = C, p.dtype = cs.bf16 ? DType::kBFloat16 : DType::kFloat32, p.scale = 1.f / std::sqrt(float(D));
-  p.q_dtype = p.dtype;  // q and out in the pool's dtype here
+  p.chunk_size = C, p.dtype = cs.pool, p.scale = 1.f / std::sqrt(float(D));
+  p.q_dtype = std::is_same_v<Q, float> ? DType::kFloat32 : DType::kBFloat16;
   p.window = cs.window;
   p.workspace_stride = prefill_workspace_floats(D);
   std::vector<float> workspace(p.workspace_stride, std::nanf(""));
@@ -376,7 +380,7 @@ double run(const Variant& variant, const Case& cs, PrefillSummary& summary) {
           for (int64_t t = 0; t <= pos; ++t) expected += w[t] * load_scalar(v.data(), at(t, d));
           expected /= sum;
           double allowed = 1e-6 + 1e-6 * std::fabs(expected);  // as kernel_test.cpp's decode cases
-          if (cs.bf16 && expected != 0) allowed += std::ldexp(1.0, std::ilogb(expected) - 8);
+          if (sizeof(Q) == 2 && expected != 0) allowed += std::ldexp(1.0, std::ilogb(expected) - 8);
           const double error = std::fabs(load_scalar(out.data(), q_row + d) - expected) / allowed;
           if (!(error <= worst)) worst = error;  // NaN sticks
         }
@@ -396,9 +400,10 @@ PrefillSummary run_prefill_cases(const Variant& variant) {
   PrefillSummary summary;
   uint64_t seed = 1;
   for (int context = 0; context < 2; ++context)
-    for (int bf16 = 0; bf16 < 2; ++bf16)
+    for (DType pool : {DType::kFloat32, DType::kBFloat16, DType::kFloat16})
       for (int head_dim : {64, 80, 96, 128, 256})
         for (int group : {1, 2, 3}) {
+          if (pool == DType::kFloat16 && group != 3) continue;  // (its loads are all it adds: a few cases)
           const int chunk_size = head_dim == 256 ? 16 : 32, tile_rows = group == 2 ? 128 : 37;
           // items of 128 rows or of 37, with group 2 or 3 either ending inside a token's group
           const int item_rows = (seed / 2) % 2 ? 128 : 37;
@@ -406,15 +411,18 @@ PrefillSummary run_prefill_cases(const Variant& variant) {
           // with context across several of them (items that skip a segment, partials of
           // rows that see none of the context)
           const int window = (seed % 2) * (head_dim == 128 ? 7 : (head_dim == 64 || !context ? 21 : 40));
-          const Case cs{chunk_size, head_dim, 2, group, tile_rows, item_rows, window, bf16 == 1, context == 1, seed++};
-          const double error = bf16 ? run<uint16_t>(variant, cs, summary) : run<float>(variant, cs, summary);
+          const Case cs{chunk_size, head_dim, 2, group, tile_rows, item_rows, window, pool, context == 1, seed++};
+          const double error = pool == DType::kBFloat16  ? run<uint16_t>(variant, cs, summary)
+                               : pool == DType::kFloat16 ? run<Half>(variant, cs, summary)
+                                                         : run<float>(variant, cs, summary);
           double& worst = context ? summary.context_worst : summary.worst;
           ++(context ? summary.context_cases : summary.cases);
           if (!(error <= worst)) worst = error;
           if (!(error <= 1.0)) {
             ++summary.failures;
             std::printf("FAIL %s prefill%s: %s d=%d group=%d chunk=%d tile=%d item=%d window=%d seed=%llu: max error "
-                        "%.3g x the allowed\n", variant.name, context ? " with context" : "", bf16 ? "bf16" : "fp32",
+                        "%.3g x the allowed\n", variant.name, context ? " with context" : "",
+                        pool == DType::kBFloat16 ? "bf16" : pool == DType::kFloat16 ? "fp16" : "fp32",
                         head_dim, group, chunk_size, tile_rows, item_rows, window,
                         static_cast<unsigned long long>(cs.seed), error);
           }

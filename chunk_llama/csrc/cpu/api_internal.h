@@ -31,7 +31,7 @@ const chunk_attn_cpu::Variant& int8_variant_for(const char* isa);
 void quant_int8_linear(const char* isa, const chunk_attn_cpu::QuantInt8Params& params);
 
 // plan_checks.cpp: what a plan is checked for once, when it is made, and a call per layer.
-void check_dtype(int dtype, const char* what);
+void check_dtype(int dtype, const char* what, bool pool);  // pool: float16 too
 chunk_attn_cpu::DType kernel_dtype(int dtype);
 void check_window(int64_t window);
 Geometry check_geometry(const chunk_llama_cpu_plan_params& params);

@@ -28,11 +28,12 @@ extern "C" {
 
 /* Bumped whenever an entry point's arguments change: a loader refuses a library whose
  * version differs from the one its binding was written for. */
-#define CHUNK_LLAMA_CPU_ABI_VERSION 11
+#define CHUNK_LLAMA_CPU_ABI_VERSION 12
 
 enum { CHUNK_LLAMA_OK = 0, CHUNK_LLAMA_VALUE_ERROR = 1, CHUNK_LLAMA_TYPE_ERROR = 2 };
-/* Element types of q and the pool (params.h DType). */
-enum { CHUNK_LLAMA_FLOAT32 = 0, CHUNK_LLAMA_BFLOAT16 = 1 };
+/* Element types of q and the pool (params.h DType); float16 for pools only (under float32 or
+ * bfloat16 q). (The CUDA library's float16 code is another name: CHUNK_LLAMA_FLOAT16.) */
+enum { CHUNK_LLAMA_FLOAT32 = 0, CHUNK_LLAMA_BFLOAT16 = 1, CHUNK_LLAMA_CPU_FLOAT16 = 2 };
 
 CHUNK_LLAMA_API int chunk_llama_cpu_abi_version(void);
 /* The message of this thread's last failed call. */

@@ -82,10 +82,12 @@ void decode(const Params& p) {
 
 // The caller checked supports(chunk_size, head_dim) and sized the scratch.
 void tpp_decode(const Params& p) {
-  const bool bf16 = p.dtype == DType::kBFloat16;
   switch (p.head_dim) {
-#define CHUNK_ATTN_DECODE_CASE(D) \
-  case D: return bf16 ? decode<uint16_t, D>(p) : decode<float, D>(p);
+#define CHUNK_ATTN_DECODE_CASE(D)                                              \
+  case D:                                                                      \
+    return p.dtype == DType::kBFloat16  ? decode<uint16_t, D>(p)              \
+           : p.dtype == DType::kFloat16 ? decode<Half, D>(p)                  \
+                                        : decode<float, D>(p);
     CHUNK_ATTN_CPU_HEAD_DIMS(CHUNK_ATTN_DECODE_CASE)
 #undef CHUNK_ATTN_DECODE_CASE
   }

@@ -36,6 +36,9 @@ inline void vstore(uint16_t* p, Vec a) {  // round to nearest even, keep the hig
   const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
+inline Vec vload(const Half* p) {  // (F16C)
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+}
 inline Vec vadd(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
 inline Vec vhalf(const uint8_t* p) {  // every lane: the fp16 at p (F16C)
   uint16_t h;

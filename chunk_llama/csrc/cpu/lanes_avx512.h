@@ -33,6 +33,7 @@ inline void vstore(uint16_t* p, Vec a) {  // round to nearest even, keep the hig
   bits = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits));  // truncation is exact
 }
+inline Vec vload(const Half* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
 inline Vec vadd(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline float half_to_float(const uint8_t* p) {  // the fp16 at p (F16C: a subnormal half costs no assist)
   uint16_t h;

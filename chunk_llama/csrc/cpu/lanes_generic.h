@@ -9,7 +9,8 @@
 //   kSeqHeads, kSeqPvVecs    phase-2 tile: kSeqHeads heads of a GQA group, P V of kSeqPvVecs
 //                            dim vectors of each in registers
 //   vzero, vset1(x)          all lanes 0 / x
-//   vload(p), vstore(p, a)   kLanes consecutive fp32, or bf16 (uint16_t) converted in registers
+//   vload(p), vstore(p, a)   kLanes consecutive fp32, or bf16 (uint16_t) converted in registers; vload also
+//                            fp16 (Half: a float16 pool's K/V, which only the layers' scalar stores write)
 //                            (stores round to nearest even)
 //   vhalf(p)                     every lane: the fp16 at p (a block's scale)
 //   half_to_float(p)             the fp16 at p as a float (a K-quant's scale; hardware where it can)
@@ -73,6 +74,11 @@ inline void vstore(uint16_t* p, Vec a) {  // round to nearest even, keep the hig
   bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
   const U16s narrow = __builtin_convertvector(bits, U16s);
   std::memcpy(p, &narrow, sizeof(narrow));
+}
+inline Vec vload(const Half* p) {  // fp16: the scalar conversion lane by lane (no portable vector one)
+  Vec r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = load_scalar(p, i);
+  return r;
 }
 inline Vec vadd(Vec a, Vec b) { return {a.v + b.v}; }
 #include "lanes_quant_scalar.h"

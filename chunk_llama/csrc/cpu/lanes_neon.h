@@ -31,6 +31,7 @@ inline void vstore(uint16_t* p, Vec a) {  // round to nearest even, keep the hig
   const uint32x4_t odd = vandq_u32(vshrq_n_u32(bits, 16), vdupq_n_u32(1));
   vst1_u16(p, vshrn_n_u32(vaddq_u32(bits, vaddq_u32(odd, vdupq_n_u32(0x7fff))), 16));
 }
+inline Vec vload(const Half* p) { return {vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(&p->bits)))}; }
 inline Vec vadd(Vec a, Vec b) { return {vaddq_f32(a.v, b.v)}; }
 #include "lanes_quant_scalar.h"
 inline Vec vsub(Vec a, Vec b) { return {vsubq_f32(a.v, b.v)}; }

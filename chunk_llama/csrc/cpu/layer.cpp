@@ -151,21 +151,27 @@ void run_layer(const chunk_llama_cpu_plan& plan, const chunk_llama_cpu_decoder_l
     rotate(q + r * q_width, L.num_heads, d, cos + r * d, sin + r * d);
     rotate(k + r * kv_width, num_kv_heads, d, cos + r * d, sin + r * d);
   }
-  // a bfloat16 pool (check_kv took no other dtype) holds them rounded to nearest even, as torch's copy does
-  const bool bf16_pool = kv.dtype == CHUNK_LLAMA_BFLOAT16;
+  // a 16-bit pool (check_kv took float32, bfloat16 or float16) holds them rounded to nearest even, as torch's copy does
   const int64_t num_writes = plan.num_writes;
   const int64_t *write_token = plan.writes.data(), *write_chunk = write_token + num_writes;
   const int64_t* write_offset = write_chunk + num_writes;
-  void *k_cache = kv.k, *v_cache = kv.v;
-  for (int64_t i = 0; i < num_writes; ++i)
-    for (int64_t head = 0; head < num_kv_heads; ++head) {
-      const int64_t slot = ((write_chunk[i] * num_kv_heads + head) * chunk_size + write_offset[i]) * d;
-      const int64_t from = write_token[i] * kv_width + head * d;
-      for (int64_t j = 0; j < d; ++j) {
-        chunk_attn_cpu::store_scalar(k_cache, bf16_pool, slot + j, k[from + j]);
-        chunk_attn_cpu::store_scalar(v_cache, bf16_pool, slot + j, v[from + j]);
+  const auto store = [&](auto* k_cache, auto* v_cache) {
+    for (int64_t i = 0; i < num_writes; ++i)
+      for (int64_t head = 0; head < num_kv_heads; ++head) {
+        const int64_t slot = ((write_chunk[i] * num_kv_heads + head) * chunk_size + write_offset[i]) * d;
+        const int64_t from = write_token[i] * kv_width + head * d;
+        for (int64_t j = 0; j < d; ++j) {
+          chunk_attn_cpu::store_scalar(k_cache, slot + j, k[from + j]);
+          chunk_attn_cpu::store_scalar(v_cache, slot + j, v[from + j]);
+        }
       }
-    }
+  };
+  if (kv.dtype == CHUNK_LLAMA_BFLOAT16)
+    store(static_cast<uint16_t*>(kv.k), static_cast<uint16_t*>(kv.v));
+  else if (kv.dtype == CHUNK_LLAMA_CPU_FLOAT16)
+    store(static_cast<chunk_attn_cpu::Half*>(kv.k), static_cast<chunk_attn_cpu::Half*>(kv.v));
+  else
+    store(static_cast<float*>(kv.k), static_cast<float*>(kv.v));
   attend(q, attn, scratch_q);
   project(L.o, 3, attn, h);
   if (L.attn_out_norm != nullptr) norm(h, L.attn_out_norm, h, rows, hidden);

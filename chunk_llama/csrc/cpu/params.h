@@ -14,7 +14,7 @@
 
 namespace chunk_attn_cpu {
 
-enum class DType : int { kFloat32 = 0, kBFloat16 = 1 };  // bf16: raw uint16 storage
+enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };  // bf16: raw uint16 storage; fp16: Half (pools only)
 
 // Keys per block of the canonical attention (blocks.h): a query's keys are cut into blocks
 // at positions [b * kBlockKeys, (b + 1) * kBlockKeys), whatever chunks hold them.

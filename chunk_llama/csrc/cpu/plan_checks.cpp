@@ -52,13 +52,15 @@ void check_segments(const int64_t* chunks, const int64_t* starts, const int64_t*
 
 }  // namespace
 
-void check_dtype(int dtype, const char* what) {
-  if (dtype != CHUNK_LLAMA_FLOAT32 && dtype != CHUNK_LLAMA_BFLOAT16)
-    chunk_llama_api::fail(chunk_llama_api::kTypeError, "the CPU kernel supports float32 and bfloat16, got ", what,
-                          "'s dtype code ", dtype);
+void check_dtype(int dtype, const char* what, bool pool) {
+  if (dtype != CHUNK_LLAMA_FLOAT32 && dtype != CHUNK_LLAMA_BFLOAT16 && !(pool && dtype == CHUNK_LLAMA_CPU_FLOAT16))
+    chunk_llama_api::fail(chunk_llama_api::kTypeError, "the CPU kernel supports float32 and bfloat16",
+                          pool ? " and float16" : "", ", got ", what, "'s dtype code ", dtype);
 }
 
-DType kernel_dtype(int dtype) { return dtype == CHUNK_LLAMA_BFLOAT16 ? DType::kBFloat16 : DType::kFloat32; }
+DType kernel_dtype(int dtype) {
+  return dtype == CHUNK_LLAMA_BFLOAT16 ? DType::kBFloat16 : dtype == CHUNK_LLAMA_CPU_FLOAT16 ? DType::kFloat16 : DType::kFloat32;
+}
 
 void check_window(int64_t window) {
   CHECK_VALUE(window >= 0 && window <= INT32_MAX, "window must be 0 (none) or a positive int32, got ", window);
@@ -233,7 +235,7 @@ void check_kv(const chunk_llama_cpu_kv& kv, const Geometry& g) {
               "] is not the pool the plan was checked against [", g.capacity, ", ", g.num_kv_heads, ", ",
               g.chunk_size, ", ", g.head_dim, "]");
   CHECK_VALUE(kv.k != nullptr && kv.v != nullptr, "the layer's K/V pool has no memory");
-  check_dtype(kv.dtype, "the pool");
+  check_dtype(kv.dtype, "the pool", true);
   // Score tiles read up to kGuardRows K/V rows past a segment that ends inside a chunk.
   const int64_t needed = g.capacity * g.num_kv_heads * g.chunk_size * g.head_dim + kGuardRows * g.head_dim;
   CHECK_VALUE(kv.k_extent >= needed && kv.v_extent >= needed, "k_cache and v_cache need ", kGuardRows,

@@ -105,7 +105,7 @@ const chunk_llama_cpu_plan& checked_plan(const chunk_llama_cpu_planned* planned)
 void run_attention(const chunk_llama_cpu_plan& plan, const chunk_llama_cpu_planned& planned,
                    const chunk_llama_cpu_kv& kv, const void* q, int q_dtype, void* out) {
   check_kv(kv, plan.g);
-  check_dtype(q_dtype, "q");
+  check_dtype(q_dtype, "q", false);
   if (plan.kind == CHUNK_LLAMA_DECODE_PLAN) {
     Params p = plan.decode;
     p.q = q, p.k_cache = kv.k, p.v_cache = kv.v, p.out = out;

@@ -235,10 +235,12 @@ void prefill(const PrefillParams& p) {
 
 // The caller checked supports(chunk_size, head_dim), the plan and sized the scratch.
 void tpp_prefill(const PrefillParams& p) {
-  const bool bf16 = p.dtype == DType::kBFloat16;
   switch (p.head_dim) {
-#define CHUNK_ATTN_PREFILL_CASE(D) \
-  case D: return bf16 ? prefill<uint16_t, D>(p) : prefill<float, D>(p);
+#define CHUNK_ATTN_PREFILL_CASE(D)                                             \
+  case D:                                                                      \
+    return p.dtype == DType::kBFloat16  ? prefill<uint16_t, D>(p)             \
+           : p.dtype == DType::kFloat16 ? prefill<Half, D>(p)                 \
+                                        : prefill<float, D>(p);
     CHUNK_ATTN_CPU_HEAD_DIMS(CHUNK_ATTN_PREFILL_CASE)
 #undef CHUNK_ATTN_PREFILL_CASE
   }

@@ -111,31 +111,5 @@ CHUNK_ATTN_DECLARE_QUANT(generic)
 
 namespace chunk_attn_cpu {
 
-// An IEEE half's bits (little-endian, any alignment) as a float, exactly, either sign,
-// infinities included (NaNs stay NaNs): the blocks' scales where the lanes have no
-// hardware conversion (half_to_float), and F16 weights on the generic lanes; branch-free.
-// No subnormal float arises on the way: an arithmetic operation on one costs a microcode
-// assist (about a hundred cycles), and real files hold many subnormal scales (Gemma 3
-// 270M's Q6_K ffn_down ran at a third of its speed when a subnormal half was scaled up
-// from a subnormal float). The exponent is rebased by an integer add; a
-// subnormal half, m * 2^-24, is the normal float 2^-14 (1 + m / 1024) minus 2^-14, which
-// is exact (zero too: 2^-14 - 2^-14).
-inline float fp16_to_float(const uint8_t* bytes) {
-  uint16_t h;
-  __builtin_memcpy(&h, bytes, sizeof h);
-  const uint32_t magnitude = static_cast<uint32_t>(h & 0x7fffu) << 13;  // exponent and mantissa in place
-  const uint32_t exponent = magnitude & 0x0f800000u;
-  const bool subnormal = exponent == 0, special = exponent == 0x0f800000u;
-  const uint32_t bits = magnitude + ((127u - 15u) << 23) + (subnormal ? 1u << 23 : 0u) +
-                        (special ? (128u - 16u) << 23 : 0u);  // infinities and NaNs: all ones
-  float value;
-  __builtin_memcpy(&value, &bits, sizeof value);
-  value -= subnormal ? 0x1p-14f : 0.f;
-  uint32_t signed_bits;
-  __builtin_memcpy(&signed_bits, &value, sizeof signed_bits);
-  signed_bits |= static_cast<uint32_t>(h & 0x8000u) << 16;
-  __builtin_memcpy(&value, &signed_bits, sizeof value);
-  return value;
-}
 
 }  // namespace chunk_attn_cpu

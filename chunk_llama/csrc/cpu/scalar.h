@@ -1,4 +1,4 @@
-// Scalar helpers shared by every variant: bf16 <-> fp32 and 2^x. Included before a
+// Scalar helpers shared by every variant: bf16 and fp16 <-> fp32 and 2^x. Included before a
 // variant's target pragma, so they are baseline code (see params.h on linkage).
 #pragma once
 
@@ -31,10 +31,67 @@ static inline uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// An IEEE half's bits (little-endian, any alignment) as a float, exactly, either sign,
+// infinities included (NaNs stay NaNs): the blocks' scales where the lanes have no
+// hardware conversion (half_to_float), and F16 weights on the generic lanes; branch-free.
+// No subnormal float arises on the way: an arithmetic operation on one costs a microcode
+// assist (about a hundred cycles), and real files hold many subnormal scales (Gemma 3
+// 270M's Q6_K ffn_down ran at a third of its speed when a subnormal half was scaled up
+// from a subnormal float). The exponent is rebased by an integer add; a
+// subnormal half, m * 2^-24, is the normal float 2^-14 (1 + m / 1024) minus 2^-14, which
+// is exact (zero too: 2^-14 - 2^-14).
+static inline float fp16_to_float(const uint8_t* bytes) {
+  uint16_t h;
+  __builtin_memcpy(&h, bytes, sizeof h);
+  const uint32_t magnitude = static_cast<uint32_t>(h & 0x7fffu) << 13;  // exponent and mantissa in place
+  const uint32_t exponent = magnitude & 0x0f800000u;
+  const bool subnormal = exponent == 0, special = exponent == 0x0f800000u;
+  const uint32_t bits = magnitude + ((127u - 15u) << 23) + (subnormal ? 1u << 23 : 0u) +
+                        (special ? (128u - 16u) << 23 : 0u);  // infinities and NaNs: all ones
+  float value;
+  __builtin_memcpy(&value, &bits, sizeof value);
+  value -= subnormal ? 0x1p-14f : 0.f;
+  uint32_t signed_bits;
+  __builtin_memcpy(&signed_bits, &value, sizeof signed_bits);
+  signed_bits |= static_cast<uint32_t>(h & 0x8000u) << 16;
+  __builtin_memcpy(&value, &signed_bits, sizeof value);
+  return value;
+}
+// A float rounded to the nearest IEEE half (ties to even, as torch's conversion and F16C's
+// vcvtps2ph round), as its bits: past the largest half (65504) an infinity, below 2^-14 a
+// subnormal half (the add of 0.5 rounds |f| to a multiple of 2^-24, 0.5's unit in the last
+// place), NaNs quiet NaNs.
+static inline uint16_t float_to_fp16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  const uint32_t sign = (bits >> 16) & 0x8000u, magnitude = bits & 0x7fffffffu;
+  if (magnitude >= 0x7f800000u)  // infinity, NaN
+    return static_cast<uint16_t>(sign | 0x7c00u | (magnitude > 0x7f800000u ? 0x200u | ((magnitude >> 13) & 0x3ffu) : 0u));
+  if (magnitude >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to 2^16 or more
+  if (magnitude < 0x38800000u) {  // below 2^-14
+    float absolute;
+    std::memcpy(&absolute, &magnitude, sizeof absolute);
+    const float sum = absolute + 0.5f;
+    uint32_t sum_bits;
+    std::memcpy(&sum_bits, &sum, sizeof sum_bits);
+    return static_cast<uint16_t>(sign | (sum_bits - 0x3f000000u));
+  }
+  const uint32_t rebased = magnitude - ((127u - 15u) << 23);  // the half's exponent in place
+  return static_cast<uint16_t>(sign | ((rebased + 0xfffu + ((magnitude >> 13) & 1u)) >> 13));
+}
+
+// A float16 K/V pool's element: a distinct type, so that the kernels' templates on the
+// pool's element (float, bf16 as raw uint16_t, Half) pick each one's vload and vstore.
+struct Half {
+  uint16_t bits;
+};
+
 static inline float load_scalar(const float* p, int64_t i) { return p[i]; }
 static inline float load_scalar(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
 static inline void store_scalar(float* p, int64_t i, float x) { p[i] = x; }
 static inline void store_scalar(uint16_t* p, int64_t i, float x) { p[i] = float_to_bf16(x); }
+static inline float load_scalar(const Half* p, int64_t i) { return fp16_to_float(reinterpret_cast<const uint8_t*>(p + i)); }
+static inline void store_scalar(Half* p, int64_t i, float x) { p[i].bits = float_to_fp16(x); }
 // The attention ops' q and out, whose dtype (bf16: raw uint16) is the activations', not
 // always the pool's: a branch per element, on the few q and out values of a call.
 static inline float load_scalar(const void* p, bool bf16, int64_t i) {

@@ -46,6 +46,7 @@ from chunk_llama.ops.build.jit import setting
 from chunk_llama.ops.cpu import isa
 from chunk_llama.ops.cpu import linear as linear_ops
 from chunk_llama.ops.cpu.planned import CpuPlanned
+from chunk_llama.ops.cpu.structs import POOL_DTYPE_CODES
 from chunk_llama.step import current_step
 
 logger = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ def _step_reason(step) -> str | None:
         return f"the step's attention runs on {getattr(step.attention, 'backend', type(step.attention).__name__)}"
     if not step.attention.has_writes:
         return "the step's K/V slots were not planned with its attention"
-    if step.pool.dtype not in (torch.float32, torch.bfloat16):
+    if step.pool.dtype not in POOL_DTYPE_CODES:
         return f"the KV pool is {step.pool.dtype}"
     return None
 

@@ -29,7 +29,8 @@ from chunk_llama.step.buffers import StaticBuffers
 from chunk_llama.step.decode_plan import DecodePlan
 from chunk_llama.step.prefill_plan import PrefillPlan
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)  # q's (and the output's)
+SUPPORTED_POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # fp16: K/V under float32 or bfloat16 q
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # csrc/cpu/params.h; chunk sizes: any multiple of 16
 
 
@@ -45,9 +46,11 @@ def build_failed() -> str | None:
 
 def unsupported_reason(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, chunk_size: int) -> str | None:
     """Why the C++ kernels cannot take these tensors (the reference runs), or None."""
-    for what, t in (("q", dtype), ("the KV cache", cache_dtype)):  # in any pair (float32 q over bfloat16 K/V)
-        if t not in SUPPORTED_DTYPES:
-            return f"the CPU kernel supports float32 and bfloat16, not {str(t).replace('torch.', '')} {what}"
+    name = lambda t: str(t).replace("torch.", "")  # noqa: E731
+    if dtype not in SUPPORTED_DTYPES:  # in any pair with the pool (float32 q over bfloat16 or float16 K/V)
+        return f"the CPU kernel supports float32 and bfloat16 q, not {name(dtype)}"
+    if cache_dtype not in SUPPORTED_POOL_DTYPES:
+        return f"the CPU kernel supports float32, bfloat16 and float16 K/V, not {name(cache_dtype)}"
     if head_dim not in SUPPORTED_HEAD_DIMS:
         return f"the CPU kernel supports head dims {', '.join(map(str, SUPPORTED_HEAD_DIMS))}, not {head_dim}"
     if chunk_size % 16:

@@ -21,7 +21,7 @@ from chunk_llama.ops.build.c_types import I32, I64, STR, P
 from chunk_llama.ops.cpu.planned import PlanHandle
 from chunk_llama.ops.cpu.structs import ACTIVATIONS, U64, QuantMatmulArgs
 
-ABI_VERSION = 11  # CHUNK_LLAMA_CPU_ABI_VERSION in c_api.h
+ABI_VERSION = 12  # CHUNK_LLAMA_CPU_ABI_VERSION in c_api.h
 _SIGNATURES = {  # name: (argument types, result type), as c_api.h declares them
     "abi_version": ([], I32),
     "last_error": ([], STR),

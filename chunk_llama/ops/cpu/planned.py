@@ -119,7 +119,7 @@ class CpuPlanned:
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int = 0,
             new_kv=None) -> torch.Tensor:
         """q: [q_rows, num_heads, head_dim] in plan order (float32 or bfloat16: float32 over a
-        bfloat16 pool is kv_dtype's case); k_cache, v_cache: [capacity, num_kv_heads, chunk_size,
+        bfloat16 or float16 pool is kv_dtype's case); k_cache, v_cache: [capacity, num_kv_heads, chunk_size,
         head_dim] -> q's shape and dtype"""
         kv = self.kvs.get(k_cache, v_cache, scale, window)
         q = q.contiguous()

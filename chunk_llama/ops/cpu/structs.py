@@ -18,7 +18,8 @@ import torch
 
 from chunk_llama.ops.build.c_types import F64, I32, I64, STR, P
 
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # CHUNK_LLAMA_FLOAT32, CHUNK_LLAMA_BFLOAT16
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # q's: CHUNK_LLAMA_FLOAT32, CHUNK_LLAMA_BFLOAT16
+POOL_DTYPE_CODES = {**DTYPE_CODES, torch.float16: 2}  # a pool's also CHUNK_LLAMA_CPU_FLOAT16
 DECODE_PLAN, PREFILL_PLAN = 0, 1  # CHUNK_LLAMA_DECODE_PLAN, CHUNK_LLAMA_PREFILL_PLAN
 U64 = ctypes.c_uint64
 
@@ -102,8 +103,8 @@ def check_pool(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError("k_cache and v_cache must both be [capacity, num_kv_heads, chunk_size, head_dim], got "
                          f"{list(k_cache.shape)} and {list(v_cache.shape)}")
-    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in DTYPE_CODES:
-        raise TypeError(f"k_cache and v_cache must share a dtype the CPU kernel supports (float32, bfloat16), got "
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in POOL_DTYPE_CODES:
+        raise TypeError(f"k_cache and v_cache must share a dtype the CPU kernel supports (float32, bfloat16, float16), got "
                         f"{k_cache.dtype} and {v_cache.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
@@ -119,7 +120,7 @@ class LayerKv:
         check_pool(k_cache, v_cache)
         self.k_cache, self.v_cache = k_cache, v_cache  # (kept alive: the struct holds their addresses)
         self.struct = Kv(k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.shape, extent(k_cache), extent(v_cache),
-                         int(window), float(scale), DTYPE_CODES[k_cache.dtype])
+                         int(window), float(scale), POOL_DTYPE_CODES[k_cache.dtype])
         self.address = ctypes.addressof(self.struct)
 
     def fits(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
