@@ -53,7 +53,7 @@ inline void key_rows(const Path& path, int num_kv_heads, int chunk_size, int hea
 }
 
 // The block's K or V rows [count][stride] as fp32: in place where they are one run of fp32
-// rows of stride D, else copied (bf16 widened) into buf.
+// rows of stride D, else copied (bf16 or fp16 widened) into buf.
 template <int D, typename T>
 inline const float* block_floats(const T* cache, const int64_t* rows, int count, int stride, float* buf) {
   if constexpr (std::is_same_v<T, float>)

@@ -94,7 +94,7 @@ struct Params {
   int num_seqs, num_heads, num_kv_heads, head_dim, chunk_size, num_shared, max_private;
   int window;  // sliding window: a query sees the `window` latest positions, itself included; 0: all
   DType dtype;    // the pool's K/V
-  DType q_dtype;  // q and out: the activations' (float32 over a bf16 pool, or the pool's)
+  DType q_dtype;  // q and out: the activations' (float32 over a bf16 or fp16 pool, or the pool's; never fp16)
   float scale;
 };
 
