@@ -322,6 +322,50 @@ def test_an_adapter_loaded_through_the_router_reaches_every_worker(lora_replicas
     assert httpx.post(lone_url + "/v1/unload_lora_adapter", json={"lora_name": "c"}, timeout=60).status_code == 200
 
 
+def test_a_worker_removed_through_the_front_leaves_every_router_and_joins_again(lora_replicas, prompts):
+    """`DELETE /workers/{id}` at the front (the id its `GET /workers` lists, as sglang-router's
+    own API takes it): the worker leaves every model's router, not the base model's alone, and
+    the answer comes once none routes there: requests under an adapter whose router sent them
+    to it (its prefix tree matching) go to the other worker. Unknown, the id is a 4xx; `POST
+    /workers` brings the worker back."""
+    import openai
+
+    replicas, base = lora_replicas, lora_replicas.model
+    client = openai.OpenAI(base_url=replicas.url + "/v1", api_key="none", max_retries=0)
+
+    def ask(model: str, prompt: str) -> str:
+        raw = client.completions.with_raw_response.create(model=model, prompt=prompt, max_tokens=1, temperature=0)
+        return raw.headers["X-Chunk-Llama-Worker"]
+
+    def listed() -> list[dict]:
+        return httpx.get(replicas.url + "/workers", timeout=10).json()["workers"]
+
+    assert len(listed()) == 2
+    system = prompts[5].rsplit(" ", 5)[0]
+    gone = {ask("a", f"{system} v{i}") for i in range(3)}
+    assert len(gone) == 1, gone  # under a, the prompt stays on the worker that computed it
+    gone = gone.pop()
+    entry = next(w for w in listed() if w["url"].rstrip("/").rsplit(":", 1)[1] == gone.rsplit(":", 1)[1])
+    removed = httpx.delete(f"{replicas.url}/workers/{entry['id']}", timeout=120)
+    assert removed.status_code == 200, removed.text
+    assert removed.json()["url"] == entry["url"].rstrip("/") and set(removed.json()["models"]) == {base, "a", "b"}
+    remaining = listed()
+    assert len(remaining) == 1 and remaining[0]["id"] != entry["id"]
+    for model in ("a", "b", base):
+        assert gone not in {ask(model, f"{system} v{i}") for i in range(6)}, model
+    unknown = httpx.delete(f"{replicas.url}/workers/{entry['id']}", timeout=30)
+    assert 400 <= unknown.status_code < 500, unknown.text
+    by_url = httpx.delete(f"{replicas.url}/workers/{entry['url']}", timeout=30)
+    assert by_url.status_code == 404 and "routed to by no router" in by_url.text
+
+    joined = httpx.post(replicas.url + "/workers", json={"url": entry["url"]}, timeout=120)
+    assert joined.status_code == 200 and joined.json()["models"] == [base, "a", "b"], joined.text
+    deadline = time.monotonic() + 60  # (sglang-router adds a worker in the background)
+    while len(listed()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(listed()) == 2
+
+
 def test_without_the_router_installed_it_says_so(monkeypatch):
     """A missing sglang-router is a UsageError naming it (the command prints it as one line
     and exits with code 2, as tests/test_settings.py checks for such errors)."""

@@ -25,7 +25,9 @@ only picks which tree a request goes into. The routes:
   same models; the router answers `/v1/models` with its one registered model and has no
   `/tokenize` for HTTP workers).
 - `POST /workers` (`{"url"}`): a worker joining at run time, added to the router of each
-  model it serves.
+  model it serves. `DELETE /workers/{id}` (the id `GET /workers` lists, or the worker's URL):
+  out of every model's router and of the adapter fan-out, answered once no router lists it
+  (the worker keeps running).
 - anything else (`/health`, `/get_loads`, `/flush_cache`, `GET /workers`, ...): the base
   model's router, as when it faced clients itself.
 """
@@ -57,7 +59,7 @@ RESPONSE_DROP = {"transfer-encoding", "connection", "keep-alive", "upgrade", "pr
 
 
 def _error(message: str, status: int = 503) -> JSONResponse:
-    kind = {400: "invalid_request_error", 503: "service_unavailable"}.get(status, "api_error")
+    kind = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}.get(status, "api_error")
     return JSONResponse(OpenAIError(message, status=status, type=kind).body(), status_code=status)
 
 
@@ -232,6 +234,30 @@ class Front:
         self.workers.append(url)
         return JSONResponse({"url": url, "models": [self.pool.base, *models]})
 
+    async def leave(self, request: Request) -> Response:
+        worker = request.path_params["worker"]
+        if worker.startswith(("http://", "https://")):
+            url = worker.rstrip("/")
+        else:  # the base model's router's id for it (sglang-router's own API takes ids)
+            try:
+                found = await self._send(request, self.pool.url_for(None), b"", path=f"/workers/{worker}",
+                                         method="GET")
+                await found.aread()
+            except httpx.HTTPError as error:
+                return _error(f"the router did not answer: {error}")
+            if found.status_code != 200:
+                return _answer(found)
+            url = found.json()["url"].rstrip("/")
+        try:
+            models = await asyncio.to_thread(self.pool.remove_worker, url)
+        except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as error:
+            return _error(f"{url} could not leave: {error}", status=502)
+        if not models and url not in self.workers:
+            return _error(f"{url} is routed to by no router", status=404)
+        if url in self.workers:
+            self.workers.remove(url)
+        return JSONResponse({"url": url, "models": models})
+
     async def to_base_router(self, request: Request) -> Response:
         body, rest = await self._read(request)
         return await self._relay(request, self.pool.url_for(None), _chain(body, rest) if rest is not None else body)
@@ -246,6 +272,7 @@ def create_front(pool: RouterPool, workers: list[str], *, max_body: int) -> Star
               Route("/v1/models", front.to_a_worker, methods=["GET"]),
               *(Route(path, front.to_a_worker, methods=["POST"]) for path in TOKENIZE_ROUTES),
               Route("/workers", front.join, methods=["POST"]),
+              Route("/workers/{worker:path}", front.leave, methods=["DELETE"]),
               Route("/{path:path}", front.to_base_router, methods=methods)]
     app = Starlette(routes=routes, lifespan=front.lifespan)
     app.state.front = front

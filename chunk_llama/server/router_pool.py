@@ -129,6 +129,31 @@ class RouterPool:
             httpx.post(router.url + "/workers", json={"url": url}, timeout=30).raise_for_status()
             router.workers.append(url)
 
+    def remove_worker(self, url: str, timeout: float = 30) -> list[str]:
+        """`url` out of every router's rotation (sglang-router's `DELETE /workers/{id}`, with each
+        router's own id for it), back once none lists it (the routers remove in the
+        background); an adapter's router left without workers stops (its model's requests go
+        to the base model's router). Returns the models whose routers had it."""
+        removed = []
+        for model, router in list(self.routers.items()):
+            listed = httpx.get(router.url + "/workers", timeout=timeout).json()["workers"]
+            ids = [w["id"] for w in listed if w["url"].rstrip("/") == url]
+            for worker_id in ids:
+                httpx.delete(f"{router.url}/workers/{worker_id}", timeout=timeout).raise_for_status()
+            deadline = time.monotonic() + timeout
+            while ids and any(w["url"].rstrip("/") == url
+                              for w in httpx.get(router.url + "/workers", timeout=timeout).json()["workers"]):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the router for {model!r} still lists {url} after {timeout:.0f} s")
+                time.sleep(0.1)
+            if ids or url in router.workers:
+                removed.append(model)
+            if url in router.workers:
+                router.workers.remove(url)
+            if not router.workers and model != self.base:
+                self.stop(model)
+        return removed
+
     def stop_all(self, timeout: float = 30) -> None:
         """Every router, each given `timeout` s for its running requests."""
         with self._lock:
