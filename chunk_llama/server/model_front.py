@@ -235,6 +235,7 @@ class Front:
         return JSONResponse({"url": url, "models": [self.pool.base, *models]})
 
     async def leave(self, request: Request) -> Response:
+        """`DELETE /workers/{id or URL}` (module doc)."""
         worker = request.path_params["worker"]
         if worker.startswith(("http://", "https://")):
             url = worker.rstrip("/")

@@ -108,8 +108,3 @@ CHUNK_ATTN_DECLARE_QUANT(generic)
 #undef CHUNK_ATTN_DECLARE_QUANT
 
 }  // namespace chunk_attn_cpu
-
-namespace chunk_attn_cpu {
-
-
-}  // namespace chunk_attn_cpu

@@ -81,7 +81,7 @@ static inline uint16_t float_to_fp16(float f) {
 }
 
 // A float16 K/V pool's element: a distinct type, so that the kernels' templates on the
-// pool's element (float, bf16 as raw uint16_t, Half) pick each one's vload and vstore.
+// pool's element (float, bf16 as raw uint16_t, Half) pick each one's vload.
 struct Half {
   uint16_t bits;
 };

@@ -104,8 +104,8 @@ def check_pool(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError("k_cache and v_cache must both be [capacity, num_kv_heads, chunk_size, head_dim], got "
                          f"{list(k_cache.shape)} and {list(v_cache.shape)}")
     if k_cache.dtype != v_cache.dtype or k_cache.dtype not in POOL_DTYPE_CODES:
-        raise TypeError(f"k_cache and v_cache must share a dtype the CPU kernel supports (float32, bfloat16, float16), got "
-                        f"{k_cache.dtype} and {v_cache.dtype}")
+        raise TypeError("k_cache and v_cache must share a dtype the CPU kernel supports (float32, bfloat16, "
+                        f"float16), got {k_cache.dtype} and {v_cache.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
 
