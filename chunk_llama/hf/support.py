@@ -126,7 +126,8 @@ def resolve_kv_dtype(kv_dtype: str | torch.dtype | None, model_dtype: torch.dtyp
     "16-bit K/V under int16 activations"), in half the bytes, as llama.cpp holds K/V; else
     the named dtype, which must be the model's or, under a float32 model on the CPU,
     bfloat16 or float16 (K/V stored rounded to it, attention computed in float32: half the
-    pool's bytes and the attention's reads; the CPU kernels widen them in registers)."""
+    pool's bytes and the attention's reads; the CPU kernels widen them in registers).
+    Resolved once, when the cache is made: activations switched later keep its pool."""
     if kv_dtype is None or kv_dtype == "auto":
         if integer_activations and device.type == "cpu" and model_dtype in (None, torch.float32):
             return torch.float16
