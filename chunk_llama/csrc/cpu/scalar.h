@@ -33,7 +33,8 @@ static inline uint16_t float_to_bf16(float f) {
 
 // An IEEE half's bits (little-endian, any alignment) as a float, exactly, either sign,
 // infinities included (NaNs stay NaNs): the blocks' scales where the lanes have no
-// hardware conversion (half_to_float), and F16 weights on the generic lanes; branch-free.
+// hardware conversion (half_to_float), F16 weights and a float16 pool's K/V on the generic
+// lanes, and the tests' reference; branch-free.
 // No subnormal float arises on the way: an arithmetic operation on one costs a microcode
 // assist (about a hundred cycles), and real files hold many subnormal scales (Gemma 3
 // 270M's Q6_K ffn_down ran at a third of its speed when a subnormal half was scaled up
