@@ -307,7 +307,9 @@ __attribute__((nothrow, noinline)) void int16_tile(const uint8_t* __restrict__ b
 
 // The same tile for a decode step's few rows (MR <= kI8Rows: all of them) against one column
 // vector, each group decoded from the blocks in registers just before its products (no buffer),
-// the next column vector's rows prefetched: out[r][kLanes] at row stride kI8Cols (no bias).
+// the next column vector's rows prefetched a share with each group (a K-quant super-block's 8
+// shares at once ran 6-10% slower from memory, docs/BENCHMARKS.md): out[r][kLanes] at row stride
+// kI8Cols (no bias).
 template <int Type, bool kInt16, bool kTiled, int MR>
 __attribute__((nothrow, noinline)) void int8_few_rows(const Columns<kTiled>& cols, const Int8Rows& x,
                                                       int64_t in_features, const uint8_t* next, int64_t next_bytes,
@@ -316,8 +318,8 @@ __attribute__((nothrow, noinline)) void int8_few_rows(const Columns<kTiled>& col
   for (int r = 0; r < MR; ++r) acc[r] = vzero();
   const int64_t units = in_features / kGroup / kUnitGroups<Type>;
   for (int64_t unit = 0; unit < units; ++unit) {
-    prefetch_step(next, next_bytes, unit, units);
     decode_unit<Type>(cols, unit, [&](int j, const IVec* codes, const Vec* scales, Vec offset) {
+      prefetch_step(next, next_bytes, unit * kUnitGroups<Type> + j, units * kUnitGroups<Type>);
       group_fmas<Type, kInt16, MR>(codes, scales, offset, x, 0, unit * kUnitGroups<Type> + j, in_features, acc);
     });
   }
