@@ -92,3 +92,17 @@ def test_every_x86_variant_with_avx512_native_or_on_simde(tmp_path):
     binary = build_driver("g++", ["avx512", "avx2", "generic"], tmp_path, extra=extra)
     runnable = [v for v in ("avx2", "generic") if v in isa.host_variants()]
     run_driver([str(binary)], ["avx512", *runnable], timeout=120)
+
+
+def test_item_ranges_take_every_item_once_under_racing_threads(tmp_path):
+    """The integer kernel's work stealing (csrc/cpu/item_ranges.h), alone under OpenMP: 1-8
+    threads, some sleeping on items, over 0-1,000 items (tests/cpp/item_ranges_test.cpp)."""
+    if shutil.which("g++") is None:
+        pytest.fail("g++ is missing (scripts/test.sh expects a C++ compiler)")
+    binary = tmp_path / "item_ranges_test"
+    subprocess.run(["g++", *FLAGS, "-fopenmp", str(ROOT / "tests" / "cpp" / "item_ranges_test.cpp"), "-o", str(binary)],
+                   check=True, capture_output=True, text=True)
+    done = subprocess.run([str(binary)], check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert re.search(r"item_ranges: 560 trials, [1-9]\d* items taken from another thread's range, 0 failing",
+                     done.stdout), done.stdout

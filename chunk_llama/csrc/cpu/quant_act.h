@@ -29,6 +29,7 @@ static_assert(kI8Cols <= kInt8MaxCols, "an item must fit the caller's scratch");
 }  // namespace chunk_attn_cpu
 
 #include "quant_act_decode.h"
+#include "item_ranges.h"
 
 namespace chunk_attn_cpu {
 namespace CHUNK_ATTN_ISA {
@@ -365,14 +366,15 @@ void quant_int8_of(const QuantInt8Params& p) {
   const int64_t num_items = (p.out_features + kI8Cols - 1) / kI8Cols;
   // the rows quantized by every thread: fewer rows than threads (a decode step) in parts of their groups
   const int64_t parts = std::max<int64_t>(1, p.num_threads / std::max<int64_t>(1, p.rows));
+  ItemRanges items(num_items, p.num_threads);  // (a thread the region does not get: its range is taken)
 #ifdef _OPENMP
 #pragma omp parallel num_threads(p.num_threads)
 #endif
   {
 #ifdef _OPENMP
-    const int64_t thread = omp_get_thread_num(), threads = omp_get_num_threads();
+    const int64_t thread = omp_get_thread_num();
 #else
-    const int64_t thread = 0, threads = 1;
+    const int64_t thread = 0;
 #endif
 #ifdef _OPENMP
 #pragma omp for schedule(static)
@@ -384,11 +386,11 @@ void quant_int8_of(const QuantInt8Params& p) {
                                     words ? words + r * p.in_features : nullptr, scales + r * groups,
                                     sums + r * groups, zero_sums + r * (p.in_features / 16));
     }
-    // (implicit barrier) each thread its share of the items, every row against each
+    // (implicit barrier) each thread its share of the items (item_ranges.h), every row against each
     uint8_t* buf = p.scratch + layout.threads + thread * layout.per_thread;
     uint8_t* pad = buf + layout.item_bytes;  // [kI8Cols, row_bytes]
-    const int64_t first = num_items * thread / threads, last = num_items * (thread + 1) / threads;
-    for (int64_t item = first; item < last; ++item) {
+    int64_t last = 0;                         // the end of this thread's range as it took the item
+    for (int64_t item; (item = items.take(static_cast<int>(thread), last)) >= 0;) {
       const int64_t col = item * kI8Cols;
       const int nc = static_cast<int>(p.out_features - col < kI8Cols ? p.out_features - col : kI8Cols);
       Columns<kTiled> cols[kI8ColVecs];
