@@ -4,12 +4,11 @@
 // stealing runs. Built and run with OpenMP by tests/test_cpu_kernel_driver.py.
 //
 //   item_ranges_test     exit status 0 when every trial passes
-#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
-#include <memory>
+#include <memory>  // (item_ranges.h's, as prelude.h gives the kernels)
 #include <thread>
 #include <vector>
 
