@@ -52,7 +52,7 @@ def float32_slack(x: torch.Tensor, blocks: np.ndarray, ggml_type: str) -> torch.
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("variant", int8_variants())
 @pytest.mark.parametrize("ggml_type", FORMATS)
-@pytest.mark.parametrize("rows,out_features", [(1, 37), (5, 7), (17, 1), (133, 37)])
+@pytest.mark.parametrize("rows,out_features", [(1, 37), (5, 7), (11, 37), (17, 1), (133, 37)])
 def test_int8_kernel_computes_its_oracle(variant, ggml_type, rows, out_features, mode):
     """Tiles narrower than the register tile in rows and columns (an item of 32 columns, 37 of
     them: a last item of 5); the oracle takes the codes the kernel takes, so only float32
@@ -87,11 +87,13 @@ def test_the_activations_rounding_is_the_only_error(variant, ggml_type, mode):
 @pytest.mark.parametrize("ggml_type", FORMATS)
 def test_a_row_is_the_same_whatever_rows_come_with_it(variant, ggml_type, mode):
     """Batch invariance within the mode: every row count runs the same tile on the same decoded
-    item, a last tile of fewer rows alike."""
+    item, a last tile of fewer rows alike, and a step's rows in registers (up to 16 on AVX-512,
+    4 at a time) the same operations."""
     x, blocks, bias = layer_case(ggml_type, 130, 37, 2 if ggml_type.endswith("_K") else 9, 3)
     call, weight = int8_call(ggml_type, x.shape[1], variant, mode), torch.from_numpy(blocks)
     together = call(x, weight, bias)
-    for start, stop in [(0, 1), (1, 2), (4, 5), (2, 4), (5, 8), (127, 130), (3, 100)]:
+    for start, stop in [(0, 1), (1, 2), (4, 5), (2, 4), (5, 8), (0, 8), (9, 21), (10, 26), (40, 57), (127, 130),
+                        (3, 100)]:
         alone = call(x[start:stop].contiguous(), weight, bias)
         assert torch.equal(alone, together[start:stop]), f"{ggml_type} ({variant}, {mode}): rows {start}..{stop}"
 

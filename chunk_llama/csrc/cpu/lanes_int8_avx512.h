@@ -17,6 +17,7 @@
 //                                only those with two scales a group (quant_act.h's kInt16Words)
 //   kIdotSteps                   steps per idot call in the prefill tile: 1 where a step is one
 //                                instruction (the tile interleaves its sums step by step), else 8
+//   kFewRowsMax                  rows up to which a step runs in registers (int8_few_rows), not tiles
 //   icvt(a)                      int32 -> float, exactly (|a| < 2^24)
 //   quantize_store(p, a)         kLanes floats rounded to nearest even, stored as int8
 //   quantize_words(p, a)         kLanes floats (|a| <= 32385.5) rounded to nearest even, as int16
@@ -44,6 +45,11 @@ constexpr int kIdotSteps = 1;  // (a step is one vpdpbusd)
 // int16 tiles multiply 16-bit codes (vpdpwssd) only for formats with two scales a group (Q6_K: 13%
 // faster); with one, the halves' two fused vpdpbusd on bytes ran 5% faster (docs/BENCHMARKS.md)
 constexpr bool kWordTiles = false;
+// A step's rows up to this many run in registers (quant_act.h's int8_few_rows), kI8Rows at a time on
+// each column vector while it is in L1/L2, each group decoded again for each kI8Rows rows; beyond, an
+// item is decoded once into a buffer for its tiles. In registers 1.2-1.6x faster at 5-16 rows, 1.15x
+// slower at 24 (docs/BENCHMARKS.md).
+constexpr int kFewRowsMax = 16;
 inline IVec iset1(int32_t v) { return {_mm512_set1_epi32(v)}; }
 inline IVec iload(const void* p) { return {_mm512_loadu_si512(p)}; }
 inline void istore(void* p, IVec a) { _mm512_storeu_si512(p, a.v); }

@@ -24,6 +24,7 @@ constexpr int kI8ColVecs = kLanes >= 16 ? 2 : 1;  // column vectors per item
 constexpr int kI8Cols = kI8ColVecs * kLanes;       // weight rows per item
 constexpr int kI8Rows = 4;                         // rows of x per tile
 static_assert(kI8Cols <= kInt8MaxCols, "an item must fit the caller's scratch");
+static_assert(kFewRowsMax >= kI8Rows, "a tile's rows run in registers");
 
 }  // namespace CHUNK_ATTN_ISA
 }  // namespace chunk_attn_cpu
@@ -312,7 +313,7 @@ __attribute__((nothrow, noinline)) void int16_tile(const uint8_t* __restrict__ b
 // shares at once ran 6-10% slower from memory, docs/BENCHMARKS.md): out[r][kLanes] at row stride
 // kI8Cols (no bias).
 template <int Type, bool kInt16, bool kTiled, int MR>
-__attribute__((nothrow, noinline)) void int8_few_rows(const Columns<kTiled>& cols, const Int8Rows& x,
+__attribute__((nothrow, noinline)) void int8_few_rows(const Columns<kTiled>& cols, const Int8Rows& x, int64_t row0,
                                                       int64_t in_features, const uint8_t* next, int64_t next_bytes,
                                                       float* __restrict__ out) {
   Vec acc[MR];
@@ -321,7 +322,7 @@ __attribute__((nothrow, noinline)) void int8_few_rows(const Columns<kTiled>& col
   for (int64_t unit = 0; unit < units; ++unit) {
     decode_unit<Type>(cols, unit, [&](int j, const IVec* codes, const Vec* scales, Vec offset) {
       prefetch_step(next, next_bytes, unit * kUnitGroups<Type> + j, units * kUnitGroups<Type>);
-      group_fmas<Type, kInt16, MR>(codes, scales, offset, x, 0, unit * kUnitGroups<Type> + j, in_features, acc);
+      group_fmas<Type, kInt16, MR>(codes, scales, offset, x, row0, unit * kUnitGroups<Type> + j, in_features, acc);
     });
   }
   for (int r = 0; r < MR; ++r) vstore(out + r * kI8Cols, acc[r]);
@@ -341,11 +342,12 @@ __attribute__((nothrow)) inline void any_int8_tile(int mr, const uint8_t* buf, c
 
 template <int Type, bool kInt16, bool kTiled, int MR = kI8Rows>
 __attribute__((nothrow)) inline void any_int8_few_rows(int mr, const Columns<kTiled>& cols, const Int8Rows& x,
-                                                       int64_t in_features, const uint8_t* next, int64_t next_bytes,
-                                                       float* out) {
+                                                       int64_t row0, int64_t in_features, const uint8_t* next,
+                                                       int64_t next_bytes, float* out) {
   if constexpr (MR >= 1) {
-    if (mr < MR) return any_int8_few_rows<Type, kInt16, kTiled, MR - 1>(mr, cols, x, in_features, next, next_bytes, out);
-    int8_few_rows<Type, kInt16, kTiled, MR>(cols, x, in_features, next, next_bytes, out);
+    if (mr < MR)
+      return any_int8_few_rows<Type, kInt16, kTiled, MR - 1>(mr, cols, x, row0, in_features, next, next_bytes, out);
+    int8_few_rows<Type, kInt16, kTiled, MR>(cols, x, row0, in_features, next, next_bytes, out);
   }
 }
 
@@ -361,7 +363,7 @@ void quant_int8_of(const QuantInt8Params& p) {
   int32_t* zero_sums = reinterpret_cast<int32_t*>(p.scratch + layout.zero_sums);
   // int16 rows in tiles as words (q), in place of the halves (the same bytes); a decode step's as halves
   int16_t* words =
-      kInt16 && kInt16Words<Type> && p.rows > kI8Rows ? reinterpret_cast<int16_t*>(p.scratch + layout.codes) : nullptr;
+      kInt16 && kInt16Words<Type> && p.rows > kFewRowsMax ? reinterpret_cast<int16_t*>(p.scratch + layout.codes) : nullptr;
   const Int8Rows x{codes, high, words, scales, sums, zero_sums};
   const int64_t num_items = (p.out_features + kI8Cols - 1) / kI8Cols;
   // the rows quantized by every thread: fewer rows than threads (a decode step) in parts of their groups
@@ -407,15 +409,15 @@ void quant_int8_of(const QuantInt8Params& p) {
         }
         for (int cv = 0; cv < kI8ColVecs; ++cv) cols[cv] = columns<false>(rows, row_bytes, cv * kLanes);
       }
-      alignas(64) float out[kI8Rows * kI8Cols];
+      alignas(64) float out[kFewRowsMax * kI8Cols];
       const auto store = [&](int64_t row, int mr) {
         for (int r = 0; r < mr; ++r)  // (the bias as the float32 kernel adds it)
           for (int c = 0; c < nc; ++c)
             p.y[(row + r) * p.out_features + col + c] = out[r * kI8Cols + c] + (p.bias ? p.bias[col + c] : 0.f);
       };
-      if (p.rows <= kI8Rows) {  // a decode step: in registers, a column vector at a time (each one's rows read
-                                // as one stream, the next one's prefetched: from memory, 12-17% faster than an
-                                // item's column vectors together on AVX-512, docs/BENCHMARKS.md)
+      if (p.rows <= kFewRowsMax) {  // a decode step: in registers, a column vector at a time (each one's rows
+                                    // read as one stream, the next one's prefetched: from memory, 12-17% faster
+                                    // than an item's column vectors together on AVX-512, docs/BENCHMARKS.md)
         for (int cv = 0; cv < kI8ColVecs; ++cv) {
           // prefetched meanwhile: the next column vector's rows; tiled, where a tile holds several column
           // vectors (AVX2's 8 lanes, NEON's 4, each reading a part of every line of the tile), this one's
@@ -425,8 +427,10 @@ void quant_int8_of(const QuantInt8Params& p) {
           const int64_t following = kParts > 1 ? (vec / kParts + 1) * kTileRows : col + (cv + 1) * kLanes;
           const uint8_t* next = p.w + following * row_bytes + (kParts > 1 ? vec % kParts * kLanes * row_bytes : 0);
           const int64_t ahead = std::max<int64_t>(0, std::min<int64_t>(kLanes, end - following));
-          any_int8_few_rows<Type, kInt16>(static_cast<int>(p.rows), cols[cv], x, p.in_features, next,
-                                          ahead * row_bytes, out + cv * kLanes);
+          for (int64_t row = 0; row < p.rows; row += kI8Rows)  // (the next rows prefetched by the first pass)
+            any_int8_few_rows<Type, kInt16>(static_cast<int>(std::min<int64_t>(kI8Rows, p.rows - row)), cols[cv], x,
+                                            row, p.in_features, next, row == 0 ? ahead * row_bytes : 0,
+                                            out + row * kI8Cols + cv * kLanes);
         }
         store(0, static_cast<int>(p.rows));
         continue;
