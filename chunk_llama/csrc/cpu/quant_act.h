@@ -307,7 +307,7 @@ __attribute__((nothrow, noinline)) void int16_tile(const uint8_t* __restrict__ b
     for (int cv = 0; cv < kI8ColVecs; ++cv) vstore(out + r * kI8Cols + cv * kLanes, acc[cv][r]);
 }
 
-// The same tile for a decode step's few rows (MR <= kI8Rows: all of them) against one column
+// The same tile for MR <= kI8Rows of a decode step's few rows (row0 on) against one column
 // vector, each group decoded from the blocks in registers just before its products (no buffer),
 // the next column vector's rows prefetched a share with each group (a K-quant super-block's 8
 // shares at once ran 6-10% slower from memory, docs/BENCHMARKS.md): out[r][kLanes] at row stride
