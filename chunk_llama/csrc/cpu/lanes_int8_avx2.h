@@ -20,7 +20,8 @@ constexpr int kIdotSteps = 8;  // (small codes add several steps in 16 bits befo
 // int16 tiles multiply 16-bit codes by q (iwdot) for every format: one vpmaddwd and one add per two
 // products, where the halves take two vpmaddubsw, their 16-bit adds and a combining step
 constexpr bool kWordTiles = true;
-// (lanes_int8_avx512.h) a tile's rows: in registers, equal at 5-6 rows, 1.2x slower at 8-16 than the word tiles
+// (lanes_int8_avx512.h) a tile's rows: in registers, equal at 5-6 rows, mixed at 8, 1.15-1.25x slower at 12-16
+// than the word tiles
 constexpr int kFewRowsMax = 4;
 inline IVec iset1(int32_t v) { return {_mm256_set1_epi32(v)}; }
 inline IVec iload(const void* p) { return {_mm256_loadu_si256(static_cast<const __m256i*>(p))}; }

@@ -47,8 +47,8 @@ constexpr int kIdotSteps = 1;  // (a step is one vpdpbusd)
 constexpr bool kWordTiles = false;
 // A step's rows up to this many run in registers (quant_act.h's int8_few_rows), kI8Rows at a time on
 // each column vector while it is in L1/L2, each group decoded again for each kI8Rows rows; beyond, an
-// item is decoded once into a buffer for its tiles. In registers 1.2-1.6x faster at 5-16 rows, 1.15x
-// slower at 24 (docs/BENCHMARKS.md).
+// item is decoded once into a buffer for its tiles. In registers 1.65x faster at 5 rows, 1.1-1.2x at 16,
+// 1.1x slower at 24 (docs/BENCHMARKS.md).
 constexpr int kFewRowsMax = 16;
 inline IVec iset1(int32_t v) { return {_mm512_set1_epi32(v)}; }
 inline IVec iload(const void* p) { return {_mm512_loadu_si512(p)}; }

@@ -361,9 +361,10 @@ void quant_int8_of(const QuantInt8Params& p) {
   float* scales = reinterpret_cast<float*>(p.scratch + layout.scales);
   float* sums = reinterpret_cast<float*>(p.scratch + layout.sums);
   int32_t* zero_sums = reinterpret_cast<int32_t*>(p.scratch + layout.zero_sums);
+  const bool in_registers = p.rows <= kFewRowsMax;  // (a decode step's rows: int8_few_rows, else tiles)
   // int16 rows in tiles as words (q), in place of the halves (the same bytes); a decode step's as halves
   int16_t* words =
-      kInt16 && kInt16Words<Type> && p.rows > kFewRowsMax ? reinterpret_cast<int16_t*>(p.scratch + layout.codes) : nullptr;
+      kInt16 && kInt16Words<Type> && !in_registers ? reinterpret_cast<int16_t*>(p.scratch + layout.codes) : nullptr;
   const Int8Rows x{codes, high, words, scales, sums, zero_sums};
   const int64_t num_items = (p.out_features + kI8Cols - 1) / kI8Cols;
   // the rows quantized by every thread: fewer rows than threads (a decode step) in parts of their groups
@@ -415,9 +416,9 @@ void quant_int8_of(const QuantInt8Params& p) {
           for (int c = 0; c < nc; ++c)
             p.y[(row + r) * p.out_features + col + c] = out[r * kI8Cols + c] + (p.bias ? p.bias[col + c] : 0.f);
       };
-      if (p.rows <= kFewRowsMax) {  // a decode step: in registers, a column vector at a time (each one's rows
-                                    // read as one stream, the next one's prefetched: from memory, 12-17% faster
-                                    // than an item's column vectors together on AVX-512, docs/BENCHMARKS.md)
+      if (in_registers) {  // a column vector at a time (each one's rows read as one stream, the next one's
+                           // prefetched: from memory, 12-17% faster than an item's column vectors together on
+                           // AVX-512, docs/BENCHMARKS.md)
         for (int cv = 0; cv < kI8ColVecs; ++cv) {
           // prefetched meanwhile: the next column vector's rows; tiled, where a tile holds several column
           // vectors (AVX2's 8 lanes, NEON's 4, each reading a part of every line of the tile), this one's
