@@ -210,7 +210,7 @@ def load_model(name_or_path: str | None = None, *, device: str | torch.device | 
 
 def _with_activations(model, gguf_activations: str | None):
     """`model` with its GGUF blocks set to multiply with `gguf_activations` (logged)."""
-    from chunk_llama.gguf.weights import set_gguf_activations
+    from chunk_llama.gguf.modules import set_gguf_activations
 
     logger.info("GGUF blocks multiply %s activations", set_gguf_activations(model, gguf_activations))
     return model

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from half_precision_errors import cast  # noqa: E402
 
 from chunk_llama.cli import DEFAULT_PROMPTS, DEFAULT_SYSTEM, read_prompts  # noqa: E402
-from chunk_llama.gguf.weights import set_gguf_activations  # noqa: E402
+from chunk_llama.gguf.modules import set_gguf_activations  # noqa: E402
 from chunk_llama.loading import load_model  # noqa: E402
 from chunk_llama.ops.cpu import activations, isa  # noqa: E402
 

@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Lla
 
 from chunk_llama import ChunkLlamaEngine
 from chunk_llama.gguf.load import load_gguf_model
-from chunk_llama.gguf.weights import GGUFLinear
+from chunk_llama.gguf.modules import GGUFLinear
 from chunk_llama.ops.cpu import isa
 from chunk_llama.ops.cpu.attention import build
 

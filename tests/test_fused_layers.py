@@ -19,7 +19,7 @@ from tolerances import assert_no_worse_than_stock
 from transformers import GenerationConfig
 
 from chunk_llama import ChunkCache, ChunkLlamaEngine, patch_model
-from chunk_llama.gguf.weights import GGUFLinear, set_gguf_activations
+from chunk_llama.gguf.modules import GGUFLinear, set_gguf_activations
 from chunk_llama.hf.fused import layers as fused_layers
 from chunk_llama.hf.fused import per_step
 from chunk_llama.hf.fused import stack as fused_stack

@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_quant_act import FORMATS, layer_case
 
-from chunk_llama.gguf.weights import GGUFLinear, set_gguf_activations
+from chunk_llama.gguf.modules import GGUFLinear, set_gguf_activations
 from chunk_llama.ops.cpu import activations, isa
 from chunk_llama.ops.cpu import quant_linear as ops
 from chunk_llama.ops.cpu.attention import build

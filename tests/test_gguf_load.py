@@ -22,7 +22,8 @@ from chunk_llama import loading
 from chunk_llama.gguf import load as gguf_load
 from chunk_llama.gguf.file import file_tensors
 from chunk_llama.gguf.load import load_gguf_model
-from chunk_llama.gguf.weights import GGUFEmbedding, GGUFLinear, keep_gguf_quantized
+from chunk_llama.gguf.modules import GGUFEmbedding, GGUFLinear
+from chunk_llama.gguf.weights import keep_gguf_quantized
 
 SIZES = {"vocab_size": 320, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}

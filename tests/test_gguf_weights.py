@@ -18,7 +18,8 @@ from torch import nn
 from transformers import GenerationConfig
 
 from chunk_llama import ChunkLlamaEngine, load_model
-from chunk_llama.gguf.weights import GGUFEmbedding, GGUFLinear, keep_gguf_quantized
+from chunk_llama.gguf.modules import GGUFEmbedding, GGUFLinear
+from chunk_llama.gguf.weights import keep_gguf_quantized
 from chunk_llama.loading import default_model_path
 
 pytestmark = pytest.mark.slow

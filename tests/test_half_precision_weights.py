@@ -17,7 +17,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from chunk_llama import ChunkLlamaEngine, load_model
-from chunk_llama.gguf.weights import GGUFEmbedding, GGUFLinear, keep_half_precision
+from chunk_llama.gguf.modules import GGUFEmbedding, GGUFLinear
+from chunk_llama.gguf.weights import keep_half_precision
 from chunk_llama.ops.cpu.attention import build
 
 pytestmark = pytest.mark.skipif(build() is None, reason="the CPU kernels did not build here")

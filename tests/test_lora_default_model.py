@@ -16,7 +16,7 @@ from transformers import GenerationConfig
 
 import chunk_llama
 from chunk_llama import ChunkLlamaEngine
-from chunk_llama.gguf.weights import GGUFLinear
+from chunk_llama.gguf.modules import GGUFLinear
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.slow

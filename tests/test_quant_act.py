@@ -12,7 +12,7 @@ import torch
 from test_cpu_kernel import _variant_params
 from test_quant_linear import random_blocks
 
-from chunk_llama.gguf.weights import GGUFLinear, set_gguf_activations
+from chunk_llama.gguf.modules import GGUFLinear, set_gguf_activations
 from chunk_llama.logs import forget_logged
 from chunk_llama.ops.cpu import activations, int8_reference, isa
 from chunk_llama.ops.cpu import quant_linear as ops

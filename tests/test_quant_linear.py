@@ -149,7 +149,7 @@ def test_kernels_forced_off_after_loading_decode_with_gguf_py(monkeypatch, caplo
     """CHUNK_LLAMA_FORCE_REFERENCE set once the blocks are kept (the kernels' library is then
     None): the layers and the embedding decode with gguf-py and multiply with F.linear, on
     few rows and many, said once."""
-    from chunk_llama.gguf.weights import GGUFEmbedding, GGUFLinear
+    from chunk_llama.gguf.modules import GGUFEmbedding, GGUFLinear
 
     blocks = torch.from_numpy(random_blocks("Q4_1", 70, 128))
     weight = gguf_py_decoded(blocks.numpy(), "Q4_1")

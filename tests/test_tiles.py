@@ -10,12 +10,12 @@ import sys
 
 import pytest
 import torch
-from transformers import GenerationConfig
 from test_quant_act import FORMATS, MODES, int8_call, int8_variants, layer_case
 from test_quant_linear import random_blocks
+from transformers import GenerationConfig
 
 from chunk_llama.engine import ChunkLlamaEngine
-from chunk_llama.gguf.weights import GGUFEmbedding, GGUFLinear, set_gguf_activations
+from chunk_llama.gguf.modules import GGUFEmbedding, GGUFLinear, set_gguf_activations
 from chunk_llama.loading import load_model
 from chunk_llama.ops.cpu import isa, tiles
 from chunk_llama.ops.cpu import quant_linear as ops

@@ -30,7 +30,8 @@ from chunk_llama.engine.inputs import InputProcessor, positive_int
 from chunk_llama.engine.request import RequestDelta, RequestOutput, Sequence
 from chunk_llama.engine.runner import ModelRunner
 from chunk_llama.engine.scheduler import Scheduler
-from chunk_llama.gguf.weights import gguf_blocks, set_gguf_activations
+from chunk_llama.gguf.modules import set_gguf_activations
+from chunk_llama.gguf.weights import gguf_blocks
 from chunk_llama.hf import ChunkCache, is_patched, patch_model
 from chunk_llama.hf.lora.registry import AdapterRegistry
 from chunk_llama.ops import prepare_backend

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from chunk_llama.gguf.weights import GGUFLinear
+from chunk_llama.gguf.modules import GGUFLinear
 from chunk_llama.ops import backend_info
 from chunk_llama.ops.cpu import isa, linear
 

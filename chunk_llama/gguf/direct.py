@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from chunk_llama.gguf import weights
+from chunk_llama.gguf import modules, weights
 from chunk_llama.gguf.file import FileTensor, populate_pages, release_pages
 from chunk_llama.ops.cpu import quant_linear as ops
 
@@ -58,15 +58,15 @@ def keep_file_blocks(model: nn.Module, name: str | None, tensor: FileTensor, pro
         return None
     release_pages(data)
     if type(module) is nn.Linear:
-        weights.replace_module(model, module_name, weights.GGUFLinear(blocks, ggml_type, in_features, bias))
+        weights.replace_module(model, module_name, modules.GGUFLinear(blocks, ggml_type, in_features, bias))
         return 1
     replaced = 1
     output = model.get_output_embeddings()
     if isinstance(output, nn.Linear) and output.weight is module.weight:  # a tied LM head: the same blocks
         weights.replace_module(model, weights.name_of(model, output),
-                         weights.GGUFLinear(blocks, ggml_type, output.in_features, output.bias))
+                         modules.GGUFLinear(blocks, ggml_type, output.in_features, output.bias))
         replaced += 1
-    weights.replace_module(model, module_name, weights.GGUFEmbedding(blocks, ggml_type, in_features, scale,
+    weights.replace_module(model, module_name, modules.GGUFEmbedding(blocks, ggml_type, in_features, scale,
                                                                module.padding_idx))
     return replaced
 

@@ -17,7 +17,7 @@ import functools
 import torch
 from torch import nn
 
-from chunk_llama.gguf.weights import GGUFLinear
+from chunk_llama.gguf.modules import GGUFLinear
 from chunk_llama.hf.families import BY_LAYER, Family
 from chunk_llama.hf.fused.snapshot import GLOBAL_HOOKS, Snapshot
 from chunk_llama.hf.lora.layers import lora_key, peft_linear

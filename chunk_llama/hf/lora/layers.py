@@ -23,7 +23,7 @@ import sys
 import torch
 from torch import nn
 
-from chunk_llama.gguf.weights import GGUFLinear
+from chunk_llama.gguf.modules import GGUFLinear
 from chunk_llama.hf.lora.peft_model import peft_inner
 from chunk_llama.ops.lora import add_lora_deltas
 from chunk_llama.step import current_step

@@ -16,8 +16,8 @@ instead decode the whole weight to float32 once per call and run oneDNN's GEMM
 transformers loads a GGUF file as, gguf-py's decode, bit for bit), rounded in another
 order: within the float32 error of `F.linear` on them.
 
-`GGUFLinear` and `GGUFEmbedding` hold such weights in a model (`gguf/weights.py` puts
-them there); they run these ops in every forward, with or without a `ChunkCache`.
+`GGUFLinear` and `GGUFEmbedding` (`gguf/modules.py`) hold such weights in a model (`gguf/weights.py`
+puts them there); they run these ops in every forward, with or without a `ChunkCache`.
 """
 
 from __future__ import annotations
