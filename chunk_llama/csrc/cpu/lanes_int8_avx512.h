@@ -11,6 +11,10 @@
 //                                u[t][4i + j] * s[4t + j]: u unsigned codes up to kMaxCode (at
 //                                most 255), s int8 in [-127, 127] (each step's 4 to every lane);
 //                                exact
+//   idot16<kMaxCode, kSteps>(acc, u, lo, hi)  idot against lo plus 255 times idot against hi (int16
+//                                activations' halves, one row's: the lanes may run the two side by side)
+//   keep_in_register(v)          a Vec (the lane API's float vector) held in a register here, where the
+//                                lanes need it (AVX2), else nothing
 //   iwdot(acc, w, s)             lane i: acc + w[2i] * s[0] + w[2i + 1] * s[1], w's 16-bit codes
 //                                (below 256) and s int16 (the int16 tile's word products); exact
 //   kWordTiles                   whether int16 tiles take every format's codes as words (iwdot), or
@@ -77,6 +81,11 @@ inline void quantize_words(int16_t* p, Vec a) {  // (the values fit int16)
 
 inline IVec iadd(IVec a, IVec b) { return {_mm512_add_epi32(a.v, b.v)}; }
 inline IVec imul255(IVec a) { return {_mm512_sub_epi32(_mm512_slli_epi32(a.v, 8), a.v)}; }
+template <int kMaxCode, int kSteps>
+inline IVec idot16(IVec acc, const IVec* u, const int8_t* lo, const int8_t* hi) {
+  return iadd(idot<kMaxCode, kSteps>(acc, u, lo), imul255(idot<kMaxCode, kSteps>(iset1(0), u, hi)));
+}
+inline void keep_in_register(Vec&) {}
 // (q / 255 is never within 1 / 510 of a tie, so q * (1 / 255), off by less than 2^-16, rounds as it)
 inline void quantize_split(int8_t* hi, int8_t* lo, Vec a) {
   const __m512i q = _mm512_cvtps_epi32(a.v);

@@ -72,6 +72,11 @@ inline IVec imul255(IVec a) {
   for (int i = 0; i < kLanes; ++i) a.v[i] *= 255;
   return a;
 }
+template <int kMaxCode, int kSteps>
+inline IVec idot16(IVec acc, const IVec* u, const int8_t* lo, const int8_t* hi) {
+  return iadd(idot<kMaxCode, kSteps>(acc, u, lo), imul255(idot<kMaxCode, kSteps>(iset1(0), u, hi)));
+}
+inline void keep_in_register(Vec&) {}
 inline void itranspose8(const uint8_t* rows, int64_t stride, IVec* out) {
   for (int c = 0; c < kLanes; ++c)
     for (int s = 0; s < 8; ++s) std::memcpy(&out[s].v[c], rows + c * stride + 4 * s, 4);

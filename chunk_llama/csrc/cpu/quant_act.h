@@ -185,6 +185,13 @@ __attribute__((nothrow, always_inline)) inline void group_fmas(const IVec* codes
 #pragma GCC unroll 2
   for (int sub = 0; sub < kSub; ++sub) {
     IVec dot[MR], high[MR];
+    if constexpr (kInt16 && MR == 1) {  // (a decode step's one row: its halves side by side, the same integer)
+      const int64_t at = row0 * in_features + g * kGroup + 4 * sub * kStepsPerSub;
+      dot[0] = idot16<kMaxCode<Type>, kStepsPerSub>(zero_point_sum(x, row0, g, sub, in_features),
+                                                    codes + sub * kStepsPerSub, x.codes + at, x.high + at);
+      acc[0] = add_scaled_sum<false>(acc[0], dot[0], dot[0], scales[sub], x, row0, g, groups);
+      continue;
+    }
     for (int r = 0; r < MR; ++r) {
       const int64_t at = (row0 + r) * in_features + g * kGroup + 4 * sub * kStepsPerSub;
       dot[r] = idot<kMaxCode<Type>, kStepsPerSub>(zero_point_sum(x, row0 + r, g, sub, in_features),
@@ -197,6 +204,7 @@ __attribute__((nothrow, always_inline)) inline void group_fmas(const IVec* codes
   }
   if constexpr (kHasOffset<Type>)
     for (int r = 0; r < MR; ++r) acc[r] = add_offset(acc[r], offset, x, row0 + r, g, groups);
+  if constexpr (MR == 1) keep_in_register(acc[0]);
 }
 
 // The tiles' last float step of a group (group_fmas' in its order): the column vectors' offsets

@@ -112,8 +112,10 @@ __attribute__((nothrow, always_inline)) inline void decode_k_block(const Columns
     IVec fifth[8];  // Q5_K: bit j of byte l is group j's weight l
     if constexpr (Type == kQ5_K) block_dwords<Type>(cols, block, 16, fifth);
     const IVec nibble = ibytes(15), one = ibytes(1);
+#pragma GCC unroll 4  // (whole: each load's address a constant offset)
     for (int pair = 0; pair < 4; ++pair) {
       block_dwords<Type>(cols, block, (Type == kQ5_K ? 48 : 16) + 32 * pair, raw);
+#pragma GCC unroll 2
       for (int half = 0; half < 2; ++half) {
         const int j = 2 * pair + half;
         for (int s = 0; s < 8; ++s) {
