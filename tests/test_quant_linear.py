@@ -97,7 +97,7 @@ def test_linear_on_blocks_every_variant(variant, ggml_type, rows, out_features):
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_features, generator=generator)
     bias = torch.randn(out_features, generator=generator) if rows % 2 else None
-    call = build().quant_linear_call(ops.GGML_TYPES[ggml_type], in_features, variant)
+    call = build().quant_matmul_call(ops.GGML_TYPES[ggml_type], in_features, variant, "float32")
     check_against_float64(call(x, torch.from_numpy(blocks), bias), x, weight, bias)
 
 
@@ -112,7 +112,7 @@ def test_a_row_is_the_same_whatever_rows_come_with_it(variant, ggml_type):
         blocks = torch.from_numpy(random_blocks(ggml_type, 37, width, seed=7))  # 9 tiles of 4, and 1
         x = torch.randn(num_rows, width, generator=torch.Generator().manual_seed(7))
         bias = torch.randn(37, generator=torch.Generator().manual_seed(8))
-        call = build().quant_linear_call(ops.GGML_TYPES[ggml_type], width, variant)
+        call = build().quant_matmul_call(ops.GGML_TYPES[ggml_type], width, variant, "float32")
         together = call(x, blocks, bias)
         for start, stop in [(0, 1), (1, 2), (4, 5), (10, 11), (2, 4), (5, 8), (num_rows - 3, num_rows)]:
             alone = call(x[start:stop].contiguous(), blocks, bias)
@@ -179,14 +179,14 @@ def test_bad_blocks_are_refused_with_the_reason():
     library = build()
     x = torch.randn(2, 64)
     with pytest.raises(ValueError, match="GGML type 10 is not one the kernels decode"):
-        library.quant_linear_call(10, 64, "generic")(x, torch.zeros(3, 128, dtype=torch.uint8), None)
+        library.quant_matmul_call(10, 64, "generic", "float32")(x, torch.zeros(3, 128, dtype=torch.uint8), None)
     with pytest.raises(ValueError, match="not a whole number of blocks of 256"):
         library.quant_row_bytes(ops.GGML_TYPES["Q6_K"], 300)
     with pytest.raises(ValueError, match="holds 72 bytes, not 3 rows of 36"):  # a row of 64 Q4_0 weights is 36 bytes
-        library.quant_linear_call(ops.GGML_TYPES["Q4_0"], 64, "generic")(x, torch.zeros(3, 24, dtype=torch.uint8),
-                                                                          None)
+        library.quant_matmul_call(ops.GGML_TYPES["Q4_0"], 64, "generic", "float32")(
+            x, torch.zeros(3, 24, dtype=torch.uint8), None)
     with pytest.raises(ValueError, match="do not fit"):
-        library.quant_linear_call(ops.GGML_TYPES["Q4_0"], 64, "generic")(torch.randn(2, 32),
-                                                                          torch.zeros(3, 36, dtype=torch.uint8), None)
+        library.quant_matmul_call(ops.GGML_TYPES["Q4_0"], 64, "generic", "float32")(
+            torch.randn(2, 32), torch.zeros(3, 36, dtype=torch.uint8), None)
     with pytest.raises(TypeError, match="uint8"):
         library.dequantize(torch.zeros(3, 36), ops.GGML_TYPES["Q4_0"], 64, "generic")

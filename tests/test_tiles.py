@@ -72,8 +72,6 @@ def test_tiles_are_refused_where_rows_are_read():
     with pytest.raises(ValueError, match="only integer activations read tiles"):
         build().quant_matmul_call(tiled_type, 256, variant, "float32")(x, blocks, None)
     with pytest.raises(ValueError, match="only integer activations read tiles"):
-        build().quant_linear_call(tiled_type, 256, variant)(x, blocks, None)
-    with pytest.raises(ValueError, match="only integer activations read tiles"):
         build().dequantize(blocks, tiled_type, 256, variant)
     with pytest.raises(ValueError, match="whole number of tiles of 16"):
         build().quant_matmul_call(tiled_type, 256, variant, "int16")(x, blocks[:24], None)

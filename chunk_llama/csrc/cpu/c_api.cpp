@@ -150,23 +150,6 @@ int64_t chunk_llama_cpu_quant_row_bytes(int type, int64_t in_features) {
   return bytes;
 }
 
-int chunk_llama_cpu_quant_linear(const float* x, int64_t rows, int64_t in_features, const uint8_t* weight,
-                                 int64_t weight_bytes, int type, int64_t out_features, const float* bias, float* y,
-                                 const char* isa, int num_threads) {
-  return guarded([&] {
-    const Variant& variant = variant_for(isa);
-    CHECK_VALUE(rows >= 0 && out_features >= 0 && num_threads >= 1, "quant_linear: bad sizes (", rows, " rows, ",
-                out_features, " out)");
-    const int64_t row_bytes = row_bytes_of("quant_linear", type, in_features);
-    check_tiles("quant_linear", type, out_features, false);
-    CHECK_VALUE(weight_bytes == row_bytes * out_features, "quant_linear: the weight holds ", weight_bytes,
-                " bytes, not ", out_features, " rows of ", row_bytes);
-    std::vector<float> scratch(static_cast<size_t>(chunk_attn_cpu::quant_scratch_floats(rows, in_features)) * num_threads);
-    variant.quant_linear(chunk_attn_cpu::QuantLinearParams{x, weight, type, bias, y, rows, out_features, in_features,
-                                                           num_threads, scratch.data()});
-  });
-}
-
 int chunk_llama_cpu_dequantize(const uint8_t* weight, int64_t weight_bytes, int type, int64_t num_rows,
                                int64_t in_features, float* out, const char* isa, int num_threads) {
   return guarded([&] {

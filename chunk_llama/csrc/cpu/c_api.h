@@ -28,7 +28,7 @@ extern "C" {
 
 /* Bumped whenever an entry point's arguments change: a loader refuses a library whose
  * version differs from the one its binding was written for. */
-#define CHUNK_LLAMA_CPU_ABI_VERSION 12
+#define CHUNK_LLAMA_CPU_ABI_VERSION 13
 
 enum { CHUNK_LLAMA_OK = 0, CHUNK_LLAMA_VALUE_ERROR = 1, CHUNK_LLAMA_TYPE_ERROR = 2 };
 /* Element types of q and the pool (params.h DType); float16 for pools only (under float32 or
@@ -136,12 +136,7 @@ CHUNK_LLAMA_API int chunk_llama_cpu_small_linear(const float* x, int64_t rows, i
 /* Weights in a GGML block format (GGUF files' quantized tensors; `type` is GGML's type id:
  * 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K): `weight` holds
  * out_features (num_rows) rows of in_features / block weights, `weight_bytes` bytes in all.
- * quant_linear: y [rows, out_features] = x [rows, in_features] W^T (+ bias), float32.
- * dequantize: out [num_rows, in_features] = W, float32. */
-CHUNK_LLAMA_API int chunk_llama_cpu_quant_linear(const float* x, int64_t rows, int64_t in_features,
-                                                 const uint8_t* weight, int64_t weight_bytes, int type,
-                                                 int64_t out_features, const float* bias, float* y, const char* isa,
-                                                 int num_threads);
+ * dequantize: out [num_rows, in_features] = W, float32 (the product: chunk_llama_cpu_quant_matmul). */
 CHUNK_LLAMA_API int chunk_llama_cpu_dequantize(const uint8_t* weight, int64_t weight_bytes, int type, int64_t num_rows,
                                                int64_t in_features, float* out, const char* isa, int num_threads);
 /* Bytes of one row of in_features weights of `type`; -1 (and an error) if the type is not
@@ -164,7 +159,8 @@ CHUNK_LLAMA_API int chunk_llama_cpu_take_rows(const uint8_t* tiled, int64_t weig
  * codes: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K). */
 enum { CHUNK_LLAMA_ACTIVATIONS_FLOAT32 = 0, CHUNK_LLAMA_ACTIVATIONS_INT8 = 1, CHUNK_LLAMA_ACTIVATIONS_INT16 = 2 };
 
-/* quant_linear's product with a choice of activations, its arguments in one struct. */
+/* y [rows, out_features] = x [rows, in_features] W^T (+ bias), float32, W in a GGML block format
+ * (above), x multiplied as `activations` says; its arguments in one struct. */
 typedef struct {
   const float* x;          /* [rows, in_features] */
   int64_t rows, in_features;

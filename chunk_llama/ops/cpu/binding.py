@@ -21,7 +21,7 @@ from chunk_llama.ops.build.c_types import I32, I64, STR, P
 from chunk_llama.ops.cpu.planned import PlanHandle
 from chunk_llama.ops.cpu.structs import ACTIVATIONS, U64, QuantMatmulArgs
 
-ABI_VERSION = 12  # CHUNK_LLAMA_CPU_ABI_VERSION in c_api.h
+ABI_VERSION = 13  # CHUNK_LLAMA_CPU_ABI_VERSION in c_api.h
 _SIGNATURES = {  # name: (argument types, result type), as c_api.h declares them
     "abi_version": ([], I32),
     "last_error": ([], STR),
@@ -38,7 +38,6 @@ _SIGNATURES = {  # name: (argument types, result type), as c_api.h declares them
     # Planned*, DecoderStackArgs*, hidden in, out, cos[], sin[], LoraRowsArgs* (or NULL)
     "decoder_stack_run": ([P, P, P, P, P, P, P], I32),
     "small_linear": ([P, I64, I64, P, I64, P, P, STR, I32], I32),
-    "quant_linear": ([P, I64, I64, P, I64, I32, I64, P, P, STR, I32], I32),
     "dequantize": ([P, I64, I32, I64, I64, P, STR, I32], I32),
     "quant_row_bytes": ([I32, I64], I64),
     "tile_rows": ([P, P, I64, I32, I64, I32, I32], I32),
@@ -132,30 +131,13 @@ class CpuLibrary:
         row_bytes = self._lib.chunk_llama_cpu_quant_row_bytes(ggml_type, in_features)
         return row_bytes if row_bytes >= 0 else self.raise_error(1)
 
-    def quant_linear_call(self, ggml_type: int, in_features: int, isa: str):
+    def quant_matmul_call(self, ggml_type: int, in_features: int, isa: str, activations: str):
         """y = x W^T (+ bias) on a weight kept in GGML blocks, for `ops/cpu/quant_linear.py`,
         which has checked dtypes, devices and contiguity: (x [rows, in_features] float32,
         weight [out_features, row_bytes] uint8, bias [out_features] float32 or None) ->
-        [rows, out_features]. The library checks the weight's size against the shapes."""
-        function, variant, threads, raise_error = (self._lib.chunk_llama_cpu_quant_linear, isa.encode(),
-                                                   torch.get_num_threads, self.raise_error)
-
-        def call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            rows, features = x.shape
-            out_features = weight.shape[0]
-            if features != in_features or (bias is not None and bias.shape != (out_features,)):
-                raise ValueError(f"quant_linear: x {list(x.shape)} and bias {None if bias is None else list(bias.shape)}"
-                                 f" do not fit a weight of {out_features} rows of {in_features}")
-            y = x.new_empty((rows, out_features))
-            code = function(x.data_ptr(), rows, features, weight.data_ptr(), weight.numel(), ggml_type, out_features,
-                            None if bias is None else bias.data_ptr(), y.data_ptr(), variant, threads())
-            return y if code == 0 else raise_error(code)
-
-        return call
-
-    def quant_matmul_call(self, ggml_type: int, in_features: int, isa: str, activations: str):
-        """`quant_linear_call`'s op with a choice of activations ("float32", or "int8" / "int16": x
-        quantized per group of 32, the kernel of `int8_variant(isa)`), the same contract."""
+        [rows, out_features], x multiplied as `activations` says ("float32", or "int8" / "int16":
+        quantized per group of 32, the kernel of `int8_variant(isa)`). The library checks the
+        weight's size against the shapes."""
         function, threads, raise_error = self._lib.chunk_llama_cpu_quant_matmul, torch.get_num_threads, self.raise_error
         code_of, variant = ACTIVATIONS[activations], isa.encode()
 

@@ -119,7 +119,7 @@ def _run(small, onednn: bool, x: torch.Tensor, weight: torch.Tensor, bias: torch
 
 @functools.cache
 def _half_kernel(dtype: torch.dtype, in_features: int, variant: str):
-    return build().quant_linear_call(HALF_BLOCKS[dtype], in_features, variant)
+    return build().quant_matmul_call(HALF_BLOCKS[dtype], in_features, variant, "float32")
 
 
 def _run_half(native: bool, variant: str, x: torch.Tensor, weight: torch.Tensor,

@@ -90,7 +90,7 @@ class QuantLinear:
             self._kernel = build().quant_matmul_call(ggml_type | TILED if tiled else ggml_type, in_features,
                                                      int8_variant(self._variant), activations)
         else:
-            self._kernel = build().quant_linear_call(ggml_type, in_features, self._variant)
+            self._kernel = build().quant_matmul_call(ggml_type, in_features, self._variant, "float32")
 
     def __call__(self, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # the kernel reads raw float32 memory: anything else multiplies the decoded weight (as
