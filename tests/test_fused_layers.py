@@ -445,3 +445,42 @@ def test_a_layer_given_another_input_than_the_stacks_output_fails_the_step():
             layer(torch.zeros(1, 1, 96))
     finally:
         monkeypatch.undo()
+
+
+def test_a_stacked_decode_step_ends_by_prefetching_what_the_next_ones_checks_read(monkeypatch, fused_calls):
+    """After the LM head (the step's last weights), a step whose stack ran in one call asks the
+    caches for every object the next step's checks read (`Stack.warm`): each layer's module and
+    tensor dicts, its tensors with their TensorImpls and storages; once per such step."""
+    from chunk_llama.ops.cpu.binding import CpuLibrary
+    made, calls = [], []
+    make = CpuLibrary.prefetch_call
+
+    def spy(self, addresses):
+        made.append(list(addresses))
+        prefetch = make(self, addresses)
+        return lambda: (calls.append(len(made)), prefetch())
+
+    monkeypatch.setattr(CpuLibrary, "prefetch_call", spy)
+    model = gguf_model("llama")[0]
+    engine = ChunkLlamaEngine(model, max_batch_size=3, chunk_size=16, kv_cache_bytes=1 << 23)
+    engine.generate(prompts(seed=4)[:2], GREEDY)
+    engine.close()
+    assert len(calls) == len(CpuPlanned.stack_calls) > 0
+    assert len(made) == 1, "the addresses are gathered once while the layers' descriptions hold"
+    addresses = set(made[0])
+    for i, layer in enumerate(model.model.layers):
+        q = layer.self_attn.q_proj
+        tensor = next(t for t in (*q._parameters.values(), *q._buffers.values()) if t is not None)
+        wanted = {id(layer._modules), id(q._buffers), id(tensor), tensor._cdata, tensor.untyped_storage()._cdata}
+        assert wanted <= addresses, f"layer {i}: {wanted - addresses} not prefetched"
+
+
+def test_prefetching_an_address_that_holds_nothing_is_harmless():
+    """Prefetches never fault: a stale address (its object gone), 0 or an unmapped one reads
+    nothing; the addresses must be ints."""
+    library = build()
+    gone = id(object())
+    library.prefetch_call([gone, 0, 8, 2**47 - 4096, 2**64 - 64, id(library)])()
+    library.prefetch_call([])()
+    with pytest.raises(TypeError, match="ints"):
+        library.prefetch_call([1.5])

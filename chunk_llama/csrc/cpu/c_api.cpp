@@ -64,6 +64,10 @@ const char* chunk_llama_cpu_variants(void) {
   return names.c_str();
 }
 
+void chunk_llama_cpu_prefetch(const uint64_t* addresses, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) __builtin_prefetch(reinterpret_cast<const void*>(addresses[i]));
+}
+
 int chunk_llama_cpu_host_runs(const char* isa) {
   const Variant* v = chunk_attn_cpu::find_variant(isa);
   return v != nullptr && v->host_runs();

@@ -28,7 +28,7 @@ extern "C" {
 
 /* Bumped whenever an entry point's arguments change: a loader refuses a library whose
  * version differs from the one its binding was written for. */
-#define CHUNK_LLAMA_CPU_ABI_VERSION 13
+#define CHUNK_LLAMA_CPU_ABI_VERSION 14
 
 enum { CHUNK_LLAMA_OK = 0, CHUNK_LLAMA_VALUE_ERROR = 1, CHUNK_LLAMA_TYPE_ERROR = 2 };
 /* Element types of q and the pool (params.h DType); float16 for pools only (under float32 or
@@ -42,6 +42,11 @@ CHUNK_LLAMA_API const char* chunk_llama_cpu_last_error(void);
 CHUNK_LLAMA_API const char* chunk_llama_cpu_variants(void);
 /* 1 if this CPU runs the variant, 0 if not or if the build has no such variant. */
 CHUNK_LLAMA_API int chunk_llama_cpu_host_runs(const char* isa);
+/* Asks the caches for the line at each of `count` addresses (software prefetches, which never
+ * fault: an address that holds nothing any more reads nothing). A decode step's last weights
+ * evict what the host reads next; the host names those objects' addresses, and their misses
+ * overlap here instead of coming one at a time (hf/fused/stack.py). */
+CHUNK_LLAMA_API void chunk_llama_cpu_prefetch(const uint64_t* addresses, int64_t count);
 /* The names of the plan arrays in layout order, comma-separated (plan_layout.h). */
 CHUNK_LLAMA_API const char* chunk_llama_cpu_decode_layout(void);
 CHUNK_LLAMA_API const char* chunk_llama_cpu_prefill_layout(void);

@@ -387,6 +387,13 @@ void quant_int8_of(const QuantInt8Params& p) {
 #else
     const int64_t thread = 0;
 #endif
+    if (in_registers) {  // this thread's first column vector (tiled: its whole tile) on its way to L2 while x is
+                         // quantized: a call's own prefetches run a column vector ahead of its reads, so without
+                         // this each call's first reads waited on memory (1B decode: C stack 0.4% faster)
+      const int64_t first = num_items * thread / p.num_threads * kI8Cols;
+      const int64_t rows = std::min<int64_t>(kTiled ? kTileRows : kLanes, p.out_features - first);
+      prefetch_l2(p.w + first * row_bytes, rows * row_bytes);
+    }
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif

@@ -247,5 +247,10 @@ __attribute__((nothrow)) inline void prefetch_step(const uint8_t* next, int64_t 
   }
 }
 
+// `bytes` from p to L2 (whole lines; none for bytes <= 0).
+__attribute__((nothrow)) inline void prefetch_l2(const uint8_t* p, int64_t bytes) {
+  for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at, 0, 2);
+}
+
 }  // namespace CHUNK_ATTN_ISA
 }  // namespace chunk_attn_cpu

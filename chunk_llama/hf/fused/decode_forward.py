@@ -90,12 +90,15 @@ def logits(model: nn.Module, step, kwargs: dict) -> torch.Tensor:
     layers = list(inner.layers._modules.values())[: inner.config.num_hidden_layers]  # (a ModuleList slice builds one)
     hidden = layers[0](hidden, **layer_kwargs)
     ran = per_step.stack_output(step)  # (its Stack, its output) when layer 0's call ran every layer
-    if ran is None or ran[1] is not hidden:
+    stacked = ran is not None and ran[1] is hidden
+    if not stacked:
         for i, layer in enumerate(layers[1:], 1):
             layer_kwargs["position_embeddings"] = rotary(i)
             hidden = layer(hidden, **layer_kwargs)
     hidden = inner.norm(hidden)
     logits = model.lm_head(hidden[:, -1:, :])
+    if stacked:  # (the head read the step's last weights: what the next step's checks read is evicted)
+        ran[0].warm(step.attention)
     cap = model.config.final_logit_softcapping if type(model).__name__ in SOFTCAPPED_LOGITS else None
     if cap is not None:  # (in its forward's operations)
         logits = torch.tanh(logits / cap) * cap

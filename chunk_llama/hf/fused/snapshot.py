@@ -7,7 +7,9 @@ moves (`param.data = ...`), or a hook comes or goes (the hook's effect would be 
 no Python loop), and `Snapshot.joined` makes one snapshot of many, so a stack of 30 layers
 is checked in one pass per kind, not 30 calls: at batch 1 the check runs between kernels
 that have evicted these objects from the caches, and about 20 us a layer was a twentieth
-of the default model's decode step.
+of the default model's decode step. What is left is mostly those misses, one after another;
+`Snapshot.addresses` names the objects a check reads, for a prefetch of all of them at once
+after a step's last weights (`stack.py`'s `Stack.warm`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,17 @@ class Snapshot:
         parts = list(snapshots)
         return cls(*(tuple(itertools.chain.from_iterable(getattr(s, name) for s in parts))
                      for name in ("_dicts", "_attribute_dicts", "_tensors", "_hooks", "_copied")))
+
+    def addresses(self) -> list[int]:
+        """Where the objects `stale` reads are (CPython's `id` is an object's address): every
+        dict, each value it compares (their reference counts are written), each tensor, the
+        first two cache lines of its TensorImpl and its storage (`data_ptr`, `numel`,
+        `_version` read them). Addresses only: a prefetch of one whose object is gone is
+        harmless."""
+        tensors = (*self._tensors, *self._copied)
+        return [*map(id, (*self._dicts, *self._attribute_dicts, *self._hooks, *self._values, *tensors)),
+                *itertools.chain.from_iterable((t._cdata, t._cdata + 64, t.untyped_storage()._cdata)
+                                               for t in tensors)]
 
     def stale(self) -> bool:
         return (tuple(map(len, self._dicts)) != self._lengths

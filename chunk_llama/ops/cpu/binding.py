@@ -13,6 +13,7 @@ the library's message. A new op is one declaration in `_SIGNATURES` and one meth
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,12 +22,13 @@ from chunk_llama.ops.build.c_types import I32, I64, STR, P
 from chunk_llama.ops.cpu.planned import PlanHandle
 from chunk_llama.ops.cpu.structs import ACTIVATIONS, U64, QuantMatmulArgs
 
-ABI_VERSION = 13  # CHUNK_LLAMA_CPU_ABI_VERSION in c_api.h
+ABI_VERSION = 14  # CHUNK_LLAMA_CPU_ABI_VERSION in c_api.h
 _SIGNATURES = {  # name: (argument types, result type), as c_api.h declares them
     "abi_version": ([], I32),
     "last_error": ([], STR),
     "variants": ([], STR),
     "host_runs": ([STR], I32),
+    "prefetch": ([ctypes.POINTER(U64), I64], None),
     "decode_layout": ([], STR),
     "prefill_layout": ([], STR),
     "plan_new": ([], P),
@@ -155,6 +157,21 @@ class CpuLibrary:
             return y if code == 0 else raise_error(code)
 
         return call
+
+    def prefetch_call(self, addresses) -> Callable[[], None]:
+        """A function that asks the caches for the line at each of `addresses` (ints, kept in it)
+        each time it is called: software prefetches, which never fault, so an address whose
+        object is gone reads nothing it should not. TypeError for anything but ints."""
+        try:
+            array = (U64 * len(addresses))(*addresses)
+        except TypeError:
+            raise TypeError("prefetch_call takes ints (memory addresses)") from None
+        function, count = self._lib.chunk_llama_cpu_prefetch, len(array)
+
+        def prefetch() -> None:
+            function(array, count)
+
+        return prefetch
 
     def int8_variant(self, isa: str) -> str:
         """The variant whose integer (int8 and int16) kernel runs for variant `isa` here (itself, or the next one down

@@ -107,6 +107,7 @@ class CpuPlanned:
         self._attend, self._layer_run, self._stack_run = library.attend, library.decoder_layer_run, \
             library.decoder_stack_run
         self._raise = library.raise_error
+        self.prefetch_call = library.prefetch_call  # (`hf/fused/stack.py`'s `Stack.warm`)
         self.q_shape = q_shape  # [q_rows, num_heads, head_dim]
         self.has_writes = has_writes  # the step's K/V slots are planned: the fused layers may run
         self.reordered = reordered  # a row order is planned: plan row i is the fused layers' batch row row_order[i]
