@@ -22,6 +22,8 @@
 //   kIdotSteps                   steps per idot call in the prefill tile: 1 where a step is one
 //                                instruction (the tile interleaves its sums step by step), else 8
 //   kFewRowsMax                  rows up to which a step runs in registers (int8_few_rows), not tiles
+//   kScalesAhead                 whether a Q4_K/Q5_K super-block's 8 scales and offsets are made before its
+//                                groups' products, or each group's where it is used (quant_act_decode.h)
 //   icvt(a)                      int32 -> float, exactly (|a| < 2^24)
 //   quantize_store(p, a)         kLanes floats rounded to nearest even, stored as int8
 //   quantize_words(p, a)         kLanes floats (|a| <= 32385.5) rounded to nearest even, as int16
@@ -54,6 +56,10 @@ constexpr bool kWordTiles = false;
 // item is decoded once into a buffer for its tiles. In registers 1.65x faster at 5 rows, 1.1-1.2x at 16,
 // 1.1x slower at 24 (docs/BENCHMARKS.md).
 constexpr int kFewRowsMax = 16;
+// Q4_K/Q5_K super-blocks' scales made where each group uses them, not all 8 first: the 16 vectors
+// left free for the products ran one row 2-8% faster from memory, where AVX2 (16 registers) ran
+// 1-6% slower (docs/BENCHMARKS.md)
+constexpr bool kScalesAhead = false;
 inline IVec iset1(int32_t v) { return {_mm512_set1_epi32(v)}; }
 inline IVec iload(const void* p) { return {_mm512_loadu_si512(p)}; }
 inline void istore(void* p, IVec a) { _mm512_storeu_si512(p, a.v); }

@@ -12,6 +12,7 @@ struct IVec {
 constexpr int kIdotSteps = 8;
 constexpr bool kWordTiles = true;  // (int16 tiles: two products per two codes, where the halves take four)
 constexpr int kFewRowsMax = 4;     // (lanes_int8_avx512.h; not measured here: a tile's rows, as before)
+constexpr bool kScalesAhead = true;  // (as AVX2)
 inline IVec iset1(int32_t v) {
   IVec r;
   for (int i = 0; i < kLanes; ++i) r.v[i] = v;

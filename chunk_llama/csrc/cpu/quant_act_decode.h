@@ -104,11 +104,13 @@ __attribute__((nothrow, always_inline)) inline void decode_k_block(const Columns
       return i == 3 ? ishr32(bytes, 24) : iand(ishr32(bytes, 8 * i), iset1(255));
     };
     Vec scale[8], offset[8];
-    for (int j = 0; j < 8; ++j) {
+    const auto make_scale = [&](int j) {
       const IVec sc = byte(sc_bytes[j / 4], j % 4), min = byte(min_bytes[j / 4], j % 4);
       scale[j] = vmul(d, icvt(sc));  // the weight of code z, z d sc - dmin m: the offset
       offset[j] = vsub(vmul(vset1(static_cast<float>(kZero<Type>)), scale[j]), vmul(dmin, icvt(min)));
-    }
+    };
+    if constexpr (kScalesAhead)  // (else each group's where it is used: the lanes' choice)
+      for (int j = 0; j < 8; ++j) make_scale(j);
     IVec fifth[8];  // Q5_K: bit j of byte l is group j's weight l
     if constexpr (Type == kQ5_K) block_dwords<Type>(cols, block, 16, fifth);
     const IVec nibble = ibytes(15), one = ibytes(1);
@@ -122,6 +124,7 @@ __attribute__((nothrow, always_inline)) inline void decode_k_block(const Columns
           codes[s] = half ? ishr8(raw[s], 4) : iand(raw[s], nibble);
           if constexpr (Type == kQ5_K) codes[s] = ior(codes[s], ishl8(iand(ishr8(fifth[s], j), one), 4));
         }
+        if constexpr (!kScalesAhead) make_scale(j);
         sink(j, codes, &scale[j], offset[j]);
       }
     }
