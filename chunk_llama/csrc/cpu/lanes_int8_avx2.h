@@ -23,7 +23,7 @@ constexpr bool kWordTiles = true;
 // (lanes_int8_avx512.h) a tile's rows: in registers, equal at 5-6 rows, mixed at 8, 1.15-1.25x slower at 12-16
 // than the word tiles
 constexpr int kFewRowsMax = 4;
-// Q4_K/Q5_K super-blocks' scales all made first (lanes_int8_avx512.h: made where used, 1-6% slower here)
+// Q4_K/Q5_K super-blocks' scales all made first (lanes_int8_avx512.h: made where used, 0.3-6% slower here)
 constexpr bool kScalesAhead = true;
 inline IVec iset1(int32_t v) { return {_mm256_set1_epi32(v)}; }
 inline IVec iload(const void* p) { return {_mm256_loadu_si256(static_cast<const __m256i*>(p))}; }

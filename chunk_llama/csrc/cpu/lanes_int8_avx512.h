@@ -57,8 +57,8 @@ constexpr bool kWordTiles = false;
 // 1.1x slower at 24 (docs/BENCHMARKS.md).
 constexpr int kFewRowsMax = 16;
 // Q4_K/Q5_K super-blocks' scales made where each group uses them, not all 8 first: the 16 vectors
-// left free for the products ran one row 2-8% faster from memory, where AVX2 (16 registers) ran
-// 1-6% slower (docs/BENCHMARKS.md)
+// left free for the products ran one row 0.5-8% faster from memory, where AVX2 (16 registers) ran
+// 0.3-6% slower (docs/BENCHMARKS.md)
 constexpr bool kScalesAhead = false;
 inline IVec iset1(int32_t v) { return {_mm512_set1_epi32(v)}; }
 inline IVec iload(const void* p) { return {_mm512_loadu_si512(p)}; }
