@@ -392,7 +392,7 @@ void quant_int8_of(const QuantInt8Params& p) {
                          // this each call's first reads waited on memory (1B decode: C stack 0.4% faster)
       const int64_t first = num_items * thread / p.num_threads * kI8Cols;
       const int64_t rows = std::min<int64_t>(kTiled ? kTileRows : kLanes, p.out_features - first);
-      prefetch_l2(p.w + first * row_bytes, rows * row_bytes);
+      if (rows > 0) prefetch_l2(p.w + first * row_bytes, rows * row_bytes);  // (no pointer past the weight)
     }
 #ifdef _OPENMP
 #pragma omp for schedule(static)

@@ -59,12 +59,13 @@ class Snapshot:
         """Where the objects `stale` reads are (CPython's `id` is an object's address): every
         dict, each value it compares (their reference counts are written), each tensor, the
         first two cache lines of its TensorImpl and its storage (`data_ptr`, `numel`,
-        `_version` read them). Addresses only: a prefetch of one whose object is gone is
+        `_version` read them), each once (a tensor is also a dict's value; the global hook dicts
+        are in every layer's). Addresses only: a prefetch of one whose object is gone is
         harmless."""
         tensors = (*self._tensors, *self._copied)
-        return [*map(id, (*self._dicts, *self._attribute_dicts, *self._hooks, *self._values, *tensors)),
-                *itertools.chain.from_iterable((t._cdata, t._cdata + 64, t.untyped_storage()._cdata)
-                                               for t in tensors)]
+        return list(dict.fromkeys((
+            *map(id, (*self._dicts, *self._attribute_dicts, *self._hooks, *self._values, *tensors)),
+            *itertools.chain.from_iterable((t._cdata, t._cdata + 64, t.untyped_storage()._cdata) for t in tensors))))
 
     def stale(self) -> bool:
         return (tuple(map(len, self._dicts)) != self._lengths
