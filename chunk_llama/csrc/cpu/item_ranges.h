@@ -19,13 +19,22 @@ class ItemRanges {
 
   // Thread t's next item (its range's front, else the first of a half taken from the fullest
   // range), -1 once no range holds any. `end`: where thread t's range now ends (the item there
-  // may be another thread's: a bound for prefetching the next one).
+  // may be another thread's: a bound for prefetching the next one). The owner claims a run of up
+  // to an eighth of what its range holds (at most 8) with one atomic step and hands it out one
+  // item at a time: an atomic step per item cost ~18 ns, 2% of a one-row decode's C time.
   int64_t take(int t, int64_t& end) {
+    Range& own = ranges_[t];
+    if (own.claimed < own.claimed_end) {
+      end = own.end;
+      return own.claimed++;
+    }
     for (;;) {
-      uint64_t word = ranges_[t].word.load(std::memory_order_relaxed);
+      uint64_t word = own.word.load(std::memory_order_relaxed);
       while (front(word) < back(word)) {  // (a thief may move the back meanwhile)
-        if (ranges_[t].word.compare_exchange_weak(word, word + 1, std::memory_order_relaxed)) {
-          end = back(word);
+        const int64_t run = std::min<int64_t>(kMaxRun, std::max<int64_t>(1, (back(word) - front(word)) / 8));
+        if (own.word.compare_exchange_weak(word, word + run, std::memory_order_relaxed)) {
+          own.claimed = front(word) + 1, own.claimed_end = front(word) + run, own.end = back(word);
+          end = own.end;
           return front(word);
         }
       }
@@ -39,7 +48,7 @@ class ItemRanges {
       uint64_t w = ranges_[victim].word.load(std::memory_order_relaxed);
       const int64_t f = front(w), b = back(w), middle = f + (b - f) / 2;
       if (f < b && ranges_[victim].word.compare_exchange_strong(w, pack(f, middle), std::memory_order_relaxed))
-        ranges_[t].word.store(pack(middle, b), std::memory_order_relaxed);  // (empty until now: no thief took it)
+        own.word.store(pack(middle, b), std::memory_order_relaxed);  // (empty until now: no thief took it)
     }
   }
 
@@ -50,8 +59,10 @@ class ItemRanges {
   static int64_t front(uint64_t word) { return static_cast<int64_t>(word & 0xFFFFFFFFu); }
   static int64_t back(uint64_t word) { return static_cast<int64_t>(word >> 32); }
 
+  static constexpr int64_t kMaxRun = 8;
   struct alignas(64) Range {  // (a cache line each: the owner's takes do not move the others')
-    std::atomic<uint64_t> word{0};
+    std::atomic<uint64_t> word{0};  // [front, back): the items no thread has claimed
+    int64_t claimed = 0, claimed_end = 0, end = 0;  // the owner's claimed run, its range's end then (owner only)
   };
   int parts_;
   std::unique_ptr<Range[]> ranges_;

@@ -22,6 +22,12 @@
 //   kIdotSteps                   steps per idot call in the prefill tile: 1 where a step is one
 //                                instruction (the tile interleaves its sums step by step), else 8
 //   kFewRowsMax                  rows up to which a step runs in registers (int8_few_rows), not tiles
+//   IRun, kRunSteps<kMaxCode>    a run of one row's int16 steps (quant_act_row.h): irun_first(u, lo, hi)
+//                                starts it with a step (u: a step's codes, lo and hi: its 4 activations'
+//                                halves), irun_next(run, u, lo, hi) adds one, irun_end(acc, run) is acc plus
+//                                its exact sum against lo + 255 hi; at most kRunSteps steps a run
+//   kStreamedGroups              groups side by side in quant_act_row.h's streamed row (0: not streamed)
+//   vround_even(a)               each float rounded to the nearest integer, ties to even (as the quantize_ ones)
 //   kScalesAhead                 whether a Q4_K/Q5_K super-block's 8 scales and offsets are made before its
 //                                groups' products, or each group's where it is used (quant_act_decode.h)
 //   icvt(a)                      int32 -> float, exactly (|a| < 2^24)
@@ -81,6 +87,7 @@ inline Vec icvt(IVec a) { return {_mm512_cvtepi32_ps(a.v)}; }
 inline void quantize_store(int8_t* p, Vec a) {  // (vcvtps2dq rounds to nearest even; the values fit int8)
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(a.v)));
 }
+inline Vec vround_even(Vec a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
 inline void quantize_words(int16_t* p, Vec a) {  // (the values fit int16)
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(a.v)));
 }
@@ -91,6 +98,22 @@ template <int kMaxCode, int kSteps>
 inline IVec idot16(IVec acc, const IVec* u, const int8_t* lo, const int8_t* hi) {
   return iadd(idot<kMaxCode, kSteps>(acc, u, lo), imul255(idot<kMaxCode, kSteps>(iset1(0), u, hi)));
 }
+// A run of one row's int16 steps (quant_act_row.h): here each half's exact int32 sums (any length).
+template <int kMaxCode>
+constexpr int kRunSteps = 8;
+constexpr int kStreamedGroups = 2;  // (two side by side: their vpdpbusd chains interleave, Q4_K 3% faster than one)
+struct IRun {
+  IVec low, high;
+};
+template <int kMaxCode>
+inline IRun irun_first(IVec u, const int8_t* lo, const int8_t* hi) {
+  return {idot<kMaxCode, 1>(iset1(0), &u, lo), idot<kMaxCode, 1>(iset1(0), &u, hi)};
+}
+template <int kMaxCode>
+inline IRun irun_next(IRun run, IVec u, const int8_t* lo, const int8_t* hi) {
+  return {idot<kMaxCode, 1>(run.low, &u, lo), idot<kMaxCode, 1>(run.high, &u, hi)};
+}
+inline IVec irun_end(IVec acc, IRun run) { return iadd(acc, iadd(run.low, imul255(run.high))); }
 inline void keep_in_register(Vec&) {}
 // (q / 255 is never within 1 / 510 of a tie, so q * (1 / 255), off by less than 2^-16, rounds as it)
 inline void quantize_split(int8_t* hi, int8_t* lo, Vec a) {

@@ -50,6 +50,12 @@ inline void quantize_store(int8_t* p, Vec a) {  // nearest, ties to even (the de
   vstore(lanes, a);
   for (int i = 0; i < kLanes; ++i) p[i] = static_cast<int8_t>(__builtin_nearbyintf(lanes[i]));
 }
+inline Vec vround_even(Vec a) {
+  alignas(64) float lanes[kLanes];
+  vstore(lanes, a);
+  for (int i = 0; i < kLanes; ++i) lanes[i] = __builtin_nearbyintf(lanes[i]);
+  return vload(lanes);
+}
 inline void quantize_words(int16_t* p, Vec a) {
   alignas(64) float lanes[kLanes];
   vstore(lanes, a);
@@ -77,6 +83,22 @@ template <int kMaxCode, int kSteps>
 inline IVec idot16(IVec acc, const IVec* u, const int8_t* lo, const int8_t* hi) {
   return iadd(idot<kMaxCode, kSteps>(acc, u, lo), imul255(idot<kMaxCode, kSteps>(iset1(0), u, hi)));
 }
+// A run of one row's int16 steps (quant_act_row.h): here each half's exact int32 sums (any length).
+template <int kMaxCode>
+constexpr int kRunSteps = 8;
+constexpr int kStreamedGroups = 0;  // (off: not measured on these variants)
+struct IRun {
+  IVec low, high;
+};
+template <int kMaxCode>
+inline IRun irun_first(IVec u, const int8_t* lo, const int8_t* hi) {
+  return {idot<kMaxCode, 1>(iset1(0), &u, lo), idot<kMaxCode, 1>(iset1(0), &u, hi)};
+}
+template <int kMaxCode>
+inline IRun irun_next(IRun run, IVec u, const int8_t* lo, const int8_t* hi) {
+  return {idot<kMaxCode, 1>(run.low, &u, lo), idot<kMaxCode, 1>(run.high, &u, hi)};
+}
+inline IVec irun_end(IVec acc, IRun run) { return iadd(acc, iadd(run.low, imul255(run.high))); }
 inline void keep_in_register(Vec&) {}
 inline void itranspose8(const uint8_t* rows, int64_t stride, IVec* out) {
   for (int c = 0; c < kLanes; ++c)

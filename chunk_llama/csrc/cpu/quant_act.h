@@ -13,7 +13,8 @@
 // int16 (kInt16) runs each step's products twice, on the high and the low halves of the codes,
 // against the same decoded weights; or, in tiles (kInt16Words), the item's codes decoded as 16-bit
 // words against whole q (int16_tile). A decode step's few rows run the same exact sums and float
-// steps on each group decoded in registers, a column vector at a time (int8_few_rows), and a last
+// steps on each group decoded in registers, a column vector at a time (int8_few_rows; one int16 row
+// on tiled K-quants streamed a step at a time where the lanes say so, quant_act_row.h), and a last
 // tile of fewer rows the same tile, so every output's operations do not depend on the rows beside it.
 #pragma once
 
@@ -64,8 +65,9 @@ template <int Type, bool kWords, bool kTiled>
 __attribute__((nothrow)) inline void decode_item(const Columns<kTiled>* cols, int64_t groups, uint8_t* buf,
                                                  const uint8_t* next, int64_t next_bytes) {
   const int64_t units = groups / kUnitGroups<Type>;
+  const StepPrefetch prefetch(next, next_bytes, units);
   for (int64_t unit = 0; unit < units; ++unit) {
-    prefetch_step(next, next_bytes, unit, units);
+    prefetch(unit);
     for (int cv = 0; cv < kI8ColVecs; ++cv)
       decode_unit<Type>(cols[cv], unit,
                         [&](int j, const IVec* codes, const Vec* scales, Vec offset) {
@@ -119,9 +121,12 @@ __attribute__((nothrow)) inline void quantize_groups(const float* x, int64_t g0,
       top = vmax(top, vmax(a, vsub(vzero(), a)));
     }
     const float d = vreduce_max(top) / (kInt16 ? 127.f * 255.f : 127.f), inverse = d != 0.f ? 1.f / d : 0.f;
+    static_assert(16 % kLanes == 0, "a vector of x lies in one half of its group");
+    Vec half_q[2] = {vzero(), vzero()};  // each 16's sum of the codes q, in floats (integers below 2^24: exact)
     for (int v = 0; v < kGroupVecs; ++v) {
       const int64_t at = g * kGroup + v * kLanes;
       const Vec scaled = vmul(vload(xg + v * kLanes), vset1(inverse));
+      half_q[v * kLanes / 16] = vadd(half_q[v * kLanes / 16], vround_even(scaled));
       if (kInt16 && words)
         quantize_words(words + at, scaled);
       else if (kInt16)
@@ -136,12 +141,8 @@ __attribute__((nothrow)) inline void quantize_groups(const float* x, int64_t g0,
         for (int c = 0; c < 4; ++c) chains[c] += xg[i + c];
       sums[g] = (chains[0] + chains[1]) + (chains[2] + chains[3]);
     }
-    int32_t half_sums[2] = {0, 0};
-    for (int half = 0; half < 2; ++half)
-      for (int i = 0; i < 16; ++i) {
-        const int64_t at = g * kGroup + 16 * half + i;
-        half_sums[half] += !kInt16 ? codes[at] : words ? words[at] : 255 * high[at] + codes[at];
-      }
+    const int32_t half_sums[2] = {static_cast<int32_t>(vreduce_add(half_q[0])),
+                                  static_cast<int32_t>(vreduce_add(half_q[1]))};
     for (int sub = 0; sub < 2; ++sub)  // (precomputed here so that a group's sums start from a broadcast load)
       zero_sums[2 * g + sub] = -kZero<Type> * (kSubs<Type> == 2 ? half_sums[sub] : half_sums[0] + half_sums[1]);
   }
@@ -155,18 +156,16 @@ __attribute__((nothrow, always_inline)) inline IVec zero_point_sum(const Int8Row
                                                                    int64_t in_features) {
   return iset1(x.zero_sums[row * (in_features / 16) + 2 * g + sub]);
 }
-// acc + the sub-group's sum (int16: low + 255 high) converted once, times scale * dx.
+// acc + the sub-group's sum (int16: low + 255 high) converted once, times scale * dx (the row's
+// group's scale, x.scales[row * groups + g]).
 template <bool kInt16>
-__attribute__((nothrow, always_inline)) inline Vec add_scaled_sum(Vec acc, IVec low, IVec high, Vec scale,
-                                                                  const Int8Rows& x, int64_t row, int64_t g,
-                                                                  int64_t groups) {
+__attribute__((nothrow, always_inline)) inline Vec add_scaled_sum(Vec acc, IVec low, IVec high, Vec scale, float dx) {
   const IVec sum = kInt16 ? iadd(low, imul255(high)) : low;
-  return vfma(icvt(sum), vmul(scale, vset1(x.scales[row * groups + g])), acc);
+  return vfma(icvt(sum), vmul(scale, vset1(dx)), acc);
 }
-// acc + the group's offset times its exact sum of x (formats with a minimum).
-__attribute__((nothrow, always_inline)) inline Vec add_offset(Vec acc, Vec offset, const Int8Rows& x, int64_t row,
-                                                              int64_t g, int64_t groups) {
-  return vfma(offset, vset1(x.sums[row * groups + g]), acc);
+// acc + the group's offset times its exact sum of x (x.sums[row * groups + g]; formats with a minimum).
+__attribute__((nothrow, always_inline)) inline Vec add_offset(Vec acc, Vec offset, float sum_x) {
+  return vfma(offset, vset1(sum_x), acc);
 }
 
 // Group g's share of MR rows (from row0) against one column vector: its codes[8] (lane c:
@@ -189,7 +188,7 @@ __attribute__((nothrow, always_inline)) inline void group_fmas(const IVec* codes
       const int64_t at = row0 * in_features + g * kGroup + 4 * sub * kStepsPerSub;
       dot[0] = idot16<kMaxCode<Type>, kStepsPerSub>(zero_point_sum(x, row0, g, sub, in_features),
                                                     codes + sub * kStepsPerSub, x.codes + at, x.high + at);
-      acc[0] = add_scaled_sum<false>(acc[0], dot[0], dot[0], scales[sub], x, row0, g, groups);
+      acc[0] = add_scaled_sum<false>(acc[0], dot[0], dot[0], scales[sub], x.scales[row0 * groups + g]);
       continue;
     }
     for (int r = 0; r < MR; ++r) {
@@ -200,12 +199,20 @@ __attribute__((nothrow, always_inline)) inline void group_fmas(const IVec* codes
       if constexpr (kInt16) high[r] = idot<kMaxCode<Type>, kStepsPerSub>(high[r], codes + sub * kStepsPerSub, x.high + at);
     }
     for (int r = 0; r < MR; ++r)
-      acc[r] = add_scaled_sum<kInt16>(acc[r], dot[r], high[r], scales[sub], x, row0 + r, g, groups);
+      acc[r] = add_scaled_sum<kInt16>(acc[r], dot[r], high[r], scales[sub], x.scales[(row0 + r) * groups + g]);
   }
   if constexpr (kHasOffset<Type>)
-    for (int r = 0; r < MR; ++r) acc[r] = add_offset(acc[r], offset, x, row0 + r, g, groups);
+    for (int r = 0; r < MR; ++r) acc[r] = add_offset(acc[r], offset, x.sums[(row0 + r) * groups + g]);
   if constexpr (MR == 1) keep_in_register(acc[0]);
 }
+
+}  // namespace CHUNK_ATTN_ISA
+}  // namespace chunk_attn_cpu
+
+#include "quant_act_row.h"
+
+namespace chunk_attn_cpu {
+namespace CHUNK_ATTN_ISA {
 
 // The tiles' last float step of a group (group_fmas' in its order): the column vectors' offsets
 // (lane c: column c's, from `offsets`) times each row's exact sum of x (formats with a minimum).
@@ -216,7 +223,7 @@ __attribute__((nothrow, always_inline)) inline void add_tile_offsets(Vec (&acc)[
   if constexpr (kHasOffset<Type>)
     for (int cv = 0; cv < kI8ColVecs; ++cv) {
       const Vec offset = vload(offsets + cv * kLanes);
-      for (int r = 0; r < MR; ++r) acc[cv][r] = add_offset(acc[cv][r], offset, x, row0 + r, g, groups);
+      for (int r = 0; r < MR; ++r) acc[cv][r] = add_offset(acc[cv][r], offset, x.sums[(row0 + r) * groups + g]);
     }
 }
 
@@ -264,7 +271,8 @@ __attribute__((nothrow, noinline)) void int8_tile(const uint8_t* __restrict__ bu
       for (int cv = 0; cv < kI8ColVecs; ++cv) {
         const Vec scale = vload(tail + sub * kI8Cols + cv * kLanes);
         for (int r = 0; r < MR; ++r)
-          acc[cv][r] = add_scaled_sum<kInt16>(acc[cv][r], dot[cv][r], high[cv][r], scale, x, row0 + r, g, groups);
+          acc[cv][r] = add_scaled_sum<kInt16>(acc[cv][r], dot[cv][r], high[cv][r], scale,
+                                                  x.scales[(row0 + r) * groups + g]);
       }
     }
     add_tile_offsets<Type, MR>(acc, tail + kSub * kI8Cols, x, row0, g, groups);
@@ -306,7 +314,8 @@ __attribute__((nothrow, noinline)) void int16_tile(const uint8_t* __restrict__ b
       for (int cv = 0; cv < kI8ColVecs; ++cv) {
         const Vec scale = vload(tail + sub * kI8Cols + cv * kLanes);
         for (int r = 0; r < MR; ++r)
-          acc[cv][r] = add_scaled_sum<false>(acc[cv][r], dot[cv][r], dot[cv][r], scale, x, row0 + r, g, groups);
+          acc[cv][r] = add_scaled_sum<false>(acc[cv][r], dot[cv][r], dot[cv][r], scale,
+                                                 x.scales[(row0 + r) * groups + g]);
       }
     }
     add_tile_offsets<Type, MR>(acc, tail + kSub * kI8Cols, x, row0, g, groups);
@@ -327,9 +336,18 @@ __attribute__((nothrow, noinline)) void int8_few_rows(const Columns<kTiled>& col
   Vec acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = vzero();
   const int64_t units = in_features / kGroup / kUnitGroups<Type>;
+  const StepPrefetch prefetch(next, next_bytes, units * kUnitGroups<Type>);
+  if constexpr (kStreamedGroups > 0 && kTiled && kInt16 && MR == 1 && kIsKQuant<Type>) {  // (quant_act_row.h)
+    const int64_t groups = in_features / kGroup;
+    const Int16Row row{x.codes + row0 * in_features, x.high + row0 * in_features, x.scales + row0 * groups,
+                       x.sums + row0 * groups, x.zero_sums + row0 * (in_features / 16)};
+    for (int64_t unit = 0; unit < units; ++unit) row_k_block<Type>(cols, unit, row, prefetch, acc[0]);
+    vstore(out, acc[0]);
+    return;
+  }
   for (int64_t unit = 0; unit < units; ++unit) {
     decode_unit<Type>(cols, unit, [&](int j, const IVec* codes, const Vec* scales, Vec offset) {
-      prefetch_step(next, next_bytes, unit * kUnitGroups<Type> + j, units * kUnitGroups<Type>);
+      prefetch(unit * kUnitGroups<Type> + j);
       group_fmas<Type, kInt16, MR>(codes, scales, offset, x, row0, unit * kUnitGroups<Type> + j, in_features, acc);
     });
   }

@@ -60,12 +60,20 @@ __attribute__((nothrow)) inline Columns<kTiled> columns(const uint8_t* w, int64_
   }
 }
 
-// Lane c: the dword from byte `from` of block `block` of column c (tiled: quant_params.h).
+// Tiled (quant_params.h): where the first lane's first dword of block `block` lies, and the dword from
+// byte `from` of each lane's block from there.
+template <int Type>
+__attribute__((nothrow, always_inline)) inline const uint8_t* tile_block(const Columns<true>& cols, int64_t block) {
+  return cols.tile + block * kTileRows * quant_format(Type).block_bytes + tile_halves_bytes(Type) + cols.lane * 4;
+}
+template <int Type>
+__attribute__((nothrow, always_inline)) inline IVec tile_dword(const uint8_t* block_at, int from) {
+  return iload(block_at + (from - tile_first_dword(Type)) / 4 * kTileRows * 4);
+}
+// Lane c: the dword from byte `from` of block `block` of column c (tiled).
 template <int Type>
 __attribute__((nothrow, always_inline)) inline IVec block_dword(const Columns<true>& cols, int64_t block, int from) {
-  const int dword = (from - tile_first_dword(Type)) / 4;
-  return iload(cols.tile + block * kTileRows * quant_format(Type).block_bytes + tile_halves_bytes(Type) +
-               (dword * kTileRows + cols.lane) * 4);
+  return tile_dword<Type>(tile_block<Type>(cols, block), from);
 }
 // Lane c: the lone fp16 of column c's block `block`, as a float (tiled).
 template <int Type>
@@ -84,31 +92,73 @@ __attribute__((nothrow, always_inline)) inline void block_dwords(const Columns<t
   for (int s = 0; s < 8; ++s) out[s] = block_dword<Type>(cols, block, from + 4 * s);
 }
 
+// A Q4_K/Q5_K super-block's 8 groups' scales and offsets, from its first 16 bytes (head[0 .. 3], lane c
+// column c's: d and dmin, then 12 bytes of 6-bit scales and mins): group j's weight of code z is
+// z d sc - dmin m, so its scale is d sc and its offset (the weight of the zero point) kZero d sc - dmin m.
+template <int Type>
+struct KGroupScales {
+  Vec d, dmin;
+  // byte i of each lane: the 6-bit scale (min) of group i (first) and of group 4 + i (second): its low
+  // 4 bits from w2's nibbles and its top 2 from w0's (w1's) top bits, one shift of the dwords moving
+  // them (what it moves into a neighbouring byte lands outside 0x30 there)
+  IVec sc_bytes[2], min_bytes[2];
+  __attribute__((always_inline)) explicit KGroupScales(const IVec* head)
+      : d(ihalf_lo(head[0])), dmin(ihalf_lo(ishr32(head[0], 16))) {
+    const IVec w0 = head[1], w1 = head[2], w2 = head[3];
+    const IVec low6 = ibytes(63), low4 = ibytes(15), bits45 = ibytes(0x30);
+    sc_bytes[0] = iand(w0, low6);
+    sc_bytes[1] = ior(iand(w2, low4), iand(ishr32(w0, 2), bits45));
+    min_bytes[0] = iand(w1, low6);
+    min_bytes[1] = ior(iand(ishr32(w2, 4), low4), iand(ishr32(w1, 2), bits45));
+  }
+  __attribute__((always_inline)) void make(int j, Vec& scale, Vec& offset) const {
+    const IVec sc = byte(sc_bytes[j / 4], j % 4), min = byte(min_bytes[j / 4], j % 4);
+    scale = vmul(d, icvt(sc));
+    offset = vsub(vmul(vset1(static_cast<float>(kZero<Type>)), scale), vmul(dmin, icvt(min)));
+  }
+  static IVec byte(IVec bytes, int i) { return i == 3 ? ishr32(bytes, 24) : iand(ishr32(bytes, 8 * i), iset1(255)); }
+};
+
+// A Q6_K super-block's 16 scales (of weights 16 i .. 16 i + 15: group i / 2's half i % 2): its int8
+// scales (4q .. 4q + 3 at byte 192 + 4q) times its fp16 d (at 208).
+template <bool kTiled>
+__attribute__((nothrow, always_inline)) inline void q6_scales(const Columns<kTiled>& cols, int64_t block,
+                                                              Vec* scale) {
+  Vec d;
+  IVec four[4];
+  if constexpr (kTiled) {
+    d = block_half<kQ6_K>(cols, block);
+    for (int q = 0; q < 4; ++q) four[q] = block_dword<kQ6_K>(cols, block, 192 + 4 * q);
+  } else {
+    IVec tail[8];  // bytes 178 .. 209 (192 + 4q = 178 + 14 + 4q)
+    block_dwords<kQ6_K>(cols, block, 178, tail);
+    d = ihalf_lo(ishr32(tail[7], 16));
+    for (int q = 0; q < 4; ++q) four[q] = ior(ishr32(tail[3 + q], 16), ishl32(tail[4 + q], 16));
+  }
+  for (int q = 0; q < 4; ++q)
+    for (int b = 0; b < 4; ++b) scale[4 * q + b] = vmul(d, icvt(isra32(ishl32(four[q], 24 - 8 * b), 24)));
+}
+// A step's codes of Q6_K group 4h + t from its dword of ql[64h + 32 (t % 2)] (`low`) and of
+// qh[32h] (`high`): low 4 bits from low >> 4 (t / 2), top 2 from bits 2t, 2t + 1 of high.
+__attribute__((nothrow, always_inline)) inline IVec q6_codes(IVec low, IVec high, int t, IVec nibble, IVec top_two) {
+  const IVec bits = t / 2 ? ishr8(low, 4) : iand(low, nibble);
+  // bits 2t, 2t + 1 of each byte to bits 4, 5 by one shift of the dwords (the bits it moves into a
+  // neighbouring byte land outside 0x30 there)
+  const IVec moved = 2 * t <= 4 ? ishl32(high, 4 - 2 * t) : ishr32(high, 2 * t - 4);
+  return ior(bits, iand(moved, top_two));
+}
+
 // The K-quants' super-block `block` of the column vector: 8 groups to the sink.
 template <int Type, bool kTiled, typename Sink>
 __attribute__((nothrow, always_inline)) inline void decode_k_block(const Columns<kTiled>& cols, int64_t block,
                                                                    Sink&& sink) {
   IVec raw[8], codes[8];
   if constexpr (Type == kQ4_K || Type == kQ5_K) {
-    IVec head[8];  // d and dmin, then 12 bytes of 6-bit scales and mins (see k_scales)
+    IVec head[8];
     block_dwords<Type>(cols, block, 0, head);
-    const IVec w0 = head[1], w1 = head[2], w2 = head[3];
-    const Vec d = ihalf_lo(head[0]), dmin = ihalf_lo(ishr32(head[0], 16));
-    // byte i of each lane: the 6-bit scale (min) of group i (first) and of group 4 + i (second):
-    // its low 4 bits from w2's nibbles and its top 2 from w0's (w1's) top bits, one shift of the
-    // dwords moving them (what it moves into a neighbouring byte lands outside 0x30 there)
-    const IVec low6 = ibytes(63), low4 = ibytes(15), bits45 = ibytes(0x30);
-    const IVec sc_bytes[2] = {iand(w0, low6), ior(iand(w2, low4), iand(ishr32(w0, 2), bits45))};
-    const IVec min_bytes[2] = {iand(w1, low6), ior(iand(ishr32(w2, 4), low4), iand(ishr32(w1, 2), bits45))};
-    const auto byte = [](IVec bytes, int i) {
-      return i == 3 ? ishr32(bytes, 24) : iand(ishr32(bytes, 8 * i), iset1(255));
-    };
+    const KGroupScales<Type> k_scales(head);
     Vec scale[8], offset[8];
-    const auto make_scale = [&](int j) {
-      const IVec sc = byte(sc_bytes[j / 4], j % 4), min = byte(min_bytes[j / 4], j % 4);
-      scale[j] = vmul(d, icvt(sc));  // the weight of code z, z d sc - dmin m: the offset
-      offset[j] = vsub(vmul(vset1(static_cast<float>(kZero<Type>)), scale[j]), vmul(dmin, icvt(min)));
-    };
+    const auto make_scale = [&](int j) { k_scales.make(j, scale[j], offset[j]); };
     if constexpr (kScalesAhead)  // (else each group's where it is used: the lanes' choice)
       for (int j = 0; j < 8; ++j) make_scale(j);
     IVec fifth[8];  // Q5_K: bit j of byte l is group j's weight l
@@ -129,20 +179,8 @@ __attribute__((nothrow, always_inline)) inline void decode_k_block(const Columns
       }
     }
   } else if constexpr (Type == kQ6_K) {
-    Vec d;
-    IVec four[4];  // the 16 int8 scales: 4q .. 4q + 3 at byte 192 + 4q; the fp16 d at 208
-    if constexpr (kTiled) {
-      d = block_half<Type>(cols, block);
-      for (int q = 0; q < 4; ++q) four[q] = block_dword<Type>(cols, block, 192 + 4 * q);
-    } else {
-      IVec tail[8];  // bytes 178 .. 209 (192 + 4q = 178 + 14 + 4q)
-      block_dwords<Type>(cols, block, 178, tail);
-      d = ihalf_lo(ishr32(tail[7], 16));
-      for (int q = 0; q < 4; ++q) four[q] = ior(ishr32(tail[3 + q], 16), ishl32(tail[4 + q], 16));
-    }
-    Vec scale[16];  // of weights 16 i .. 16 i + 15: group i / 2's half i % 2
-    for (int q = 0; q < 4; ++q)
-      for (int b = 0; b < 4; ++b) scale[4 * q + b] = vmul(d, icvt(isra32(ishl32(four[q], 24 - 8 * b), 24)));
+    Vec scale[16];
+    q6_scales(cols, block, scale);
     const IVec nibble = ibytes(15), top_two = ibytes(0x30);
     IVec low[2][8], high[8];
 #pragma GCC unroll 2
@@ -152,13 +190,7 @@ __attribute__((nothrow, always_inline)) inline void decode_k_block(const Columns
       block_dwords<Type>(cols, block, 128 + 32 * h, high);
 #pragma GCC unroll 4
       for (int t = 0; t < 4; ++t) {
-        for (int s = 0; s < 8; ++s) {
-          const IVec bits = t / 2 ? ishr8(low[t % 2][s], 4) : iand(low[t % 2][s], nibble);
-          // bits 2t, 2t + 1 of each byte to bits 4, 5 by one shift of the dwords (the bits it
-          // moves into a neighbouring byte land outside 0x30 there)
-          const IVec moved = 2 * t <= 4 ? ishl32(high[s], 4 - 2 * t) : ishr32(high[s], 2 * t - 4);
-          codes[s] = ior(bits, iand(moved, top_two));
-        }
+        for (int s = 0; s < 8; ++s) codes[s] = q6_codes(low[t % 2][s], high[s], t, nibble, top_two);
         sink(4 * h + t, codes, &scale[2 * (4 * h + t)], vzero());
       }
     }
@@ -242,13 +274,18 @@ __attribute__((nothrow, always_inline)) inline void decode_unit(const Columns<kT
 // of the rows two such parts later goes to L2 (taken as the same size: only a thread's last parts
 // differ, and a prefetch past them reads nothing it needs and never faults), so that their reads
 // are under way earlier (docs/BENCHMARKS.md: one row from memory, Q4_K 12% and Q6_K 7% faster).
-__attribute__((nothrow)) inline void prefetch_step(const uint8_t* next, int64_t bytes, int64_t step, int64_t steps) {
-  const int64_t share = (bytes + steps - 1) / steps;
-  for (int64_t at = step * share & ~int64_t{63}; at < (step + 1) * share && at < bytes; at += 64) {
-    __builtin_prefetch(next + at);
-    __builtin_prefetch(next + 2 * bytes + at, 0, 2);
+struct StepPrefetch {
+  const uint8_t* next;
+  int64_t bytes, share;  // (the share divided once: a call per group)
+  StepPrefetch(const uint8_t* next_rows, int64_t next_bytes, int64_t steps)
+      : next(next_rows), bytes(next_bytes), share((next_bytes + steps - 1) / steps) {}
+  __attribute__((nothrow, always_inline)) void operator()(int64_t step) const {
+    for (int64_t at = step * share & ~int64_t{63}; at < (step + 1) * share && at < bytes; at += 64) {
+      __builtin_prefetch(next + at);
+      __builtin_prefetch(next + 2 * bytes + at, 0, 2);
+    }
   }
-}
+};
 
 // `bytes` from p to L2 (whole lines; none for bytes <= 0).
 __attribute__((nothrow)) inline void prefetch_l2(const uint8_t* p, int64_t bytes) {
