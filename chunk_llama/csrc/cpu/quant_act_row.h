@@ -1,10 +1,10 @@
 // A decode step's one row of int16 activations against a tiled K-quant column vector, streamed a step
 // at a time: each step's codes made from its dword just before its products, each group's runs of
 // products (the lanes' IRun) ended where the group ends and its float steps taken then, kStreamedGroups
-// groups side by side (the lanes' choice; 0: int8_few_rows' decode_unit and group_fmas instead). So the
-// codes, runs and sums of one or two groups live at once, which AVX2's 16 registers hold: decode_unit
-// makes a super-block's scales and a pair of groups' codes first, which spilled about 30 values a group
-// there (1B file, one row: AVX2's C stack 11% faster, AVX-512's 2%; docs/BENCHMARKS.md). The exact
+// groups side by side (the lanes' choice; 0: int8_few_rows' decode_unit and group_fmas instead). So only
+// a group's codes, runs and sums live at once, which AVX2's 16 registers hold: decode_unit makes a
+// super-block's scales and a pair of groups' codes first, which spilled about 30 values a group there
+// (1B file, one row: AVX2's C stack 11-13% faster, AVX-512's 1.6%; docs/BENCHMARKS.md). The exact
 // integer sums and the float steps, in group_fmas' order, are group_fmas' own: the outputs are the same
 // bit for bit. Included by quant_act.h after group_fmas.
 #pragma once
@@ -59,13 +59,12 @@ __attribute__((nothrow, always_inline)) inline void row_k_block(const Columns<tr
     return at;
   };
   if constexpr (Type == kQ4_K || Type == kQ5_K) {
+    IVec head[4];
+    for (int k = 0; k < 4; ++k) head[k] = tile_dword<Type>(block_at, 4 * k);
+    const KGroupScales<Type> k_scales(head);
     Vec scale[8], offset[8];
-    {
-      IVec head[4];
-      for (int k = 0; k < 4; ++k) head[k] = tile_dword<Type>(block_at, 4 * k);
-      const KGroupScales<Type> k_scales(head);
+    if constexpr (kScalesAhead)  // (else each group's where it is used: the lanes' choice)
       for (int j = 0; j < 8; ++j) k_scales.make(j, scale[j], offset[j]);
-    }
     const IVec nibble = ibytes(15), one = ibytes(1);
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j += kN) {  // group j: the low (even j) or high nibbles of 32 bytes (Q5_K: bit j of 32 more)
@@ -79,6 +78,7 @@ __attribute__((nothrow, always_inline)) inline void row_k_block(const Columns<tr
       }, sums);
       for (int i = 0; i < kN; ++i) {
         prefetch(g0 + j + i);
+        if constexpr (!kScalesAhead) k_scales.make(j + i, scale[j + i], offset[j + i]);
         acc = add_scaled_sum<false>(acc, sums[i], sums[i], scale[j + i], x.dx[g0 + j + i]);
         acc = add_offset(acc, offset[j + i], x.sums[g0 + j + i]);
         keep_in_register(acc);
