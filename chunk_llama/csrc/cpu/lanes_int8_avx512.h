@@ -98,22 +98,8 @@ template <int kMaxCode, int kSteps>
 inline IVec idot16(IVec acc, const IVec* u, const int8_t* lo, const int8_t* hi) {
   return iadd(idot<kMaxCode, kSteps>(acc, u, lo), imul255(idot<kMaxCode, kSteps>(iset1(0), u, hi)));
 }
-// A run of one row's int16 steps (quant_act_row.h): here each half's exact int32 sums (any length).
-template <int kMaxCode>
-constexpr int kRunSteps = 8;
 constexpr int kStreamedGroups = 1;  // (two side by side: 2% faster from memory, 6-12% slower in cache)
-struct IRun {
-  IVec low, high;
-};
-template <int kMaxCode>
-inline IRun irun_first(IVec u, const int8_t* lo, const int8_t* hi) {
-  return {idot<kMaxCode, 1>(iset1(0), &u, lo), idot<kMaxCode, 1>(iset1(0), &u, hi)};
-}
-template <int kMaxCode>
-inline IRun irun_next(IRun run, IVec u, const int8_t* lo, const int8_t* hi) {
-  return {idot<kMaxCode, 1>(run.low, &u, lo), idot<kMaxCode, 1>(run.high, &u, hi)};
-}
-inline IVec irun_end(IVec acc, IRun run) { return iadd(acc, iadd(run.low, imul255(run.high))); }
+#include "lanes_int8_runs.h"
 inline void keep_in_register(Vec&) {}
 // (q / 255 is never within 1 / 510 of a tie, so q * (1 / 255), off by less than 2^-16, rounds as it)
 inline void quantize_split(int8_t* hi, int8_t* lo, Vec a) {

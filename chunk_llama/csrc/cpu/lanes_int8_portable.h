@@ -83,22 +83,8 @@ template <int kMaxCode, int kSteps>
 inline IVec idot16(IVec acc, const IVec* u, const int8_t* lo, const int8_t* hi) {
   return iadd(idot<kMaxCode, kSteps>(acc, u, lo), imul255(idot<kMaxCode, kSteps>(iset1(0), u, hi)));
 }
-// A run of one row's int16 steps (quant_act_row.h): here each half's exact int32 sums (any length).
-template <int kMaxCode>
-constexpr int kRunSteps = 8;
 constexpr int kStreamedGroups = 0;  // (off: the generic variant streamed ran Q4_K/Q5_K at 0.5-0.6x, Q6_K 1.2x)
-struct IRun {
-  IVec low, high;
-};
-template <int kMaxCode>
-inline IRun irun_first(IVec u, const int8_t* lo, const int8_t* hi) {
-  return {idot<kMaxCode, 1>(iset1(0), &u, lo), idot<kMaxCode, 1>(iset1(0), &u, hi)};
-}
-template <int kMaxCode>
-inline IRun irun_next(IRun run, IVec u, const int8_t* lo, const int8_t* hi) {
-  return {idot<kMaxCode, 1>(run.low, &u, lo), idot<kMaxCode, 1>(run.high, &u, hi)};
-}
-inline IVec irun_end(IVec acc, IRun run) { return iadd(acc, iadd(run.low, imul255(run.high))); }
+#include "lanes_int8_runs.h"
 inline void keep_in_register(Vec&) {}
 inline void itranspose8(const uint8_t* rows, int64_t stride, IVec* out) {
   for (int c = 0; c < kLanes; ++c)
