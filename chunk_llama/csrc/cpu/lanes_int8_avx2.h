@@ -82,7 +82,7 @@ inline IVec idot16(IVec acc, const IVec* u, const int8_t* lo, const int8_t* hi) 
 // (kRunSteps: as many steps as cannot reach 32,767), widened once at the run's end.
 template <int kMaxCode>
 constexpr int kRunSteps = 32767 / (2 * kMaxCode * 127);
-constexpr int kStreamedGroups = 1;  // (one group at a time: two side by side spilled, Q4_K 9% slower)
+constexpr bool kStreamedRow = true;  // (quant_act_row.h: two groups side by side spilled again, Q4_K 9% slower)
 struct IRun {
   __m256i low, high;
 };

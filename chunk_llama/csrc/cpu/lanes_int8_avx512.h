@@ -26,7 +26,7 @@
 //                                starts it with a step (u: a step's codes, lo and hi: its 4 activations'
 //                                halves), irun_next(run, u, lo, hi) adds one, irun_end(acc, run) is acc plus
 //                                its exact sum against lo + 255 hi; at most kRunSteps steps a run
-//   kStreamedGroups              groups side by side in quant_act_row.h's streamed row (0: not streamed)
+//   kStreamedRow                 whether one int16 row on tiled K-quants is streamed (quant_act_row.h)
 //   vround_even(a)               each float rounded to the nearest integer, ties to even (as the quantize_ ones)
 //   kScalesAhead                 whether a Q4_K/Q5_K super-block's 8 scales and offsets are made before its
 //                                groups' products, or each group's where it is used (quant_act_decode.h)
@@ -98,7 +98,7 @@ template <int kMaxCode, int kSteps>
 inline IVec idot16(IVec acc, const IVec* u, const int8_t* lo, const int8_t* hi) {
   return iadd(idot<kMaxCode, kSteps>(acc, u, lo), imul255(idot<kMaxCode, kSteps>(iset1(0), u, hi)));
 }
-constexpr int kStreamedGroups = 1;  // (two side by side: 2% faster from memory, 6-12% slower in cache)
+constexpr bool kStreamedRow = true;  // (quant_act_row.h: two groups side by side, 2% faster from memory, 6-12% slower in cache)
 #include "lanes_int8_runs.h"
 inline void keep_in_register(Vec&) {}
 // (q / 255 is never within 1 / 510 of a tie, so q * (1 / 255), off by less than 2^-16, rounds as it)

@@ -83,7 +83,7 @@ template <int kMaxCode, int kSteps>
 inline IVec idot16(IVec acc, const IVec* u, const int8_t* lo, const int8_t* hi) {
   return iadd(idot<kMaxCode, kSteps>(acc, u, lo), imul255(idot<kMaxCode, kSteps>(iset1(0), u, hi)));
 }
-constexpr int kStreamedGroups = 0;  // (off: the generic variant streamed ran Q4_K/Q5_K at 0.5-0.6x, Q6_K 1.2x)
+constexpr bool kStreamedRow = false;  // (the generic variant streamed ran Q4_K/Q5_K at 0.5-0.6x, Q6_K 1.2x)
 #include "lanes_int8_runs.h"
 inline void keep_in_register(Vec&) {}
 inline void itranspose8(const uint8_t* rows, int64_t stride, IVec* out) {

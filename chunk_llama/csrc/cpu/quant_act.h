@@ -337,7 +337,7 @@ __attribute__((nothrow, noinline)) void int8_few_rows(const Columns<kTiled>& col
   for (int r = 0; r < MR; ++r) acc[r] = vzero();
   const int64_t units = in_features / kGroup / kUnitGroups<Type>;
   const StepPrefetch prefetch(next, next_bytes, units * kUnitGroups<Type>);
-  if constexpr (kStreamedGroups > 0 && kTiled && kInt16 && MR == 1 && kIsKQuant<Type>) {  // (quant_act_row.h)
+  if constexpr (kStreamedRow && kTiled && kInt16 && MR == 1 && kIsKQuant<Type>) {  // (quant_act_row.h)
     const int64_t groups = in_features / kGroup;
     const Int16Row row{x.codes + row0 * in_features, x.high + row0 * in_features, x.scales + row0 * groups,
                        x.sums + row0 * groups, x.zero_sums + row0 * (in_features / 16)};

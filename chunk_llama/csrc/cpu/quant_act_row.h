@@ -1,12 +1,13 @@
 // A decode step's one row of int16 activations against a tiled K-quant column vector, streamed a step
-// at a time: each step's codes made from its dword just before its products, each group's runs of
-// products (the lanes' IRun) ended where the group ends and its float steps taken then, kStreamedGroups
-// groups side by side (the lanes' choice; 0: int8_few_rows' decode_unit and group_fmas instead). So only
-// a group's codes, runs and sums live at once, which AVX2's 16 registers hold: decode_unit makes a
-// super-block's scales and a pair of groups' codes first, which spilled about 30 values a group there
-// (1B file, one row: AVX2's C stack 11-13% faster, AVX-512's 1.6%; docs/BENCHMARKS.md). The exact
-// integer sums and the float steps, in group_fmas' order, are group_fmas' own: the outputs are the same
-// bit for bit. Included by quant_act.h after group_fmas.
+// at a time (where the lanes' kStreamedRow says so; else int8_few_rows' decode_unit and group_fmas): each
+// step's codes made from its dword just before its products, each group's runs of products (the lanes'
+// IRun) ended where the group ends and its float steps taken then. So only a group's codes, runs and
+// sums live at once, which AVX2's 16 registers hold: decode_unit makes a super-block's scales and a pair
+// of groups' codes first, which spilled about 30 values a group there (1B file, one row: AVX2's C stack
+// 11-13% faster, AVX-512's 1.6%; two groups side by side spilled again on AVX2 and ran 6-12% slower in
+// cache on AVX-512, docs/BENCHMARKS.md). The exact integer sums and the float steps, in group_fmas'
+// order, are group_fmas' own: the outputs are the same bit for bit. Included by quant_act.h after
+// group_fmas.
 #pragma once
 
 namespace chunk_attn_cpu {
@@ -22,24 +23,22 @@ struct Int16Row {
   const int32_t* zero_sums;
 };
 
-// Sub-group `sub` of groups g0 .. g0 + kN - 1's exact sums (kSteps steps each: kSubs 2, 4), side by side, step
-// s's codes of group g0 + i from code(i, s): sums[i] = zero point + sum over steps of codes . (lo + 255 hi),
-// in runs of kRunSteps.
-template <int Type, int kSteps, int kN, typename Code>
-__attribute__((nothrow, always_inline)) inline void row_sums(const Int16Row& x, int64_t g0, int sub, Code&& code,
-                                                             IVec* sums) {
+// Sub-group `sub` of group g's exact sum (kSteps steps: kSubs 2, 4), step s's codes from code(s): zero
+// point + sum over steps of codes . (lo + 255 hi), in runs of kRunSteps.
+template <int Type, int kSteps, typename Code>
+__attribute__((nothrow, always_inline)) inline IVec row_sum(const Int16Row& x, int64_t g, int sub, Code&& code) {
   constexpr int kRun = kRunSteps<kMaxCode<Type>> < kSteps ? kRunSteps<kMaxCode<Type>> : kSteps;
-  IRun run[kN];
-  for (int i = 0; i < kN; ++i) sums[i] = iset1(x.zero_sums[2 * (g0 + i) + sub]);
+  IVec sum = iset1(x.zero_sums[2 * g + sub]);
+  IRun run;
 #pragma GCC unroll 8
-  for (int s = 0; s < kSteps; ++s)
-    for (int i = 0; i < kN; ++i) {
-      const int64_t at = (g0 + i) * kGroup + 4 * (kSteps * sub + s);
-      const IVec u = code(i, kSteps * sub + s);
-      run[i] = s % kRun ? irun_next<kMaxCode<Type>>(run[i], u, x.lo + at, x.hi + at)
-                        : irun_first<kMaxCode<Type>>(u, x.lo + at, x.hi + at);
-      if (s % kRun == kRun - 1 || s == kSteps - 1) sums[i] = irun_end(sums[i], run[i]);
-    }
+  for (int s = 0; s < kSteps; ++s) {
+    const int64_t at = g * kGroup + 4 * (kSteps * sub + s);
+    const IVec u = code(kSteps * sub + s);
+    run = s % kRun ? irun_next<kMaxCode<Type>>(run, u, x.lo + at, x.hi + at)
+                   : irun_first<kMaxCode<Type>>(u, x.lo + at, x.hi + at);
+    if (s % kRun == kRun - 1 || s == kSteps - 1) sum = irun_end(sum, run);
+  }
+  return sum;
 }
 
 // Super-block `block` of the column vector times the row into acc, the next rows' share of each group
@@ -49,7 +48,6 @@ __attribute__((nothrow, always_inline)) inline void row_k_block(const Columns<tr
                                                                 const Int16Row& x, const StepPrefetch& prefetch,
                                                                 Vec& acc) {
   const int64_t g0 = block * 8;
-  constexpr int kN = kStreamedGroups;  // groups side by side (the lanes' choice)
   const uint8_t* block_at = tile_block<Type>(cols, block);
   // each group's loads from `at`, which an empty asm "changes" at the group's start: GCC otherwise hoisted the
   // next groups' loads and codes over the products and spilled them
@@ -67,44 +65,37 @@ __attribute__((nothrow, always_inline)) inline void row_k_block(const Columns<tr
       for (int j = 0; j < 8; ++j) k_scales.make(j, scale[j], offset[j]);
     const IVec nibble = ibytes(15), one = ibytes(1);
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; j += kN) {  // group j: the low (even j) or high nibbles of 32 bytes (Q5_K: bit j of 32 more)
+    for (int j = 0; j < 8; ++j) {  // group j: the low (even j) or high nibbles of 32 bytes (Q5_K: bit j of 32 more)
       const uint8_t* at = group_at();
-      IVec sums[kN];
-      row_sums<Type, 8, kN>(x, g0 + j, 0, [&](int i, int s) {
-        const IVec raw = tile_dword<Type>(at, (Type == kQ5_K ? 48 : 16) + 32 * ((j + i) / 2) + 4 * s);
-        IVec u = (j + i) % 2 ? ishr8(raw, 4) : iand(raw, nibble);
-        if constexpr (Type == kQ5_K) u = ior(u, ishl8(iand(ishr8(tile_dword<Type>(at, 16 + 4 * s), j + i), one), 4));
+      const IVec sum = row_sum<Type, 8>(x, g0 + j, 0, [&](int s) {
+        const IVec raw = tile_dword<Type>(at, (Type == kQ5_K ? 48 : 16) + 32 * (j / 2) + 4 * s);
+        IVec u = j % 2 ? ishr8(raw, 4) : iand(raw, nibble);
+        if constexpr (Type == kQ5_K) u = ior(u, ishl8(iand(ishr8(tile_dword<Type>(at, 16 + 4 * s), j), one), 4));
         return u;
-      }, sums);
-      for (int i = 0; i < kN; ++i) {
-        prefetch(g0 + j + i);
-        if constexpr (!kScalesAhead) k_scales.make(j + i, scale[j + i], offset[j + i]);
-        acc = add_scaled_sum<false>(acc, sums[i], sums[i], scale[j + i], x.dx[g0 + j + i]);
-        acc = add_offset(acc, offset[j + i], x.sums[g0 + j + i]);
-        keep_in_register(acc);
-      }
+      });
+      prefetch(g0 + j);
+      if constexpr (!kScalesAhead) k_scales.make(j, scale[j], offset[j]);
+      acc = add_scaled_sum<false>(acc, sum, sum, scale[j], x.dx[g0 + j]);
+      acc = add_offset(acc, offset[j], x.sums[g0 + j]);
+      keep_in_register(acc);
     }
   } else if constexpr (Type == kQ6_K) {
     Vec scale[16];
     q6_scales(cols, block, scale);
     const IVec nibble = ibytes(15), top_two = ibytes(0x30);
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; j += kN) {  // groups 4h + t (quant_act_decode.h's q6_codes)
+    for (int j = 0; j < 8; ++j) {  // group 4h + t (quant_act_decode.h's q6_codes)
       const uint8_t* at = group_at();
-      const auto code = [&](int i, int s) {
-        const int h = (j + i) / 4, t = (j + i) % 4;
+      const int h = j / 4, t = j % 4;
+      const auto code = [&](int s) {
         return q6_codes(tile_dword<Type>(at, 64 * h + 32 * (t % 2) + 4 * s), tile_dword<Type>(at, 128 + 32 * h + 4 * s),
                         t, nibble, top_two);
       };
-      IVec first[kN], second[kN];  // the sums of each group's two halves
-      row_sums<Type, 4, kN>(x, g0 + j, 0, code, first);
-      row_sums<Type, 4, kN>(x, g0 + j, 1, code, second);
-      for (int i = 0; i < kN; ++i) {
-        prefetch(g0 + j + i);
-        acc = add_scaled_sum<false>(acc, first[i], first[i], scale[2 * (j + i)], x.dx[g0 + j + i]);
-        acc = add_scaled_sum<false>(acc, second[i], second[i], scale[2 * (j + i) + 1], x.dx[g0 + j + i]);
-        keep_in_register(acc);
-      }
+      const IVec first = row_sum<Type, 4>(x, g0 + j, 0, code), second = row_sum<Type, 4>(x, g0 + j, 1, code);
+      prefetch(g0 + j);
+      acc = add_scaled_sum<false>(acc, first, first, scale[2 * j], x.dx[g0 + j]);
+      acc = add_scaled_sum<false>(acc, second, second, scale[2 * j + 1], x.dx[g0 + j]);
+      keep_in_register(acc);
     }
   }
 }
