@@ -95,7 +95,7 @@ class Stack:
         if remembered is None:
             return
         if self._warm is None or self._warm[0] is not remembered:
-            addresses = list(dict.fromkeys((*remembered[1][0].snapshot.addresses(), *remembered[2].addresses())))
+            addresses = Snapshot.joined((remembered[1][0].snapshot, remembered[2])).addresses()
             self._warm = (remembered, planned.prefetch_call(addresses))
         self._warm[1]()
 
