@@ -98,20 +98,43 @@ def engine_outputs(model, batch, monkeypatch, fused: bool, kv_dtype: str = "auto
         engine.close()
 
 
-def check_fused_against_op_by_op(stock, truth_model, batch, monkeypatch, fused_calls, what, kv_dtype="auto"):
+def check_fused_against_op_by_op(stock, truth_model, batch, monkeypatch, fused_calls, what, kv_dtype="auto",
+                                 near_ties: bool = False):
+    """The fused engine's greedy tokens equal the op-by-op engine's, and its decode steps' logits are no
+    further from the float64 truth than the op-by-op path's or stock's float32 forward.
+
+    near_ties: under integer activations a float32 rounding apart can round an activation to the next
+    integer code, which moves logits by about the mode's own error; where the two paths' tokens part
+    there, the op-by-op path's margin between the two tokens must be within its own error to the truth
+    at that step (either token is right to the mode's accuracy), and the logits are compared up to it."""
     op_by_op = engine_outputs(copy.deepcopy(stock), batch, monkeypatch, fused=False, kv_dtype=kv_dtype)
     assert not fused_calls
     fused = engine_outputs(copy.deepcopy(stock), batch, monkeypatch, fused=True, kv_dtype=kv_dtype)
     num_layers = stock.config.num_hidden_layers
     # every decode step of every layer fused: 7 requests x 7 decode steps, 3 at a time
     assert len(fused_calls) >= num_layers * (GREEDY.max_new_tokens - 1) * len(batch) / 3, fused_calls
+    lengths = []  # per request: how many of its logits follow the same tokens on both paths
     for i, (ours, theirs) in enumerate(zip(fused, op_by_op)):
-        assert ours.token_ids == theirs.token_ids, f"{what}: request {i}"
+        same = next((j for j, (a, b) in enumerate(zip(ours.token_ids, theirs.token_ids)) if a != b), None)
+        if same is not None:
+            assert near_ties, f"{what}: request {i}: tokens {ours.token_ids} against {theirs.token_ids}"
+            row, truth_row = theirs.logits[same].double(), truth_logits(truth_model, batch[i], theirs.token_ids)[same]
+            margin = (row[theirs.token_ids[same]] - row[ours.token_ids[same]]).item()
+            error = (row - truth_row).abs().max().item()
+            assert margin <= error, (f"{what}: request {i} parts at step {same} by a margin of {margin:.4g}, "
+                                     f"above the op-by-op path's own error there ({error:.4g})")
+        lengths.append(len(ours.token_ids) if same is None else same + 1)
     # the first token comes from the prefill (not fused): the decode steps' logits, all requests
     # together (a worst element over many is a steadier measure of the two paths' rounding)
-    truth = torch.cat([truth_logits(truth_model, prompt, out.token_ids)[1:] for prompt, out in zip(batch, fused)])
-    assert_no_worse_than_stock(torch.cat([out.logits[1:] for out in fused]),
-                               torch.cat([out.logits[1:] for out in op_by_op]), truth, torch.float32, what=what)
+    truth = torch.cat([truth_logits(truth_model, prompt, out.token_ids)[1:n]
+                       for prompt, out, n in zip(batch, fused, lengths)])
+    # held to the op-by-op path's error and to stock's own (the float32 model teacher-forced): on this tiny
+    # model either may be the smaller, by CPU (tolerances.py)
+    stock32 = copy.deepcopy(truth_model).float()
+    stock = torch.cat([truth_logits(stock32, prompt, out.token_ids)[1:n] for prompt, out, n in zip(batch, fused, lengths)])
+    assert_no_worse_than_stock(torch.cat([out.logits[1:n] for out, n in zip(fused, lengths)]),
+                               (torch.cat([out.logits[1:n] for out, n in zip(op_by_op, lengths)]), stock), truth,
+                               torch.float32, what=what)
     return fused
 
 
@@ -184,14 +207,14 @@ def test_gguf_block_layers_fuse(family, monkeypatch, fused_calls):
 @pytest.mark.parametrize("family", list(GGUF_FORMATS))
 def test_gguf_block_layers_fuse_on_integer_activations(family, mode, monkeypatch, fused_calls):
     """--gguf-activations int8 / int16: the fused layer multiplies with the same integer kernel as
-    the op-by-op GGUFLinear (`layer.cpp`'s integer branch), so the two paths agree as closely as in
-    float32."""
+    the op-by-op GGUFLinear (`layer.cpp`'s integer branch), so the two paths agree but where a float32
+    rounding apart sends an activation to the next integer code (`near_ties`)."""
     if build().int8_variant(isa.selected_variant()) is None:
         pytest.skip("no integer kernel")
     model, truth_model = gguf_model(family)
     assert set_gguf_activations(model, mode) == mode
     check_fused_against_op_by_op(model, truth_model, prompts(seed=3), monkeypatch, fused_calls,
-                                 f"{family} GGUF blocks, {mode} activations")
+                                 f"{family} GGUF blocks, {mode} activations", near_ties=True)
 
 
 def test_where_float32_layers_run_f_linear_they_stay_op_by_op(monkeypatch, fused_calls):

@@ -79,3 +79,26 @@ static inline __m512i _mm512_cvtps_epi32(__m512 a) {
   for (int i = 0; i < 16; ++i) r[i] = static_cast<int32_t>(std::nearbyint(x[i]));
   return _mm512_loadu_si512(r);
 }
+// vpmovdb: 16 32-bit lanes truncated to their low 8 bits
+static inline __m128i _mm512_cvtepi32_epi8(__m512i a) {
+  int32_t x[16];
+  uint8_t r[16];
+  _mm512_storeu_si512(x, a);
+  for (int i = 0; i < 16; ++i) r[i] = static_cast<uint8_t>(static_cast<uint32_t>(x[i]) & 0xffu);
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(r));
+}
+// vpsrad by an immediate: each 32-bit lane shifted right arithmetically (a count above 31 fills the sign)
+static inline __m512i _mm512_srai_epi32(__m512i a, unsigned int count) {
+  int32_t x[16];
+  _mm512_storeu_si512(x, a);
+  for (int32_t& lane : x) lane = count > 31 ? (lane < 0 ? -1 : 0) : lane >> count;
+  return _mm512_loadu_si512(x);
+}
+// vpgatherdd: 16 dwords, lane i from base + index_i * scale
+static inline __m512i _mm512_i32gather_epi32(__m512i index, const void* base, int scale) {
+  int32_t at[16], r[16];
+  _mm512_storeu_si512(at, index);
+  for (int i = 0; i < 16; ++i)
+    std::memcpy(&r[i], static_cast<const char*>(base) + static_cast<int64_t>(at[i]) * scale, sizeof r[i]);
+  return _mm512_loadu_si512(r);
+}
