@@ -63,14 +63,21 @@ static inline __m512 _mm512_cvtph_ps(__m256i a) {
   for (int i = 0; i < 16; ++i) r[i] = chunk_attn_cpu::fp16_to_float(x + 2 * i);
   return _mm512_loadu_ps(r);
 }
-// vpmovdw: 16 32-bit lanes truncated to their low 16 bits
-static inline __m256i _mm512_cvtepi32_epi16(__m512i a) {
-  int32_t x[16];
-  uint16_t r[16];
+// 16 32-bit lanes truncated to Lane (their low bits), packed into the narrow vector type Narrow
+template <typename Lane, typename Narrow>
+static inline Narrow narrow_from_epi32(__m512i a) {
+  static_assert(sizeof(Narrow) == 16 * sizeof(Lane), "16 lanes fill the narrow vector");
+  uint32_t x[16];
+  Lane r[16];
   _mm512_storeu_si512(x, a);
-  for (int i = 0; i < 16; ++i) r[i] = static_cast<uint16_t>(static_cast<uint32_t>(x[i]) & 0xffffu);
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r));
+  for (int i = 0; i < 16; ++i) r[i] = static_cast<Lane>(x[i]);
+  Narrow out;
+  std::memcpy(&out, r, sizeof out);
+  return out;
 }
+// vpmovdw, vpmovdb
+static inline __m256i _mm512_cvtepi32_epi16(__m512i a) { return narrow_from_epi32<uint16_t, __m256i>(a); }
+static inline __m128i _mm512_cvtepi32_epi8(__m512i a) { return narrow_from_epi32<uint8_t, __m128i>(a); }
 // vcvtps2dq with the default rounding (to nearest even)
 static inline __m512i _mm512_cvtps_epi32(__m512 a) {
   float x[16];
@@ -78,14 +85,6 @@ static inline __m512i _mm512_cvtps_epi32(__m512 a) {
   _mm512_storeu_ps(x, a);
   for (int i = 0; i < 16; ++i) r[i] = static_cast<int32_t>(std::nearbyint(x[i]));
   return _mm512_loadu_si512(r);
-}
-// vpmovdb: 16 32-bit lanes truncated to their low 8 bits
-static inline __m128i _mm512_cvtepi32_epi8(__m512i a) {
-  int32_t x[16];
-  uint8_t r[16];
-  _mm512_storeu_si512(x, a);
-  for (int i = 0; i < 16; ++i) r[i] = static_cast<uint8_t>(static_cast<uint32_t>(x[i]) & 0xffu);
-  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(r));
 }
 // vpsrad by an immediate: each 32-bit lane shifted right arithmetically (a count above 31 fills the sign)
 static inline __m512i _mm512_srai_epi32(__m512i a, unsigned int count) {
