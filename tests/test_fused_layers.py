@@ -118,7 +118,8 @@ def check_fused_against_op_by_op(stock, truth_model, batch, monkeypatch, fused_c
         same = next((j for j, (a, b) in enumerate(zip(ours.token_ids, theirs.token_ids)) if a != b), None)
         if same is not None:
             assert near_ties, f"{what}: request {i}: tokens {ours.token_ids} against {theirs.token_ids}"
-            row, truth_row = theirs.logits[same].double(), truth_logits(truth_model, batch[i], theirs.token_ids)[same]
+            row = theirs.logits[same].double()
+            truth_row = truth_logits(truth_model, batch[i], theirs.token_ids)[same]
             margin = (row[theirs.token_ids[same]] - row[ours.token_ids[same]]).item()
             error = (row - truth_row).abs().max().item()
             assert margin <= error, (f"{what}: request {i} parts at step {same} by a margin of {margin:.4g}, "
@@ -131,7 +132,8 @@ def check_fused_against_op_by_op(stock, truth_model, batch, monkeypatch, fused_c
     # held to the op-by-op path's error and to stock's own (the float32 model teacher-forced): on this tiny
     # model either may be the smaller, by CPU (tolerances.py)
     stock32 = copy.deepcopy(truth_model).float()
-    stock = torch.cat([truth_logits(stock32, prompt, out.token_ids)[1:n] for prompt, out, n in zip(batch, fused, lengths)])
+    stock = torch.cat([truth_logits(stock32, prompt, out.token_ids)[1:n]
+                       for prompt, out, n in zip(batch, fused, lengths)])
     assert_no_worse_than_stock(torch.cat([out.logits[1:n] for out, n in zip(fused, lengths)]),
                                (torch.cat([out.logits[1:n] for out, n in zip(op_by_op, lengths)]), stock), truth,
                                torch.float32, what=what)
