@@ -86,10 +86,10 @@ def compiled_variants(arch: str | None = None) -> tuple[str, ...]:
 def cpu_build(arch: str | None = None) -> KernelBuild:
     """The CPU library for `arch` (default: this machine's): the C interface and one
     translation unit per variant. The variants' kernels are nearly all of a build, generic's
-    the longest (GCC 12 on a Zen 3: generic 322 s, avx512 132 s; cross-compiled for aarch64,
-    generic 404 s, neon 258 s), so the sources are listed longest first, as `compile_library`
-    starts them: on 2 cores generic beside avx512 then avx2 (the whole build 305 s there).
-    (-O2 for generic alone took 134 s but cost its decode a third.)"""
+    the longest (GCC 12: generic 93 s, avx512 52, avx2 44, the rest 3 on a Zen 5; generic 322 s
+    and avx512 132 on a Zen 3, where the aarch64 cross-compile takes generic 404 s and neon 258),
+    so the sources are listed longest first, as `compile_library` starts them: on 2 cores
+    generic beside avx512 then avx2 (docs/BENCHMARKS.md, "First-use build of the CPU library")."""
     variants = compiled_variants(arch)
     kernels = sorted(variants, key=lambda v: v != "generic")  # (a stable sort: generic, then the rest in order)
     return KernelBuild(
