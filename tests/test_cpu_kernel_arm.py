@@ -18,12 +18,13 @@ QEMU = "qemu-aarch64"
                     reason=f"{CROSS} or {QEMU} is not installed (scripts/test.sh installs "
                            "g++-aarch64-linux-gnu and qemu-user)")
 def test_neon_under_qemu(tmp_path):
-    # static: qemu then needs no aarch64 sysroot to find libstdc++ and libc. The generic
-    # variant is linked (the driver's dispatch names it) but runs natively only
-    # (test_cpu_kernel_driver.py): the same portable source, at a tenth of emulation's cost.
-    # The kernels are the objects an aarch64 wheel carries (its build's flags, OpenMP on; the
-    # same compile commands as test_wheel.py's cross-compile, which a compiler cache then shares).
-    binary = driver.build_driver(CROSS, ["neon", "generic"], tmp_path, link=["-static"],
-                                 library=cpu_build("aarch64"))
+    # static: qemu then needs no aarch64 sysroot to find libstdc++ and libc. The NEON kernels
+    # are the objects an aarch64 wheel carries (its build's flags, OpenMP on; the same compile
+    # commands as test_wheel.py's cross-compile, which a compiler cache then shares). The
+    # generic variant, which an aarch64 library leaves out, is the quant cases' reference
+    # decoding: built at -O0 (11 s, where -O3 took 404 on a Zen 3), its kernels run natively
+    # only (test_cpu_kernel_driver.py), the same portable source at a tenth of emulation's cost.
+    binary = driver.build_driver(CROSS, ["neon", "generic"], tmp_path, extra={"generic": ["-O0"]},
+                                 link=["-static"], library=cpu_build("aarch64"))
     out = driver.run_driver([QEMU, str(binary)], ["neon"], timeout=150)
     assert "variant neon" in out

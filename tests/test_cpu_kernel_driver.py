@@ -34,13 +34,14 @@ LIBRARY_WARNINGS = ("-Wall", "-Wextra", "-Werror", "-Wno-psabi", "-Wno-unknown-p
 def build_driver(compiler: str, variants: list[str], out_dir: Path, *, extra: dict[str, list[str]] | None = None,
                  link: list[str] = (), library: KernelBuild | None = None) -> Path:
     """Compiles the driver and kernel_<variant>.cpp of each variant in parallel, links them.
-    `library`: the variants compiled as that library's build compiles them (its flags, OpenMP
-    on, LIBRARY_WARNINGS), instead of the driver's -O1 without OpenMP."""
+    `library`: the variants that library holds compiled as its build compiles them (its flags,
+    OpenMP on, LIBRARY_WARNINGS), instead of the driver's -O1 without OpenMP (which the others
+    keep, with their `extra` flags after it)."""
     extra = extra or {}
 
     def command(source: Path, flags: list[str]) -> list[str]:
         obj = out_dir / f"{source.stem}.o"
-        if library is not None and source.parent == CPU_SRC:
+        if library is not None and f"cpu/{source.name}" in library.sources:
             return cpu_compile_command(compiler, library, f"cpu/{source.name}", obj, LIBRARY_WARNINGS)
         return [compiler, *FLAGS, *flags, "-c", str(source), "-o", str(obj)]
 

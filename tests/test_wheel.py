@@ -189,15 +189,21 @@ def test_cuda_library_holds_the_architectures_it_claims(tmp_path):
 @pytest.mark.skipif(shutil.which("aarch64-linux-gnu-g++") is None,
                     reason="aarch64-linux-gnu-g++ is not installed (scripts/test.sh installs g++-aarch64-linux-gnu)")
 def test_aarch64_cpu_library_cross_compiles(tmp_path, monkeypatch):
-    """What an aarch64 wheel carries (NEON and generic; their kernels run under qemu in
-    tests/test_cpu_kernel_arm.py) builds from the same declaration with a cross compiler."""
+    """What an aarch64 wheel carries (NEON alone, which every aarch64 CPU runs; its kernels run
+    under qemu in tests/test_cpu_kernel_arm.py) builds from the same declaration with a cross
+    compiler, and holds no other variant's code."""
     from elftools.elf.elffile import ELFFile
 
     monkeypatch.setenv("CXX", "aarch64-linux-gnu-g++")
     spec = build.cpu_build("aarch64")
-    assert spec.sources == ("cpu/kernel_generic.cpp", "cpu/kernel_neon.cpp", "cpu/c_api.cpp", "cpu/plan_checks.cpp",
+    assert spec.sources == ("cpu/kernel_neon.cpp", "cpu/c_api.cpp", "cpu/plan_checks.cpp",
                             "cpu/planned.cpp", "cpu/layer.cpp", "cpu/lora.cpp", "cpu/quant_api.cpp")
     library = build.compile_library(spec, tmp_path, extra_flags=LIBRARY_WARNINGS)
     with library.open("rb") as file:
-        assert ELFFile(file)["e_machine"] == "EM_AARCH64"
+        elf = ELFFile(file)
+        assert elf["e_machine"] == "EM_AARCH64"
+        names = [symbol.name for symbol in elf.get_section_by_name(".symtab").iter_symbols()]
+    namespaces = {v: f"_ZN14chunk_attn_cpu{len(v)}{v}" for v in ("neon", "generic", "avx2", "avx512")}
+    held = sorted(v for v, prefix in namespaces.items() if any(n.startswith(prefix) for n in names))
+    assert held == ["neon"], f"the aarch64 library defines code of {held}"
     assert not [n for n in _needed(library) if re.match(r"lib(torch|c10|python)", n)]

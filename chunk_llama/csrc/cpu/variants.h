@@ -48,7 +48,7 @@ static inline bool host_runs_avx512_int8() {
 #endif
 static inline bool host_runs_always() { return true; }
 
-// Best first; the last one (generic) runs everywhere.
+// Best first; the last one runs on every CPU of the architecture (generic; neon on aarch64).
 static const Variant kVariants[] = {
 #if defined(__x86_64__) || defined(_M_X64)
     {"avx512", avx512::tpp_decode, avx512::tpp_prefill, avx512::small_linear, avx512::quant_linear, avx512::dequantize, avx512::rms_norm, avx512::gate_mul,
@@ -60,8 +60,10 @@ static const Variant kVariants[] = {
     {"neon", neon::tpp_decode, neon::tpp_prefill, neon::small_linear, neon::quant_linear, neon::dequantize, neon::rms_norm, neon::gate_mul,
      host_runs_always, neon::quant_linear_int8, host_runs_always, neon::lora_expand},  // Advanced SIMD is part of ARMv8-A
 #endif
+#if !defined(__aarch64__)  // (every aarch64 CPU runs neon: a build there leaves generic's out, the largest compile)
     {"generic", generic::tpp_decode, generic::tpp_prefill, generic::small_linear, generic::quant_linear, generic::dequantize, generic::rms_norm, generic::gate_mul,
      host_runs_always, generic::quant_linear_int8, host_runs_always, generic::lora_expand},
+#endif
 };
 constexpr int kNumVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 

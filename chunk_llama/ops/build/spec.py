@@ -73,12 +73,15 @@ def host_arch() -> str:
 
 
 def compiled_variants(arch: str | None = None) -> tuple[str, ...]:
-    """The CPU kernel variants a build for `arch` (default: this machine's) holds, best first."""
+    """The CPU kernel variants a build for `arch` (default: this machine's) holds, best first,
+    the last one run by every CPU of `arch`. aarch64's is neon alone: Advanced SIMD is part of
+    ARMv8-A, so the portable variant would never be picked there, and leaving it out takes its
+    compile, the build's longest, out of the first use (docs/BENCHMARKS.md)."""
     arch = arch or host_arch()
     if arch == "x86_64":
         return ("avx512", "avx2", "generic")
     if arch == "aarch64":
-        return ("neon", "generic")
+        return ("neon",)
     return ("generic",)
 
 
@@ -87,9 +90,9 @@ def cpu_build(arch: str | None = None) -> KernelBuild:
     """The CPU library for `arch` (default: this machine's): the C interface and one
     translation unit per variant. The variants' kernels are nearly all of a build, generic's
     the longest (GCC 12: generic 93 s, avx512 52, avx2 44, the rest 3 on a Zen 5; generic 322 s
-    and avx512 132 on a Zen 3, where the aarch64 cross-compile takes generic 404 s and neon 258),
-    so the sources are listed longest first, as `compile_library` starts them: on 2 cores
-    generic beside avx512 then avx2 (docs/BENCHMARKS.md, "First-use build of the CPU library")."""
+    and avx512 132 on a Zen 3, where the aarch64 cross-compile takes neon 258 s), so the
+    sources are listed longest first, as `compile_library` starts them: on 2 cores generic
+    beside avx512 then avx2 (docs/BENCHMARKS.md, "First-use build of the CPU library")."""
     variants = compiled_variants(arch)
     kernels = sorted(variants, key=lambda v: v != "generic")  # (a stable sort: generic, then the rest in order)
     return KernelBuild(

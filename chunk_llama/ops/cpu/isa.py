@@ -1,7 +1,7 @@
 """Which variant of the CPU kernel runs: `CHUNK_LLAMA_CPU_ISA=auto|avx512|avx2|neon|generic`.
 
 Every build holds all the variants of its architecture (x86-64: avx512, avx2,
-generic; aarch64: neon, generic; anything else: generic), each compiled for its own
+generic; aarch64: neon, which every aarch64 CPU runs; anything else: generic), each compiled for its own
 instruction set, so the choice is made at run time and needs no rebuild. `auto`
 (the default) is the best variant this CPU runs. Naming a variant the CPU cannot
 run, or one the architecture has not, is a ValueError that says what the CPU has.
@@ -61,10 +61,11 @@ def cpu_model() -> str:
 
 @functools.cache
 def host_variants() -> tuple[str, ...]:
-    """The variants this CPU runs, best first (always ending with generic)."""
+    """The variants this CPU runs, best first (ending with the one its whole architecture runs:
+    generic, or neon on aarch64)."""
     arch = host_arch()
     if arch == "aarch64":
-        return ("neon", "generic")  # Advanced SIMD is part of ARMv8-A
+        return ("neon",)  # Advanced SIMD is part of ARMv8-A
     if arch != "x86_64":
         return ("generic",)
     flags = _cpu_flags()
