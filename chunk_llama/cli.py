@@ -71,6 +71,8 @@ def sampling_config(args: GenerateArgs):
     a value transformers refuses)."""
     from transformers import GenerationConfig
 
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise UsageError(f"--temperature must be >= 0 and --top-p in (0, 1], got {args.temperature} and "
                          f"{args.top_p}")
@@ -87,8 +89,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with open(args.system_prompt, encoding="utf-8") as f:
         system = f.read().strip()
     questions = read_prompts(args.prompts)
-    if args.limit:
+    if args.limit is not None:
+        if args.limit < 1:
+            raise UsageError(f"--limit must be at least 1 (the first N prompts), got {args.limit}")
         questions = questions[: args.limit]
+    config = sampling_config(args)  # (its checks before the model loads)
     model, tokenizer = engine_args.load()
     engine = engine_args.build_engine(model, tokenizer)
     print(engine.describe(), file=sys.stderr)
@@ -96,14 +101,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": q}]
         for q in questions
     ]
-    config = sampling_config(args)
-    if args.seed is None:
-        start = time.perf_counter()
+    if args.seed is not None:  # one seed per request, so every request draws its own sample
+        config = [GenerationConfig(**{**config.to_dict(), "seed": args.seed + i}) for i in range(len(messages))]
+    start = time.perf_counter()
+    try:
         outputs = engine.generate(messages, config, progress=True)
-    else:  # one seed per request, so every request draws its own sample
-        configs = [GenerationConfig(**{**config.to_dict(), "seed": args.seed + i}) for i in range(len(messages))]
-        start = time.perf_counter()
-        outputs = engine.generate(messages, configs, progress=True)
+    except ValueError as error:  # a request the engine refuses (checked before any is run): the input's fault
+        raise UsageError(str(error)) from error
     elapsed = time.perf_counter() - start
 
     if args.output:

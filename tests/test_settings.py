@@ -152,6 +152,23 @@ def test_a_kv_dtype_the_model_cannot_use_is_one_line_before_any_weights_are_read
         "model's dtype, or bfloat16 or float16 under a float32 model on the CPU")
 
 
+
+@pytest.mark.parametrize("flags, message", [
+    (["--limit", "0"], "--limit must be at least 1 (the first N prompts), got 0"),
+    (["--limit", "-1"], "--limit must be at least 1 (the first N prompts), got -1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),
+    (["--max-model-len", "16"], "tokens"),  # (the engine's refusal of a prompt longer than that, loaded first)
+])
+def test_generate_refuses_bad_counts_in_one_line(flags, message):
+    """A count that would silently drop prompts (`--limit -1` was Python's slice) or a request
+    the engine refuses: one line and exit code 2, not a traceback."""
+    done = subprocess.run([sys.executable, "-m", "chunk_llama.cli", "generate", *flags], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("chunk-llama generate: error: ") and message in last, last
+
+
 def test_to_argv_gives_the_settings_again_and_keeps_secrets_off_command_lines():
     """What a launcher passes to the commands it starts (`--data-parallel` workers): the flags
     that parse back to the same settings; an API key is refused (ps shows command lines)."""

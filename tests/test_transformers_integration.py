@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, pipeline
 import chunk_llama
 from chunk_llama import ChunkCache, ChunkLlamaEngine
 from chunk_llama.hf import is_patched
+from chunk_llama.logs import forget_logged
 
 GREEDY = GenerationConfig(max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
 
@@ -104,6 +105,28 @@ def test_modes_a_chunk_cache_cannot_run(saved, caplog):
         want = stock.generate(ids, attention_mask=mask, **beams)
     assert torch.equal(got, want)
     assert any("beam search" in r.getMessage() and "runs stock" in r.getMessage() for r in caplog.records)
+
+
+
+@pytest.mark.parametrize("settings", [dict(use_cache=False), dict(cache_implementation="static"),
+                                      dict(cache_implementation="dynamic"), "config: use_cache=False"])
+def test_generate_without_a_cache_or_with_its_own_runs_stock(saved, settings, caplog):
+    """`use_cache=False` (each step feeds the whole sequence) and a `cache_implementation`
+    (generate makes that cache itself), in the call or in the model's generation config as
+    some checkpoints ship it: stock's tokens, run stock and said so, not the prefix cache."""
+    _, stock = saved
+    model = chunk_llama.patch_model(copy.deepcopy(stock))
+    reference = copy.deepcopy(stock)
+    if settings == "config: use_cache=False":
+        model.generation_config.use_cache = reference.generation_config.use_cache = False
+        settings = {}
+    ids = torch.tensor([[5, 17, 33, 80, 60, 20, 9, 41]])
+    forget_logged()
+    with caplog.at_level(logging.WARNING, logger="chunk_llama.hf.generate"), torch.no_grad():
+        got = model.generate(ids, generation_config=GREEDY, **settings)
+        want = reference.generate(ids, generation_config=GREEDY, **settings)
+    assert torch.equal(got, want), f"{settings}: {got[0, 8:].tolist()} against stock's {want[0, 8:].tolist()}"
+    assert any("runs stock" in r.getMessage() for r in caplog.records)
 
 
 def test_pipeline_with_batches(saved):

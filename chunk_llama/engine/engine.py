@@ -34,6 +34,7 @@ from chunk_llama.gguf.modules import set_gguf_activations
 from chunk_llama.gguf.weights import gguf_blocks
 from chunk_llama.hf import ChunkCache, is_patched, patch_model
 from chunk_llama.hf.lora.registry import AdapterRegistry
+from chunk_llama.hf.support import rope_switch_length
 from chunk_llama.ops import prepare_backend
 from chunk_llama.ops.cpu import linear
 
@@ -66,7 +67,8 @@ class ChunkLlamaEngine(Delivery, EngineAdapters):
             the running requests decode (chunked prefill).
         retain_prefixes: keep the chunks of finished sequences as a prefix cache.
         max_model_len: most tokens of a request, prompt and new tokens together (default and
-            at most: the model's `max_position_embeddings`); `self.max_model_len` is the limit in force.
+            at most: the model's `max_position_embeddings`, or where its LongRoPE switches to its
+            long factors, `support.rope_switch_length`); `self.max_model_len` is the limit in force.
         lora_modules: LoRA adapters to load, {name: folder PEFT saved} (more with `load_adapter`);
             a PEFT `PeftModel`'s own adapters are known by their PEFT names. A request names
             one with `adapter=` (`engine/adapters.py`).
@@ -103,12 +105,17 @@ class ChunkLlamaEngine(Delivery, EngineAdapters):
             raise TypeError(f"enforce_eager must be a bool, got {type(enforce_eager).__name__}")
         positive_int("max_batch_size", max_batch_size)
         max_positions = getattr(model.config, "max_position_embeddings", None)
+        switch = rope_switch_length(model.config)
         if max_model_len is not None:
             positive_int("max_model_len", max_model_len)
             if max_positions and max_model_len > max_positions:
                 raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                                  f"max_position_embeddings={max_positions}")
-        self.max_model_len = max_model_len or max_positions
+            if switch is not None and max_model_len > switch:
+                raise ValueError(f"max_model_len={max_model_len} exceeds {switch}, the length past which this "
+                                 "model's LongRoPE turns every key by its long factors (stock generate recomputes "
+                                 f"the whole cache there, which a prefix cache does not); use at most {switch}")
+        self.max_model_len = max_model_len or (switch if switch is not None else max_positions)
         positive_int("max_prefill_tokens", max_prefill_tokens)
         if chunk_size is not None:
             positive_int("chunk_size", chunk_size)
@@ -134,7 +141,7 @@ class ChunkLlamaEngine(Delivery, EngineAdapters):
         prepare_backend(pool.device, dtype, pool.head_dim, pool.chunk_size, pool.dtype)
         linear.backend(dtype, pool.device)  # its one-time check, and why not, logged now
         self.inputs = InputProcessor(model, tokenizer, self.cache.chunk_size, pool.capacity, max_batch_size,
-                                     max_model_len)
+                                     self.max_model_len)
         self._load_adapters(lora_modules)
         self.scheduler = Scheduler(self.cache, max_batch_size, max_prefill_tokens, self.adapters)
         self.runner = ModelRunner(model, self.cache, self.scheduler, self.inputs)

@@ -102,10 +102,10 @@ class InputProcessor:
             self.model, config, ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria
         )
         max_new, num_samples = settings.max_new_tokens, settings.num_samples
-        max_positions = getattr(self.model.config, "max_position_embeddings", None)
-        limit = self.max_model_len or max_positions
+        limit = self.max_model_len  # (the engine's limit in force: the model's positions at most)
         if limit and len(ids) + max_new > limit:
-            what = "max_model_len" if self.max_model_len else "the model's max_position_embeddings"
+            what = ("the model's max_position_embeddings"
+                    if limit == getattr(self.model.config, "max_position_embeddings", None) else "max_model_len")
             raise ValueError(f"prompt of {len(ids)} tokens plus max_new_tokens={max_new} exceeds {what}={limit}")
         if num_samples > self.max_batch_size:
             raise ValueError(

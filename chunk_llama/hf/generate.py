@@ -19,6 +19,8 @@ import logging
 import threading
 import weakref
 
+import torch
+
 from chunk_llama.hf import compat
 from chunk_llama.hf.cache import ChunkCache
 from chunk_llama.logs import log_once
@@ -59,7 +61,9 @@ def _chunk_generate(model, original, *args, **kwargs):
 
     cache = compat.cache_from(kwargs)
     config = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
-    problem = unsupported_on_chunk_cache(model, config, kwargs)
+    inputs = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+    problem = unsupported_on_chunk_cache(model, config, kwargs,
+                                         inputs.shape[-1] if isinstance(inputs, torch.Tensor) else None)
     if isinstance(cache, ChunkCache):
         if problem:
             raise ValueError(f"{problem} cannot run on a ChunkCache (beams and drafts would need the cache's "

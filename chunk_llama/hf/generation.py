@@ -20,6 +20,8 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import MaxTimeCriteria
 
+from chunk_llama.hf.support import rope_switch_length
+
 # Options that change what generate returns but that no engine step can honour.
 _UNSUPPORTED_MODES = {
     GenerationMode.BEAM_SEARCH: "beam search (num_beams > 1)",
@@ -63,10 +65,13 @@ def check_config(config: GenerationConfig | None) -> None:
         raise TypeError(f"generation_config must be a GenerationConfig, got {type(config).__name__}")
 
 
-def unsupported_on_chunk_cache(model, config: GenerationConfig | None, generate_kwargs: dict) -> str | None:
+def unsupported_on_chunk_cache(model, config: GenerationConfig | None, generate_kwargs: dict,
+                               input_length: int | None = None) -> str | None:
     """What in a stock `generate` call a `ChunkCache` cannot run (beam search, assisted
     decoding, attention outputs, ...), named, or None: `generate`'s own merge of the
-    model's generation config under the call's settings decides the mode."""
+    model's generation config under the call's settings decides the mode. input_length: the
+    prompt's columns, where known (a LongRoPE model generating past its switch recomputes the
+    cache there: `support.rope_switch_length`)."""
     settings = {k: v for k, v in generate_kwargs.items() if k not in ("generation_config", "assistant_model")}
     merged, _ = model._prepare_generation_config(copy.deepcopy(config) if config is not None else None, **settings)
     mode = merged.get_generation_mode(generate_kwargs.get("assistant_model"))
@@ -77,6 +82,15 @@ def unsupported_on_chunk_cache(model, config: GenerationConfig | None, generate_
     for flag, what in _UNSUPPORTED_FLAGS.items():
         if getattr(merged, flag, None) and flag != "token_healing":
             return f"{flag}=True ({what})"
+    if merged.use_cache is False:  # (every step feeds the whole sequence again: no cache to give it)
+        return "use_cache=False"
+    if merged.cache_implementation is not None:  # (after generate's merge, which drops the Hub's default "hybrid")
+        return f"cache_implementation={merged.cache_implementation!r} (a cache generate makes itself)"
+    switch = rope_switch_length(model.config)
+    if switch is not None and input_length is not None:
+        total = merged.max_length if merged.max_new_tokens is None else input_length + merged.max_new_tokens
+        if total > switch:
+            return f"LongRoPE past {switch} tokens (generate recomputes the cache with the long factors there)"
     return None
 
 

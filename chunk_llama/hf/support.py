@@ -112,6 +112,25 @@ def sliding_window(config) -> int | None:
     return window
 
 
+
+def rope_switch_length(config) -> int | None:
+    """The total length past which the model's rotary embedding turns keys by other
+    frequencies, or None. LongRoPE (Phi-3-mini-128k, Phi-3.5) uses its short factors while a
+    sequence holds at most `original_max_position_embeddings` tokens and its long ones past
+    that, for every position: stock generate then recomputes the whole cache with the long
+    factors. Keys cached (and shared) under the short factors would be wrong there, so the
+    engine keeps sequences within this length (`engine.py`) and the patched generate runs
+    stock past it. (Dynamic NTK scaling changes only past max_position_embeddings, which
+    nothing here exceeds.)"""
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    per_type = parameters.values() if parameters and "rope_type" not in parameters else [parameters]
+    switches = [p.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+                for p in per_type if isinstance(p, dict) and p.get("rope_type") == "longrope"]
+    limit = getattr(config, "max_position_embeddings", None)
+    switches = [s for s in switches if s and (limit is None or s < limit)]
+    return min(switches) if switches else None
+
+
 def check_dtype(dtype: torch.dtype) -> None:
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype {dtype} is not supported; use one of {SUPPORTED_DTYPES}")
