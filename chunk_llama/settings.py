@@ -70,7 +70,8 @@ class EngineArgs:
     prefix_caching: bool = option(True, "keep finished requests' chunks as a prefix cache "
                                         "(--no-prefix-caching frees them at once)")
     max_model_len: int | None = option(None, "most tokens of a request, prompt and new tokens together "
-                                             "(default: the model's max_position_embeddings)")
+                                             "(default: the model's max_position_embeddings; a LongRoPE "
+                                             "model's switch to its long factors)")
     revision: str | None = option(None, "the hub branch, tag or commit of --model")
     trust_remote_code: bool = option(False, "let transformers run the model repository's own code")
     chat_template: str | None = option(None, "a Jinja chat template, or a file holding one, replacing the "
