@@ -304,3 +304,24 @@ def tiny_byte_llama(tokenizer, seed=0, **kwargs):
         for weight in (model.model.embed_tokens.weight, model.lm_head.weight):
             weight.copy_(torch.randn(weight.shape, generator=generator) * 0.2)
     return model
+
+
+def tiny_sentencepiece_tokenizer():
+    """A SentencePiece-style BPE tokenizer as Gemma's is built: "▁" for a space, the 256
+    byte-fallback tokens `<0x00>`..`<0xFF>` for what the vocabulary lacks (any non-ASCII
+    character here), a few merges; `</s>` (id 2) is EOS, 291 ids."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in '▁abcdefghijklmnopqrstuvwxyz"{}:,':
+        vocab[piece] = len(vocab)
+    merges = [("▁", "t"), ("h", "e"), ("▁t", "he")]
+    for left, right in merges:
+        vocab[left + right] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<unk>", "<s>", "</s>"]})
+    return tokenizer

@@ -23,7 +23,8 @@ LLAMA3 = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "P\\"a}ri
 MISTRAL = 'Sure.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "P\\"a}ris", "n": [1, {"x": 2}]}}, ' \
           '{"name": "find_flights", "arguments": {"day": 3}}]'
 EXPECTED = [("get_weather", {"city": 'P"a}ris', "n": [1, {"x": 2}]}), ("find_flights", {"day": 3})]
-CASES = {"hermes": (HERMES, "Let me check. \n <tool_call>not json</tool_call>"), "llama3_json": (LLAMA3, ""),
+# whitespace between calls separates them: not content (sample_reader.py)
+CASES = {"hermes": (HERMES, "Let me check.  <tool_call>not json</tool_call>"), "llama3_json": (LLAMA3, ""),
          "mistral": (MISTRAL, "Sure.")}
 
 
@@ -149,7 +150,7 @@ def test_stop_strings_are_cut_or_kept():
 
 
 def test_a_forced_call_writes_declared_arguments_only():
-    from chunk_llama.server.tool_formats import closed
+    from chunk_llama.server.tool_schemas import closed
 
     schema = {"type": "object", "properties": {"city": {"type": "string"}, "when": {"type": "object", "properties": {
         "day": {"type": "integer"}}}, "tags": {"type": "object"}}, "required": ["city"]}

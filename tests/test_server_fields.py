@@ -1,19 +1,25 @@
 """Fields other servers accept: unknown ones answered (logged once, listed in a response
 header), malformed known ones still 400s, vLLM's sampling fields each doing what vLLM's
 definition says (checked against `engine.generate`), `/tokenize`, `/detokenize` and
-`max_model_len` in `/v1/models`. The tiny word-level Llama of test_server.py, through the
+`max_model_len` in `/v1/models`, `/v1/models/{model}`, the bytes of logprobs' tokens
+(over byte-level BPE and SentencePiece byte-fallback tokenizers). The tiny word-level Llama of test_server.py, through the
 official `openai` client and httpx against a real server on 127.0.0.1."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import httpx
+import openai
 import pytest
-from test_server import MODEL, chat, client, greedy, served, words  # noqa: F401 - fixtures
+from helpers import tiny_byte_llama, tiny_byte_tokenizer, tiny_sentencepiece_tokenizer
+from test_server import MODEL, Server, chat, client, greedy, served, words  # noqa: F401 - fixtures
 from transformers import GenerationConfig
 
+from chunk_llama import ChunkLlamaEngine
 from chunk_llama.logs import forget_logged
+from chunk_llama.server import create_app
 from chunk_llama.server.fields import IGNORED_FIELDS_HEADER
 
 EOS = 5  # the tiny tokenizer's EOS (w5), a special token; test_server's model never picks it by itself
@@ -166,3 +172,100 @@ def test_greedy_configs_unchanged_by_absent_extras(served, client):
     (expected,) = engine.generate([messages], GenerationConfig(max_new_tokens=8, do_sample=False))
     response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
     assert response.choices[0].message.content == expected.text
+
+
+def test_retrieve_each_listed_model_and_404_for_others(served, client):
+    (listed,) = client.models.list().data
+    assert client.models.retrieve(MODEL).model_dump() == listed.model_dump()
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4o")
+    error = missing.value.body
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+    assert "'gpt-4o'" in error["message"] and MODEL in error["message"]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"seed": 18446744073709551615}, "seed"),
+    ({"seed": -9223372036854775809}, "seed"),
+    ({"messages": [{"role": "user", "content": "hi \ud83d"}]}, "messages.0.content"),
+    ({"stop": ["ok", "\udc00"]}, "stop"),
+])
+def test_out_of_range_seed_and_lone_surrogates_are_400_naming_the_field(served, body, param):
+    """At chat, and a lone surrogate also at the other routes (`json.dumps` escapes it: `\\ud83d`)."""
+    _, url = served
+    full = {"model": MODEL, "messages": chat("w9", "w10"), "max_tokens": 2, **body}
+    response = httpx.post(url + "/v1/chat/completions", timeout=30, headers={"Content-Type": "application/json"},
+                          content=json.dumps(full))
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    message = response.json()["error"]["message"]
+    if param == "seed":
+        assert "-9223372036854775808 to 9223372036854775807" in message and "Overflow" not in message
+    else:
+        assert "contains a lone surrogate (\\u" in message and "TextEncodeInput" not in message
+    if param != "messages.0.content":
+        return
+    for route, other, where in [("/v1/completions", {"prompt": "w7 \ud83d"}, "prompt"),
+                                ("/v1/responses", {"input": "w7 \ud83d"}, "input.0.content"),
+                                ("/tokenize", {"prompt": "w7 \ud83d"}, "prompt")]:
+        text = json.dumps({"model": MODEL, "max_tokens": 2, **other})
+        refused = httpx.post(url + route, content=text, headers={"Content-Type": "application/json"}, timeout=30)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == where, (route, refused.text)
+        assert "contains a lone surrogate (\\ud83d) at character 3" in refused.json()["error"]["message"]
+
+
+def _expected_bytes(tokenizer, token: int) -> bytes:
+    """A token's bytes read off its vocabulary entry: `<0xNN>` is that byte, "▁" a space, a
+    byte-level BPE piece goes through GPT-2's byte table."""
+    piece = tokenizer.convert_ids_to_tokens(token)
+    if piece.startswith("<0x") and len(piece) == 6:
+        return bytes([int(piece[3:5], 16)])
+    if "▁" in piece or all(ord(c) < 128 for c in piece):
+        return piece.replace("▁", " ").encode()
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]  # GPT-2's table: the rest from U+0100 on
+    table = {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+    return bytes(table[c] for c in piece)
+
+
+@pytest.mark.parametrize("make_tokenizer", [tiny_byte_tokenizer, tiny_sentencepiece_tokenizer])
+def test_logprobs_carry_each_tokens_bytes_also_inside_a_character(make_tokenizer):
+    """A grammar makes the output "🎉你好" (in JSON quotes): every character over several byte
+    tokens. Each token's `bytes` are its own, they join into the text, a token that is not
+    whole UTF-8 reads `bytes:\\x..`, completions' alternatives keep one entry per token and
+    `text_offset` counts characters."""
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    engine = ChunkLlamaEngine(tiny_byte_llama(tokenizer), tokenizer, max_batch_size=2, kv_cache_bytes=4 << 20)
+    schema = {"type": "json_schema", "json_schema": {"name": "e", "schema": {"enum": ["🎉你好"]}}}
+    messages = [{"role": "user", "content": "party"}]
+    expected, expected_legacy = engine.generate([messages, "party"], GenerationConfig(max_new_tokens=20,
+                                                do_sample=False), grammar=schema)
+    server = Server(create_app(engine, MODEL))
+    try:
+        sdk = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        reply = sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                            logprobs=True, top_logprobs=3, response_format=schema)
+        legacy = sdk.completions.create(model=MODEL, prompt="party", max_tokens=20, temperature=0, logprobs=3,
+                                        extra_body={"response_format": schema})
+    finally:
+        server.stop()
+    content = reply.choices[0].logprobs.content
+    assert reply.choices[0].message.content == expected.text and "🎉你好" in expected.text
+    wanted = [_expected_bytes(tokenizer, t) for t in expected.token_ids]
+    assert [bytes(c.bytes) for c in content] == wanted
+    text_ids = [t for t in expected.token_ids if t not in tokenizer.all_special_ids]
+    assert b"".join(_expected_bytes(tokenizer, t) for t in text_ids).decode() == expected.text
+    partial = [c.token for c in content if c.token.startswith("bytes:")]
+    assert "bytes:\\xf0" in partial and len(partial) >= 3
+    for entry in [*content, *(t for c in content for t in c.top_logprobs)]:
+        raw = bytes(entry.bytes)
+        try:
+            assert entry.token == raw.decode()
+        except UnicodeDecodeError:
+            assert entry.token == "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    logprobs, text = legacy.choices[0].logprobs, legacy.choices[0].text
+    assert "🎉你好" in text and all(len(top) == 3 for top in logprobs.top_logprobs)
+    assert text == expected_legacy.text
+    raw = [_expected_bytes(tokenizer, t) for t in expected_legacy.token_ids]
+    assert logprobs.text_offset == [len(b"".join(raw[:i]).decode(errors="ignore")) for i in range(len(raw))]
+    assert logprobs.text_offset[-1] <= len(text) and "\ufffd" not in "".join(logprobs.tokens)

@@ -14,7 +14,8 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, Field, TypeAdapter
-from test_server_tools import MODEL, SCHEMAS, SYSTEM, TOOLS, ask, client, served  # noqa: F401 - fixtures
+from test_server_tools import (  # noqa: F401 - fixtures
+    MODEL, SCHEMAS, STRICT_TOOLS, SYSTEM, TOOLS, ask, client, marked, served)
 
 INSTRUCTIONS = SYSTEM["content"]
 FLAT_TOOLS = [{"type": "function", **t["function"], "strict": None} for t in TOOLS]  # the Responses API's form
@@ -163,3 +164,24 @@ def test_unknown_fields_are_answered(served):
     response = httpx.post(url + "/v1/responses", json=body, timeout=30)
     assert response.status_code == 200, response.text
     assert response.headers["x-chunk-llama-ignored-fields"] == "foo, typical_p"
+
+
+def test_parallel_forced_calls_are_only_function_calls_whole_and_streamed(served, client):
+    """The grammar's "\\n" between calls is no message, whole or streamed."""
+    kwargs = dict(model=MODEL, instructions=INSTRUCTIONS, input="weather in Paris and Lima?", tools=FLAT_TOOLS,
+                  tool_choice="required", max_output_tokens=200, temperature=0)
+    whole, _, _ = raw_create(client, **kwargs)
+    _, final = streamed(client, **kwargs)
+    for response in (whole, final):
+        assert len(response.output) >= 2 and {i.type for i in response.output} == {"function_call"}
+
+
+def test_strict_function_tools_under_auto_write_valid_calls(marked):
+    client, push = marked
+    tools = [{"type": "function", **t["function"]} for t in STRICT_TOOLS]
+    response, _, _ = raw_create(client, model=MODEL, instructions=INSTRUCTIONS, input="weather in Paris?",
+                                tools=tools, parallel_tool_calls=False, max_output_tokens=120, temperature=0,
+                                extra_body={"logit_bias": push})
+    (call,) = response.output
+    assert call.type == "function_call" and response.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])

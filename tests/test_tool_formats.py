@@ -116,3 +116,56 @@ def test_a_cut_off_call_leaves_no_markup(served):
         assert choice.finish_reason == "length"
         assert not choice.message.tool_calls  # none complete yet
         assert "[TOOL_CALLS]" not in (choice.message.content or "") and "{" not in (choice.message.content or "")
+
+
+def _accepts(grammar, tokenizer, text: str) -> bool:
+    """Whether llguidance takes `text` (as the tokenizer writes it) as a whole output of `grammar`."""
+    import llguidance
+    import llguidance.hf
+
+    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer, len(tokenizer)),
+                                   grammar.llguidance_grammar(), log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return all(matcher.consume_token(i) for i in ids) and matcher.is_accepting()
+
+
+CALL = '{"name":"get_weather","ARGS":{"city":"Lima","unit":"c"}}'
+BAD_CALL = '{"name":"get_weather","ARGS":{"city":"Lima","unit":"c","x":1}}'
+AUTO_CASES = {  # format: [(output, taken under tool_choice auto with a strict tool)]
+    "hermes": [("Sunny.", True), ("", True), (f"Let me see. <tool_call>\n{CALL}\n</tool_call>", True),
+               (f"<tool_call>\n{BAD_CALL}\n</tool_call>", False), ("a <tool_call> b", False)],
+    "llama3_json": [("Sunny.", True), (CALL, True), (BAD_CALL, False), ("{not a call}", False)],
+    "mistral": [("Sunny [x].", True), (f"Here:[TOOL_CALLS][{CALL}]", True), (f"[TOOL_CALLS][{BAD_CALL}]", False),
+                ("a [TOOL_CALLS] b", False)],
+}
+
+
+@pytest.mark.parametrize("name", list(AUTO_CASES))
+def test_auto_grammar_takes_text_or_valid_calls_only(name):
+    from chunk_llama.server.schemas import Tool
+    from chunk_llama.server.tool_formats import FORMATS
+
+    tokenizer = tiny_byte_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    fmt = FORMATS[name](tokenizer.convert_tokens_to_ids("[TOOL_CALLS]") if name == "mistral" else None)
+    grammar = fmt.grammar([Tool.model_validate({**t, "function": {**t["function"], "strict": True}}) for t in TOOLS],
+                          None, True, free_text=True)
+    for text, taken in AUTO_CASES[name]:
+        assert _accepts(grammar, tokenizer, text.replace("ARGS", fmt.arguments_key)) == taken, text
+
+
+def test_call_schemas_close_no_parameters_and_merge_all_of():
+    from chunk_llama.server.schemas import FunctionDefinition
+    from chunk_llama.server.tool_schemas import call_schema, closed
+
+    none = call_schema(FunctionDefinition(name="f"), "arguments")["properties"]["arguments"]
+    assert none == {"type": "object", "properties": {}, "additionalProperties": False}
+    branches = [{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+                {"properties": {"days": {"type": "integer"}, "city": {"maxLength": 6}}, "required": ["days"]}]
+    assert closed({"allOf": branches}) == {
+        "type": "object", "required": ["city", "days"], "additionalProperties": False,
+        "properties": {"city": {"allOf": [{"type": "string"}, {"maxLength": 6}]}, "days": {"type": "integer"}}}
+    ref = closed({"allOf": [{"$ref": "#/$defs/a"}, branches[0]], "$defs": {"a": branches[1]}})
+    assert "additionalProperties" not in ref["allOf"][1]  # not mergeable: branches stay open
+    assert ref["$defs"]["a"]["additionalProperties"] is False

@@ -4,7 +4,8 @@ unloading adapters while the server runs (vLLM's endpoints and bodies).
 A request's `model` is the base model (its served names: `--served-model-name`, the path
 it was loaded from) or an adapter's name (`--lora-modules name=path`, or one loaded with
 `POST /v1/load_lora_adapter`); anything else is a 400 naming what is served. `/v1/models`
-lists the base, then each adapter with its parent (the base) and its folder as `root`.
+lists the base, then each adapter with its parent (the base) and its folder as `root`;
+`/v1/models/{model}` is one of them (a 404 with code `model_not_found` for another name).
 The load and unload endpoints are under `/v1/`, so an API key guards them where one is set
 (`auth.py`). They answer 200 with a line of text, as vLLM's do; a folder that is not an
 adapter for this base, a rank over `--max-lora-rank`, a name already loaded (unless
@@ -54,6 +55,7 @@ class ServedModels:
                           param="model")
 
     def listing(self) -> dict:
+        """`GET /v1/models`: the base under its first name, then each adapter."""
         base, context = self.base_names[0], self.engine.max_model_len
         data = [{"id": base, "object": "model", "created": self.created, "owned_by": "chunk-llama", "root": base,
                  "parent": None, "max_model_len": context}]
@@ -62,13 +64,29 @@ class ServedModels:
                          "root": adapter["source"], "parent": base, "max_model_len": context})
         return {"object": "list", "data": data}
 
+    def retrieve(self, model: str) -> dict:
+        """`GET /v1/models/{model}`: the listing's object of `model` (another of the base's
+        names gives the base's: requests may name it so), else OpenAI's 404 for a model."""
+        data = self.listing()["data"]
+        name = self.base_names[0] if model in self.base_names else model
+        for item in data:
+            if item["id"] == name:
+                return item
+        served = ", ".join(repr(item["id"]) for item in data)
+        raise OpenAIError(f"the model {model!r} does not exist; this server serves {served}", param="model",
+                          status=404, code="model_not_found")
+
 
 def add_adapter_routes(app: FastAPI, engine, models: ServedModels) -> None:
-    """`/v1/models`, `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter`."""
+    """`/v1/models`, `/v1/models/{model}`, `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter`."""
 
     @app.get("/v1/models")
     async def list_models():
         return models.listing()
+
+    @app.get("/v1/models/{model:path}")  # a served name may be a path (`org/name`)
+    async def retrieve_model(model: str):
+        return models.retrieve(model)
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoraAdapterRequest):

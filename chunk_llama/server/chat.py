@@ -4,7 +4,6 @@ a `SampleReader` (stop strings, reasoning, tool calls), the same way whole or st
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import dataclass
 
@@ -14,6 +13,7 @@ from fastapi.responses import Response, StreamingResponse
 from chunk_llama.server import responses as fmt
 from chunk_llama.server.errors import OpenAIError
 from chunk_llama.server.limits import request_deadline
+from chunk_llama.server.logprobs import build_logprobs
 from chunk_llama.server.session import ClientGone, Session
 
 DONE = "data: [DONE]\n\n"
@@ -65,8 +65,7 @@ async def respond(ctx: AppContext, body, request: Request, requests, *, endpoint
     for index, out in enumerate(outputs):
         logprobs = None
         if top_logprobs is not None:
-            build = fmt.chat_logprobs if chat else fmt.completion_logprobs
-            logprobs = await _logprobs(ctx.engine, build, out, top_logprobs)
+            logprobs = await build_logprobs(ctx.engine, out, top_logprobs, chat=chat)
         reader = requests.read.reader()
         if chat:
             choices.append(fmt.chat_choice(index, reader.read_whole(out.text), out.finish_reason, logprobs))
@@ -99,19 +98,6 @@ def usage_of(session: Session, outputs) -> dict:
     return fmt.usage(sum(session.prompt_tokens), completion, cached)
 
 
-async def _logprobs(engine, build, output, top: int):
-    tokenizer, lock = engine.tokenizer, engine.inputs.tokenizer_lock
-
-    def token_text(token_id: int) -> str:
-        return tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def work():
-        with lock:
-            return build(output, top, token_text)
-
-    return await asyncio.to_thread(work)
-
-
 def chat_delta(event: tuple) -> dict:
     """A `SampleReader` event as a chat chunk's `delta`."""
     if event[0] == "call":
@@ -130,7 +116,7 @@ async def _stream_chat(session: Session, head, read, include_usage: bool):
             reader = readers[index]
             pieces = [chat_delta(e) for e in reader.feed(delta.text, delta.finished)]
             reason = delta.finish_reason if delta.finished else None
-            reason = fmt.tool_finish_reason(reason, bool(reader.calls))
+            reason = fmt.tool_finish_reason(reason, bool(reader.complete_calls()))
             if index not in started:  # the first chunk of a choice carries the role
                 pieces = [{"role": "assistant", **(pieces[0] if pieces else {"content": ""})}, *pieces[1:]]
                 started.add(index)

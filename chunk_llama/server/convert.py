@@ -30,7 +30,7 @@ from chunk_llama.engine import OpenAIPenaltiesLogitsProcessor
 from chunk_llama.server.errors import OpenAIError
 from chunk_llama.server.sample_reader import ReadSettings
 from chunk_llama.server.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
-from chunk_llama.server.tools import chat_prompt
+from chunk_llama.server.tools import call_grammar, chat_prompt
 
 
 @dataclass
@@ -168,8 +168,9 @@ def chat_request(body: ChatCompletionRequest, served) -> EngineRequests:
             request.read.reasoning, request.read.reasoning_opened = served.reasoning, opened
             if served.reasoning.special:
                 request.skip_special_tokens = False
-    if forced:
-        request.grammar = served.tool_format.grammar(body.tools, named, body.parallel_tool_calls)
+    if choice != "none":
+        request.grammar = call_grammar(served.tool_format, body.tools, choice, body.parallel_tool_calls,
+                                       request.grammar) or request.grammar
     return request
 
 

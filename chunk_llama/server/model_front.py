@@ -21,9 +21,9 @@ only picks which tree a request goes into. The routes:
   of the weights replaced). A load some worker refuses is undone on the others (except with
   `load_inplace`, which replaced theirs), and that refusal is the answer. An unload stops
   the router once no worker has the adapter.
-- `GET /v1/models`, `POST /tokenize`, `/detokenize`: to a worker (every worker serves the
-  same models; the router answers `/v1/models` with its one registered model and has no
-  `/tokenize` for HTTP workers).
+- `GET /v1/models`, `/v1/models/{model}`, `POST /tokenize`, `/detokenize`: to a worker
+  (every worker serves the same models; the router answers `/v1/models` with its one
+  registered model and has no `/tokenize` for HTTP workers).
 - `POST /workers` (`{"url"}`): a worker joining at run time, added to the router of each
   model it serves. `DELETE /workers/{id}` (the id `GET /workers` lists, or the worker's URL):
   out of every model's router and of the adapter fan-out, answered once no router lists it
@@ -271,6 +271,7 @@ def create_front(pool: RouterPool, workers: list[str], *, max_body: int) -> Star
     routes = [*(Route(path, front.by_model, methods=["POST"]) for path in MODEL_ROUTES),
               *(Route(path, front.adapter, methods=["POST"]) for path in ADAPTER_ROUTES),
               Route("/v1/models", front.to_a_worker, methods=["GET"]),
+              Route("/v1/models/{model:path}", front.to_a_worker, methods=["GET"]),
               *(Route(path, front.to_a_worker, methods=["POST"]) for path in TOKENIZE_ROUTES),
               Route("/workers", front.join, methods=["POST"]),
               Route("/workers/{worker:path}", front.leave, methods=["DELETE"]),

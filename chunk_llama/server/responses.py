@@ -1,5 +1,5 @@
-"""OpenAI response bodies: completions, stream chunks, usage, logprobs, and the cut at
-a stop string.
+"""OpenAI response bodies: completions, stream chunks, usage, and the cut at a stop
+string (logprobs: `logprobs.py`).
 
 The engine stops a sample as soon as a stop string appears in its text, but its
 text may run past it (a token can hold the stop string and more). OpenAI's text
@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import time
 import uuid
-
-import torch
 
 
 def new_id(prefix: str) -> str:
@@ -74,48 +72,6 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-
-
-def _token_logprobs(output, top: int, token_text):
-    """Per generated token: (text, logprob, [(alt text, alt logprob)] of the `top` most likely)."""
-    logprobs = torch.log_softmax(output.logits.float(), dim=-1)
-    rows = []
-    for step, token in enumerate(output.token_ids):
-        alternatives = []
-        if top:
-            values, ids = logprobs[step].topk(top)
-            alternatives = [(token_text(i), v) for i, v in zip(ids.tolist(), values.tolist())]
-        rows.append((token_text(token), float(logprobs[step, token]), alternatives))
-    return rows
-
-
-def chat_logprobs(output, top: int, token_text) -> dict:
-    """`choices[i].logprobs` of a chat completion."""
-
-    def entry(text, value):
-        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
-
-    content = []
-    for text, value, alternatives in _token_logprobs(output, top, token_text):
-        item = entry(text, value)
-        item["top_logprobs"] = [entry(t, v) for t, v in alternatives]
-        content.append(item)
-    return {"content": content}
-
-
-def completion_logprobs(output, top: int, token_text) -> dict:
-    """`choices[i].logprobs` of a (legacy) completion."""
-    rows = _token_logprobs(output, top, token_text)
-    offsets, offset = [], 0
-    for text, _, _ in rows:
-        offsets.append(offset)
-        offset += len(text)
-    return {
-        "tokens": [text for text, _, _ in rows],
-        "token_logprobs": [value for _, value, _ in rows],
-        "top_logprobs": [dict(alternatives) for _, _, alternatives in rows] if top else None,
-        "text_offset": offsets,
     }
 
 

@@ -5,6 +5,14 @@ at once, so whole and streamed answers are the same parts.
 
 Events: `("reasoning", text)`, `("content", text)`, `("call", index, delta)` (OpenAI's
 stream form of a tool call: `tool_parsers.py`).
+
+Two rules make a stream and a whole response report the same calls and text:
+- whitespace after a call is the format's separator (a forced grammar writes "\n" between
+  calls), not text: it is held back, and sent only if text other than whitespace follows;
+- with stop strings, a call's deltas are held back until the call is complete: a stop string
+  may cut it anywhere before its end, and a cut call is no call (the whole response leaves it
+  out), so a streamed call is always one that parses. Without stop strings only the end of
+  the output (max_tokens) can cut a call, and the stream reports that with `length`.
 """
 
 from __future__ import annotations
@@ -42,6 +50,10 @@ class SampleReader:
         self.parser = settings.tool_format.parser() if settings.tool_format is not None else None
         self.content = ""
         self.num_reasoning_tokens = 0
+        self.hold_calls = bool(settings.stops)
+        self.held: list[tuple] = []  # the deltas of a call not yet complete (`hold_calls`)
+        self.space = ""  # whitespace after a call, held back
+        self.called = False  # a call was sent
 
     @property
     def reasoning(self) -> str:
@@ -49,7 +61,7 @@ class SampleReader:
 
     @property
     def calls(self) -> list[dict]:
-        """Every call announced so far ({"id", "name", "arguments", "complete"})."""
+        """Every call the parser announced so far ({"id", "name", "arguments", "complete"})."""
         return self.parser.calls if self.parser is not None else []
 
     def complete_calls(self) -> list[dict]:
@@ -69,9 +81,10 @@ class SampleReader:
                 if piece:
                     events.append((kind, piece))
             else:
-                events += self.parser.feed(piece, False)
+                events += self._calls_and_text(self.parser.feed(piece, False))
         if finished and self.parser is not None:
-            events += self.parser.feed("", True)
+            events += self._calls_and_text(self.parser.feed("", True))
+            self.held = []  # never completed: cut off
         self.content += "".join(e[1] for e in events if e[0] == "content")
         return events
 
@@ -82,3 +95,30 @@ class SampleReader:
         calls = self.complete_calls()
         content = None if calls and not self.content.strip() else self.content
         return content, self.reasoning or None, calls
+
+    def _calls_and_text(self, events: list[tuple]) -> list[tuple]:
+        """The parser's events as sent (module doc: whitespace after calls, held calls)."""
+        out = []
+        for event in events:
+            out += self._release()
+            if event[0] == "call":
+                self.space = ""
+                self.held.append(event)
+                if not self.hold_calls:
+                    out += self._release(complete=True)
+            elif self.called and not event[1].strip():
+                self.space += event[1]
+            else:
+                if self.called:
+                    event, self.space = ("content", self.space + event[1]), ""
+                self.held = []  # an announced call that turned out text (tool_parsers.HermesParser)
+                out.append(event)
+        return out + self._release()
+
+    def _release(self, complete: bool = False) -> list[tuple]:
+        """The held deltas, once their call is `complete` (or now, with `complete`)."""
+        calls = self.parser.calls
+        if not self.held or not (complete or (self.held[0][1] < len(calls) and calls[self.held[0][1]]["complete"])):
+            return []
+        out, self.held, self.called = self.held, [], True
+        return out

@@ -20,12 +20,26 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
+
+from chunk_llama.server.text_checks import lone_surrogate
+
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # OpenAI's: a 64-bit signed integer
 
 
 class _Strict(BaseModel):
-    """A part of a request body: its fields validated, unknown ones kept aside (`model_extra`)."""
+    """A part of a request body: its fields validated, unknown ones kept aside (`model_extra`).
+    No string in it may hold a lone surrogate (`text_checks.py`): a 400 naming where."""
 
     model_config = ConfigDict(extra="allow")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _no_lone_surrogate(cls, value):
+        found = lone_surrogate(value)
+        if found is not None:
+            raise PydanticCustomError("string_unicode", found)
+        return value
 
 
 class TextPart(_Strict):
@@ -128,7 +142,7 @@ class _Sampling(_Strict):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = None  # in SEED_RANGE
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -158,6 +172,14 @@ class _Sampling(_Strict):
     @classmethod
     def _no_top_k(cls, value):
         return None if value == -1 else value
+
+    @field_validator("seed")
+    @classmethod
+    def _check_seed(cls, value):
+        if value is not None and not SEED_RANGE[0] <= value <= SEED_RANGE[1]:
+            raise PydanticCustomError("int_range", "must be a 64-bit signed integer, from {low} to {high}; got {value}",
+                                      {"low": SEED_RANGE[0], "high": SEED_RANGE[1], "value": value})
+        return value
 
     @field_validator("logit_bias")
     @classmethod

@@ -11,8 +11,9 @@ whose chat template does not render them, and what such a prompt tells the model
                Mistral 7B v0.3, Nemo, Small)
   auto         (the default) the one the chat template writes, else hermes.
 
-A marker that is a special token of the tokenizer (Mistral's `[TOOL_CALLS]`) is matched by
-the grammar as that token, and requests that read calls keep special tokens in their text.
+A marker that is a token of its own (an added token: Mistral's `[TOOL_CALLS]`, Qwen's
+`<tool_call>`; llguidance lets no text write those) is matched by the grammar as that token,
+and where it is a special token requests that read calls keep special tokens in their text.
 """
 
 from __future__ import annotations
@@ -27,34 +28,13 @@ from chunk_llama.engine.grammar import JSON_OPTIONS, Grammar
 from chunk_llama.errors import UsageError
 from chunk_llama.logs import log_once
 from chunk_llama.server.tool_parsers import HermesParser, JsonCallsParser
+from chunk_llama.server.tool_schemas import call_schema
 
 logger = logging.getLogger(__name__)
 
 PARSER_NAMES = ("auto", "hermes", "llama3_json", "mistral")
 _INTRO = ("You may call one or more functions to assist with the user query. The functions are described "
           "in JSON within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n")
-
-
-def _call_schema(tool, arguments_key: str) -> dict:
-    function = tool.function
-    return {"type": "object", "properties": {"name": {"const": function.name},
-                                             arguments_key: closed(function.parameters or {"type": "object"})},
-            "required": ["name", arguments_key], "additionalProperties": False}
-
-
-def closed(schema):
-    """`schema` with `additionalProperties: false` on every object that declares properties and
-    says nothing of others: a forced call writes the declared arguments only (what OpenAI's
-    strict mode requires, and what tool executors check: smolagents refuses a call with an
-    argument its tool does not declare)."""
-    if isinstance(schema, list):
-        return [closed(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: closed(v) if k not in ("const", "enum", "default", "examples") else v for k, v in schema.items()}
-    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
-        out["additionalProperties"] = False
-    return out
 
 
 class ToolFormat:
@@ -67,13 +47,14 @@ class ToolFormat:
                    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
                    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
 
-    def __init__(self, marker_token_id: int | None = None):
-        self.marker_token_id = marker_token_id  # the marker's id where it is a special token
+    def __init__(self, marker_token_id: int | None = None, marker_special: bool = False):
+        self.marker_token_id = marker_token_id  # the marker's id where it is one token of its own
+        self.marker_special = marker_special  # that token is special: decoding would drop it
 
     @property
     def keep_special_tokens(self) -> bool:
         """Whether requests that read calls must keep special tokens in their text."""
-        return self.marker_token_id is not None
+        return self.marker_special
 
     def parser(self):
         """A fresh parser of one sample's text (`tool_parsers.py`)."""
@@ -97,16 +78,38 @@ class ToolFormat:
     def _marker_rule(self) -> str:
         return f"<[{self.marker_token_id}]>" if self.marker_token_id is not None else json.dumps(self.marker)
 
-    def _lark(self, parallel: bool) -> str:
-        repeat = ' ("\\n" call)*' if parallel else ""
-        return f'start: call{repeat}\ncall: {self._marker_rule()} "\\n" body "\\n</tool_call>"\n'
+    def _after(self, parallel: bool) -> str:
+        """The rule `after`: the calls after the first one's marker."""
+        more = f' ("\\n" {self._marker_rule()} one)*' if parallel else ""
+        return f'after: one{more}\none: "\\n" body "\\n</tool_call>"\n'
 
-    def grammar(self, tools: list, only: str | None, parallel: bool) -> Grammar:
+    def _start(self, free_text: bool) -> str:
+        """The rule `start`: the calls alone, or (`free_text`) text without the marker, or that text
+        and the marker then calls. A text marker ends the first `LEAD` (a lexeme ending at the
+        marker's first occurrence); a marker token of its own cannot be written by text: it ends the text."""
+        if not free_text:
+            return f"start: {self._marker_rule()} after\n"
+        marker = _regex(self.marker)
+        plain = f"PLAIN: /(.|\\n)+/ & ~/(.|\\n)*{marker}(.|\\n)*/\n"
+        if self.marker_token_id is not None:
+            return f"start: PLAIN? | PLAIN? {self._marker_rule()} after\n" + plain
+        return (f"start: PLAIN? | LEAD after\n{plain}"
+                f"LEAD: /(.|\\n)*{marker}/ & ~/(.|\\n)*{marker}(.|\\n)+/\n")
+
+    def grammar(self, tools: list, only: str | None, parallel: bool, free_text: bool = False) -> Grammar:
         """One call (of `only`, if given; else of any tool), or several with `parallel`, in this
-        format, each naming the function and giving arguments valid under its parameters' schema."""
-        bodies = [_call_schema(t, self.arguments_key) for t in tools if only is None or t.function.name == only]
+        format, each naming the function and giving arguments valid under its parameters' schema
+        (`tool_schemas.py`); `free_text`: or text, the calls (if any) after it (`tool_choice`
+        auto with a strict tool)."""
+        bodies = [call_schema(t.function, self.arguments_key) for t in tools if only is None or t.function.name == only]
         schema = {**(bodies[0] if len(bodies) == 1 else {"anyOf": bodies}), "x-guidance": JSON_OPTIONS}
-        return Grammar.lark(self._lark(parallel and only is None) + f"body: %json {json.dumps(schema)}\n")
+        rules = self._start(free_text) + self._after(parallel and only is None)
+        return Grammar.lark(rules + f"body: %json {json.dumps(schema)}\n")
+
+
+def _regex(text: str) -> str:
+    """`text` as a literal in a Lark regex (Rust's syntax: `<` and `>` are not escaped there)."""
+    return "".join("\\" + c if c in "\\.+*?()|[]{}^$#&-~" else c for c in text)
 
 
 class Llama3JsonFormat(ToolFormat):
@@ -127,9 +130,15 @@ class Llama3JsonFormat(ToolFormat):
     def calls_text(self, calls: list[tuple[str, str]]) -> str:
         return "; ".join(self._call(n, a) for n, a in calls)
 
-    def _lark(self, parallel: bool) -> str:
-        repeat = ' ("; " body)*' if parallel else ""
-        return f"start: body{repeat}\n"
+    def _after(self, parallel: bool) -> str:
+        more = ' ("; " body)*' if parallel else ""
+        return f"after: body{more}\n"
+
+    def _start(self, free_text: bool) -> str:
+        """Calls only at the output's start (the parser's rule): text must not begin as they do."""
+        if not free_text:
+            return "start: after\n"
+        return f"start: PLAIN? | after\nPLAIN: /(.|\\n)+/ & ~/\\s*(\\{{|{_regex(self.marker)})(.|\\n)*/\n"
 
 
 class MistralFormat(ToolFormat):
@@ -148,9 +157,9 @@ class MistralFormat(ToolFormat):
     def calls_text(self, calls: list[tuple[str, str]]) -> str:
         return self.marker + "[" + ",".join(self._call(n, a) for n, a in calls) + "]"
 
-    def _lark(self, parallel: bool) -> str:
-        repeat = ' ("," body)*' if parallel else ""
-        return f'start: {self._marker_rule()} "[" body{repeat} "]"\n'
+    def _after(self, parallel: bool) -> str:
+        more = ' ("," body)*' if parallel else ""
+        return f'after: "[" body{more} "]"\n'
 
 
 FORMATS = {f.name: f for f in (ToolFormat, Llama3JsonFormat, MistralFormat)}
@@ -184,8 +193,9 @@ def tool_format(name: str | None, tokenizer) -> ToolFormat:
                                  "Hermes <tool_call> blocks, described in the system prompt", level=logging.INFO)
     cls = FORMATS[name]
     special = set(getattr(tokenizer, "all_special_tokens", []) or [])
-    marker_id = tokenizer.convert_tokens_to_ids(cls.marker) if cls.marker in special else None
-    return cls(marker_id)
+    added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+    marker_id = tokenizer.convert_tokens_to_ids(cls.marker) if cls.marker in special or cls.marker in added else None
+    return cls(marker_id, cls.marker in special)
 
 
 _PROBE_TOOL, _PROBE_CALL = "zz_probe_tool", "zz_probe_call"

@@ -13,14 +13,39 @@ results as user turns in `<tool_response>` tags.
 `tool_choice`: `none` (tools in the prompt, text not parsed), `auto` (the default with
 tools: the model may call; calls that parse become `tool_calls`), `required` (the output is
 one or more calls under a grammar of the tools' schemas; one with `parallel_tool_calls:
-false`), or a named function (one call of it under its schema).
+false`), or a named function (one call of it under its schema). Under `auto` a function
+with `strict: true` is OpenAI's guarantee: the output is text or calls, and a call, once its
+marker is written, is a valid call of a declared tool (`call_grammar`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 
+from chunk_llama.logs import log_once
 from chunk_llama.server.errors import OpenAIError
+
+logger = logging.getLogger(__name__)
+
+
+def call_grammar(tool_format, tools: list, choice, parallel: bool, answer_grammar):
+    """The grammar of a reply under `choice` (`"required"`, `"auto"` or a named function:
+    `NamedToolChoice`): forced calls only; under `auto` with a strict tool, free text or calls
+    in the format, each valid under its tool's closed schema; else None (unconstrained).
+    `answer_grammar`: the request's `response_format` grammar, which a reply that may be
+    text keeps (the strict tools are then not enforced: logged once)."""
+    if not isinstance(choice, str):
+        return tool_format.grammar(tools, choice.function.name, parallel)
+    if choice == "required":
+        return tool_format.grammar(tools, None, parallel)
+    if choice != "auto" or not any(t.function.strict for t in tools):
+        return None
+    if answer_grammar is not None:
+        log_once(logger, "strict tools under tool_choice auto with a response_format: the answer follows the "
+                         "response_format, the tools' calls are not constrained (logged once)")
+        return None
+    return tool_format.grammar(tools, None, parallel, free_text=True)
 
 
 def chat_prompt(messages: list, tools: list | None, tool_format, native: bool, template_options: dict):

@@ -7,7 +7,8 @@ Inputs: `instructions` (the first system message; not carried over from a previo
 response), `input` as a string (one user message) or items: messages (text parts),
 `function_call` items (an assistant turn's calls) and `function_call_output` items (tool
 turns), `reasoning` items (an assistant turn's `reasoning_content`). Options: function
-`tools` and `tool_choice`, `text.format` (`json_schema`, `json_object`), `max_output_tokens`,
+`tools` (`strict: true` as in chat: `tools.call_grammar`) and `tool_choice`, `text.format`
+(`json_schema`, `json_object`), `max_output_tokens`,
 `temperature`, `top_p`, `parallel_tool_calls`, `reasoning.effort` (to the chat template, as
 `reasoning_effort`), and vLLM's sampling fields (`SAMPLING_EXTRAS`). What no text model here
 can do is a 400 naming it: other tool types, image and file inputs, `background`,
@@ -149,7 +150,8 @@ def chat_body(body: dict, previous_messages: list[dict]) -> dict:
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     if body.get("tools"):
-        chat["tools"] = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
+        keys = ("name", "description", "parameters", "strict")
+        chat["tools"] = [{"type": "function", "function": {k: t[k] for k in keys
                                                            if t.get(k) is not None}} for t in body["tools"]]
     choice = body.get("tool_choice")
     if isinstance(choice, dict):
