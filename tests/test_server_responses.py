@@ -14,8 +14,8 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, Field, TypeAdapter
-from test_server_tools import (  # noqa: F401 - fixtures
-    MODEL, SCHEMAS, STRICT_TOOLS, SYSTEM, TOOLS, ask, client, marked, served)
+from test_server_tool_grammars import STRICT_TOOLS, marked  # noqa: F401 - fixtures
+from test_server_tools import MODEL, SCHEMAS, SYSTEM, TOOLS, ask, client, served  # noqa: F401 - fixtures
 
 INSTRUCTIONS = SYSTEM["content"]
 FLAT_TOOLS = [{"type": "function", **t["function"], "strict": None} for t in TOOLS]  # the Responses API's form
