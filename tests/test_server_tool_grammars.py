@@ -8,15 +8,10 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import openai
 import pytest
 import test_server_tools
-from helpers import tiny_byte_llama, tiny_byte_tokenizer
-from test_server import Server
-from test_server_tools import MODEL, TEMPLATE, TOOLS, ask, check_calls
-
-from chunk_llama import ChunkLlamaEngine
-from chunk_llama.server import create_app
+from helpers import tiny_byte_tokenizer
+from test_server_tools import MODEL, TEMPLATE, TOOLS, ask, byte_server, check_calls
 
 served, client = test_server_tools.served, test_server_tools.client  # (its server and client fixtures)
 
@@ -94,14 +89,8 @@ def marked():
     tokenizer = tiny_byte_tokenizer()
     tokenizer.add_tokens(["<tool_call>"])
     tokenizer.chat_template = TEMPLATE
-    engine = ChunkLlamaEngine(tiny_byte_llama(tokenizer, max_position_embeddings=2048), tokenizer, max_batch_size=4,
-                              chunk_size=16, kv_cache_bytes=8 << 20)
-    server = Server(create_app(engine, MODEL))
-    try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    with byte_server(tokenizer) as (_, _, client):
         yield client, {str(tokenizer.convert_tokens_to_ids("<tool_call>")): 100}
-    finally:
-        server.stop()
 
 
 STRICT_TOOLS = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]

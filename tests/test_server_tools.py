@@ -6,6 +6,7 @@ written here from the OpenAI / transformers formula."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 
@@ -35,18 +36,26 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 SYSTEM = {"role": "system", "content": "You are a travel agent. Use the tools. " * 6}
 
 
+@contextlib.contextmanager
+def byte_server(tokenizer, max_batch_size: int = 4, kv_cache_bytes: int = 8 << 20):
+    """A real server of the tiny byte-level model on `tokenizer`: (engine, url, an openai client)."""
+    engine = ChunkLlamaEngine(tiny_byte_llama(tokenizer, max_position_embeddings=2048), tokenizer,
+                              max_batch_size=max_batch_size, chunk_size=16, kv_cache_bytes=kv_cache_bytes)
+    server = Server(create_app(engine, MODEL))
+    try:
+        yield engine, server.url, openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                                                timeout=120)
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="module")
 def served():
     tokenizer = tiny_byte_tokenizer()
     tokenizer.chat_template = TEMPLATE
-    model = tiny_byte_llama(tokenizer, max_position_embeddings=2048)
-    engine = ChunkLlamaEngine(model, tokenizer, max_batch_size=8, chunk_size=16, kv_cache_bytes=16 << 20)
-    server = Server(create_app(engine, MODEL))
-    try:
-        yield engine, server.url
-    finally:
-        server.stop()
-        assert not engine.has_unfinished_requests()
+    with byte_server(tokenizer, max_batch_size=8, kv_cache_bytes=16 << 20) as (engine, url, _):
+        yield engine, url
+    assert not engine.has_unfinished_requests()
 
 
 @pytest.fixture
@@ -249,11 +258,7 @@ NATIVE_TEMPLATE = (  # a Hermes-style template: it renders the tools and the cal
 def test_a_template_that_knows_tools_renders_them():
     tokenizer = tiny_byte_tokenizer()
     tokenizer.chat_template = NATIVE_TEMPLATE
-    engine = ChunkLlamaEngine(tiny_byte_llama(tokenizer, max_position_embeddings=2048), tokenizer, max_batch_size=4,
-                              chunk_size=16, kv_cache_bytes=8 << 20)
-    server = Server(create_app(engine, MODEL))
-    try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    with byte_server(tokenizer) as (engine, _, client):
         response = client.chat.completions.create(model=MODEL, messages=ask("flights?"), tools=TOOLS,
                                                   tool_choice="required", parallel_tool_calls=False,
                                                   max_tokens=120, temperature=0)
@@ -261,8 +266,6 @@ def test_a_template_that_knows_tools_renders_them():
         prompt = tokenizer.decode(engine.tokenize({"messages": ask("flights?"), "tools": TOOLS}))
         assert prompt.startswith("<tools>get_weather find_flights </tools>") and "<function-name>" not in prompt
         assert response.usage.prompt_tokens == len(tokenizer(prompt)["input_ids"])
-    finally:
-        server.stop()
 
 
 @pytest.mark.slow
