@@ -158,3 +158,22 @@ def test_a_forced_call_writes_declared_arguments_only():
     assert out["additionalProperties"] is False and out["properties"]["when"]["additionalProperties"] is False
     assert "additionalProperties" not in out["properties"]["tags"]  # no properties declared: any object
     assert closed({**schema, "additionalProperties": True})["additionalProperties"] is True  # said: kept
+
+
+CALL = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("text, stops", [
+    ("Hi " + CALL + " bye " + CALL + "\n", []),  # whitespace before a later call, after text: content
+    ('<tool_call>\n{"name": "f", "arguments": {"a": 1}} oops\n</tool_call>\n' + CALL, ["STOP"]),  # a dropped block
+    (CALL + "\n" + CALL + "\n \n", ["}}"]),
+])
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_a_stream_reads_what_the_whole_reads_around_calls(text, stops, step):
+    """Whitespace is held only right after a call; with stop strings a held call is known by its
+    id, so a block the parser drops (not a call) never lends its deltas to the next call."""
+    settings = ReadSettings(stops=stops, tool_format=FORMATS["hermes"]())
+    content, _, calls = settings.reader().read_whole(text)
+    want = (content or "", [(c["name"], c["arguments"]) for c in calls])
+    streamed, _, streamed_calls = read(settings, text, step)
+    assert (streamed, streamed_calls) == want

@@ -159,8 +159,12 @@ def test_call_schemas_close_no_parameters_and_merge_all_of():
     from chunk_llama.server.schemas import FunctionDefinition
     from chunk_llama.server.tool_schemas import call_schema, closed
 
-    none = call_schema(FunctionDefinition(name="f"), "arguments")["properties"]["arguments"]
-    assert none == {"type": "object", "properties": {}, "additionalProperties": False}
+    for parameters in (None, {}):  # (omitted, null or empty: an empty argument list, never any JSON value)
+        none = call_schema(FunctionDefinition(name="f", parameters=parameters), "arguments")["properties"]["arguments"]
+        assert none == {"type": "object", "properties": {}, "additionalProperties": False}, parameters
+    untyped = call_schema(FunctionDefinition(name="f", parameters={"properties": {"a": {"type": "integer"}}}),
+                          "arguments")["properties"]["arguments"]
+    assert untyped["type"] == "object" and untyped["additionalProperties"] is False
     branches = [{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
                 {"properties": {"days": {"type": "integer"}, "city": {"maxLength": 6}}, "required": ["days"]}]
     assert closed({"allOf": branches}) == {
@@ -169,3 +173,23 @@ def test_call_schemas_close_no_parameters_and_merge_all_of():
     ref = closed({"allOf": [{"$ref": "#/$defs/a"}, branches[0]], "$defs": {"a": branches[1]}})
     assert "additionalProperties" not in ref["allOf"][1]  # not mergeable: branches stay open
     assert ref["$defs"]["a"]["additionalProperties"] is False
+
+
+def test_strict_tools_under_auto_are_not_constrained_where_a_grammar_cannot_hold_the_reply(caplog):
+    """A response_format's grammar, or a reasoning model's thinking (its tags are added tokens no
+    grammar text may write), keeps the reply unconstrained under auto (logged once); forced calls
+    keep their grammar."""
+    from chunk_llama.logs import forget_logged
+    from chunk_llama.server.schemas import ChatCompletionRequest
+    from chunk_llama.server.tool_formats import FORMATS
+    from chunk_llama.server.tools import call_grammar
+
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=[
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "strict": True}}])
+    hermes = FORMATS["hermes"]()
+    forget_logged()
+    with caplog.at_level("WARNING", logger="chunk_llama.server.tools"):
+        assert call_grammar(hermes, body.tools, "auto", True, None) is not None
+        assert call_grammar(hermes, body.tools, "auto", True, None, reasoning=True) is None
+        assert call_grammar(hermes, body.tools, "required", True, None, reasoning=True) is not None
+    assert any("reasoning model" in r.getMessage() for r in caplog.records)

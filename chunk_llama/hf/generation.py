@@ -88,7 +88,9 @@ def unsupported_on_chunk_cache(model, config: GenerationConfig | None, generate_
         return f"cache_implementation={merged.cache_implementation!r} (a cache generate makes itself)"
     switch = rope_switch_length(model.config)
     if switch is not None and input_length is not None:
-        total = merged.max_length if merged.max_new_tokens is None else input_length + merged.max_new_tokens
+        # (max_length counts the prompt; its default, 20, may be under it: generate still makes a token)
+        total = max(merged.max_length, input_length + 1) if merged.max_new_tokens is None else \
+            input_length + merged.max_new_tokens
         if total > switch:
             return f"LongRoPE past {switch} tokens (generate recomputes the cache with the long factors there)"
     return None

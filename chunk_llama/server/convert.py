@@ -170,7 +170,7 @@ def chat_request(body: ChatCompletionRequest, served) -> EngineRequests:
                 request.skip_special_tokens = False
     if choice != "none":
         request.grammar = call_grammar(served.tool_format, body.tools, choice, body.parallel_tool_calls,
-                                       request.grammar) or request.grammar
+                                       request.grammar, request.read.reasoning is not None) or request.grammar
     return request
 
 

@@ -52,8 +52,9 @@ class SampleReader:
         self.num_reasoning_tokens = 0
         self.hold_calls = bool(settings.stops)
         self.held: list[tuple] = []  # the deltas of a call not yet complete (`hold_calls`)
-        self.space = ""  # whitespace after a call, held back
-        self.called = False  # a call was sent
+        self.space = ""  # whitespace right after a call, held back
+        self.after_call = False  # a call was sent and no text since
+        self.held_id = None  # the id of the call whose deltas are held (or last were)
 
     @property
     def reasoning(self) -> str:
@@ -103,22 +104,30 @@ class SampleReader:
             out += self._release()
             if event[0] == "call":
                 self.space = ""
+                if "id" in event[2]:  # (a call's first delta)
+                    self.held_id = event[2]["id"]
                 self.held.append(event)
                 if not self.hold_calls:
                     out += self._release(complete=True)
-            elif self.called and not event[1].strip():
+            elif self.after_call and not event[1].strip():
                 self.space += event[1]
             else:
-                if self.called:
+                if self.space:
                     event, self.space = ("content", self.space + event[1]), ""
+                self.after_call = False
                 self.held = []  # an announced call that turned out text (tool_parsers.HermesParser)
                 out.append(event)
         return out + self._release()
 
     def _release(self, complete: bool = False) -> list[tuple]:
-        """The held deltas, once their call is `complete` (or now, with `complete`)."""
-        calls = self.parser.calls
-        if not self.held or not (complete or (self.held[0][1] < len(calls) and calls[self.held[0][1]]["complete"])):
+        """The held deltas, once their call is `complete` (or now, with `complete`). The call is
+        known by its id: a block the parser dropped (not a call after all) leaves its index to the
+        next call, whose completion must not release the dropped one's deltas."""
+        if not self.held:
             return []
-        out, self.held, self.called = self.held, [], True
+        if not complete:
+            index, calls = self.held[0][1], self.parser.calls
+            if not (index < len(calls) and calls[index]["id"] == self.held_id and calls[index]["complete"]):
+                return []
+        out, self.held, self.after_call = self.held, [], True
         return out

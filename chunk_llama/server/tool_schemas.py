@@ -7,7 +7,7 @@ with an argument its tool does not declare). So every object schema that declare
 `properties` and says nothing of other properties gets `additionalProperties: false`.
 
 Two cases need more than that:
-- a function with no `parameters` (or `null`) takes no arguments (OpenAI: "omitting
+- a function with no `parameters` (or `null`, or `{}`) takes no arguments (OpenAI: "omitting
   parameters defines a function with an empty parameter list"): its arguments are `{}`;
 - `allOf` is an intersection: closing each branch on its own would refuse every property the
   other branches declare (an unsatisfiable schema). Branches that are plain object schemas
@@ -29,7 +29,8 @@ _PLAIN_OBJECT = {"type", "properties", "required", "title", "description", "$sch
 
 def call_schema(function, arguments_key: str) -> dict:
     """The schema of one call object of `function` (`{"name": ..., <arguments_key>: {...}}`)."""
-    arguments = NO_ARGUMENTS if function.parameters is None else closed(function.parameters)
+    # (no parameters, null or {}: no arguments; a schema without a type is still an object's)
+    arguments = NO_ARGUMENTS if not function.parameters else closed({"type": "object", **function.parameters})
     return {"type": "object", "properties": {"name": {"const": function.name}, arguments_key: arguments},
             "required": ["name", arguments_key], "additionalProperties": False}
 

@@ -29,12 +29,14 @@ from chunk_llama.server.errors import OpenAIError
 logger = logging.getLogger(__name__)
 
 
-def call_grammar(tool_format, tools: list, choice, parallel: bool, answer_grammar):
+def call_grammar(tool_format, tools: list, choice, parallel: bool, answer_grammar, reasoning: bool = False):
     """The grammar of a reply under `choice` (`"required"`, `"auto"` or a named function:
     `NamedToolChoice`): forced calls only; under `auto` with a strict tool, free text or calls
     in the format, each valid under its tool's closed schema; else None (unconstrained).
     `answer_grammar`: the request's `response_format` grammar, which a reply that may be
-    text keeps (the strict tools are then not enforced: logged once)."""
+    text keeps; `reasoning`: the reply opens with a reasoning model's thinking, whose tags
+    (added tokens) no text of the grammar may write. In both cases the strict tools are not
+    enforced under `auto` (logged once)."""
     if not isinstance(choice, str):
         return tool_format.grammar(tools, choice.function.name, parallel)
     if choice == "required":
@@ -44,6 +46,10 @@ def call_grammar(tool_format, tools: list, choice, parallel: bool, answer_gramma
     if answer_grammar is not None:
         log_once(logger, "strict tools under tool_choice auto with a response_format: the answer follows the "
                          "response_format, the tools' calls are not constrained (logged once)")
+        return None
+    if reasoning:
+        log_once(logger, "strict tools under tool_choice auto on a reasoning model: its thinking tags are tokens "
+                         "a grammar's text cannot write, so the tools' calls are not constrained (logged once)")
         return None
     return tool_format.grammar(tools, None, parallel, free_text=True)
 
