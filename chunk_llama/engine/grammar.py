@@ -117,6 +117,7 @@ class GrammarCompiler:
         self.max_cached = max_cached
         self._lock = threading.Lock()
         self._llg_tokenizer = None
+        self._llg_refused: str | None = None  # why llguidance cannot read the tokenizer (once found)
         self._worker: ThreadPoolExecutor | None = None
         self._compiled: OrderedDict[Grammar, object] = OrderedDict()
 
@@ -127,13 +128,16 @@ class GrammarCompiler:
             if self._llg_tokenizer is None:
                 if self.tokenizer is None:
                     raise ValueError("a grammar needs a tokenizer; pass one to ChunkLlamaEngine")
+                if self._llg_refused is not None:  # (reading it again would fail again, as slowly)
+                    raise ValueError(self._llg_refused)
                 import llguidance.hf
 
                 try:
                     self._llg_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, self.vocab_size,
                                                                       eos_token=self.eos_token_ids or None)
                 except ValueError as error:
-                    raise ValueError(f"grammars need a tokenizer llguidance can read: {error}") from error
+                    self._llg_refused = f"grammars need a tokenizer llguidance can read: {error}"
+                    raise ValueError(self._llg_refused) from error
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="chunk-llama-grammar")
             return self._llg_tokenizer
 

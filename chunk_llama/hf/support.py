@@ -112,7 +112,6 @@ def sliding_window(config) -> int | None:
     return window
 
 
-
 def rope_switch_length(config) -> int | None:
     """The total length past which the model's rotary embedding turns keys by other
     frequencies, or None. LongRoPE (Phi-3-mini-128k, Phi-3.5) uses its short factors while a
